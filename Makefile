@@ -1,0 +1,26 @@
+# Every target sets itself up: a fresh clone needs only `make train` or `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: train test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/jaxpar train --config configs/tiny.yaml --devices 8 --out runs/tiny
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check jaxpar tests benchmarks examples
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/memory.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
