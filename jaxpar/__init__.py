@@ -1,0 +1,37 @@
+"""jaxpar: SPMD sharding for JAX and Flax.
+
+Annotate a model with logical axis names, pick a mesh, and train it sharded::
+
+    import jaxpar
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2})
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    model = jaxpar.init_sharded(lambda: jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(0)), plan)
+    trainer = jaxpar.Trainer(model, optax.adamw(3e-3), plan)
+    metrics = trainer.step(batch)
+"""
+
+from jaxpar import models
+from jaxpar.config import Config, load_config
+from jaxpar.errors import JaxparError
+from jaxpar.mesh import MESH_AXES, make_mesh
+from jaxpar.partitioning import init_sharded, state_shardings
+from jaxpar.plan import Plan, constrain, current_plan
+from jaxpar.rules import Rules
+from jaxpar.train import Trainer
+
+__all__ = [
+    "MESH_AXES",
+    "Config",
+    "JaxparError",
+    "Plan",
+    "Rules",
+    "Trainer",
+    "constrain",
+    "current_plan",
+    "init_sharded",
+    "load_config",
+    "make_mesh",
+    "models",
+    "state_shardings",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,199 @@
+"""Run configuration: typed dataclasses loaded from YAML plus ``dotted.key=value`` overrides.
+
+Sections: ``model`` (the :class:`~jaxpar.models.TransformerConfig` fields), ``mesh``
+(axis sizes), ``plan`` (rules preset), ``train`` (steps, batch, optimizer) and ``data``
+(the corpus). An unknown key anywhere is an error that names it and suggests the closest
+valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxpar.errors import JaxparError
+from jaxpar.models.transformer import TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes within a slice (one may be -1) and, for multi-slice runs, across slices."""
+
+    data: int = -1
+    stage: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    dcn_data: int = 1
+    dcn_stage: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+
+    def ici(self) -> dict[str, int]:
+        """Axis sizes inside one slice."""
+        return {"data": self.data, "stage": self.stage, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    def dcn(self) -> dict[str, int] | None:
+        """Slices per axis, or None for a single slice."""
+        d = {"data": self.dcn_data, "stage": self.dcn_stage, "fsdp": self.dcn_fsdp,
+             "tensor": self.dcn_tensor}
+        return d if any(v != 1 for v in d.values()) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """How logical names map to mesh axes: a preset name (dp, fsdp, tp, fsdp_tp)."""
+
+    rules: str = "fsdp_tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and schedule."""
+
+    steps: int = 200
+    global_batch: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    optimizer: str = "adamw"
+    seed: int = 0
+    log_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from: ``stdlib`` (built in) or a text file, folder, .npy or .bin."""
+
+    source: str = "stdlib"
+    max_bytes: int = 8_000_000
+    holdout_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (what ``config.yaml`` holds)."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _valid_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += _valid_keys(t, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key(key: str) -> JaxparError:
+    close = difflib.get_close_matches(key, _valid_keys(Config), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return JaxparError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() in ("true", "yes", "1", "on"):
+                    return True
+                if value.lower() in ("false", "no", "0", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise JaxparError(f"config key {key!r} expects {kind.__name__}, got {value!r}") from None
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, Mapping):
+        raise JaxparError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key(f"{prefix}{key}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(kind, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, kind, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as YAML."""
+    if "=" not in text:
+        raise JaxparError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Set each ``dotted.key=value`` in the nested dict ``data`` (in place) and return it."""
+    valid = set(_valid_keys(Config))
+    for text in overrides:
+        key, value = parse_override(text)
+        if key not in valid:
+            raise _unknown_key(key)
+        *sections, leaf = key.split(".")
+        node = data
+        for s in sections:
+            if not isinstance(node.get(s), dict):
+                node[s] = {}
+            node = node[s]
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+      JaxparError: for an unknown key (with the closest valid key), a value of the wrong
+        type, or a missing file.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise JaxparError(f"config file {str(p)!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise JaxparError(f"config file {str(p)!r} must hold a mapping of sections")
+    data = apply_overrides(data, overrides)
+    return _build(Config, data)

@@ -1,0 +1,126 @@
+"""Device meshes with jaxpar's four named axes.
+
+A jaxpar mesh always has the axes ``data``, ``stage``, ``fsdp`` and ``tensor`` in that
+order: outermost is the most tolerant of slow links (plain data parallelism only
+all-reduces gradients once a step, pipeline stages send one activation per microbatch),
+innermost the least (tensor parallelism all-reduces inside every layer). Axes the user
+does not name have size 1, so rules can always refer to all four.
+
+Meshes use ``AxisType.Auto`` so that GSPMD propagates shardings from the constraints
+jaxpar places, rather than requiring explicit sharding of every op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.errors import JaxparError
+
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+"""Mesh axis names, outermost (most communication-tolerant) first."""
+
+
+def _resolve_sizes(axes: Mapping[str, int], n_devices: int, what: str) -> list[int]:
+    unknown = [name for name in axes if name not in MESH_AXES]
+    if unknown:
+        raise JaxparError(
+            f"unknown mesh axis {unknown[0]!r} in {what}; jaxpar meshes have axes {MESH_AXES}"
+        )
+    sizes = [int(axes.get(name, 1)) for name in MESH_AXES]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if any(s == 0 or s < -1 for s in sizes):
+        raise JaxparError(f"mesh axis sizes must be positive (or one -1), got {dict(axes)}")
+    if len(free) > 1:
+        names = [MESH_AXES[i] for i in free]
+        raise JaxparError(f"at most one mesh axis may be -1 in {what}, got {names}")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise JaxparError(
+                f"cannot fill mesh axis {MESH_AXES[free[0]]!r} in {what}: {n_devices} devices "
+                f"are not divisible by the other axes' product {_arith(sizes)} = {fixed}"
+            )
+        sizes[free[0]] = n_devices // fixed
+    return sizes
+
+
+def _arith(sizes: Sequence[int]) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1)
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    *,
+    dcn: Mapping[str, int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Build a mesh over ``devices`` (default: all devices) with jaxpar's named axes.
+
+    Args:
+      axes: size of each mesh axis within a slice (ICI), e.g. ``{"data": 2, "tensor": 4}``.
+        Unnamed axes have size 1; at most one axis may be ``-1``, filled from the device
+        count.
+      dcn: for multi-slice machines, how many slices each axis spans (data-centre
+        network). The final size of an axis is ``axes[a] * dcn[a]``. Built with
+        ``mesh_utils.create_hybrid_device_mesh`` when the devices know their slice;
+        otherwise (simulated CPU devices) consecutive devices form one slice.
+      devices: the devices to use, in order.
+
+    Raises:
+      JaxparError: when an axis name is unknown, or the product of the axis sizes does
+        not equal the number of devices (the message shows the arithmetic).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    dcn_sizes = _resolve_sizes(dcn or {}, 1, "dcn") if dcn else [1] * len(MESH_AXES)
+    n_slices = math.prod(dcn_sizes)
+    if n % n_slices:
+        raise JaxparError(f"{n} devices cannot form {n_slices} slices ({_arith(dcn_sizes)})")
+    ici_sizes = _resolve_sizes(axes, n // n_slices, "axes")
+    total = math.prod(ici_sizes) * n_slices
+    if total != n:
+        shape = _arith([i * d for i, d in zip(ici_sizes, dcn_sizes, strict=True)])
+        raise JaxparError(f"mesh {shape} needs {total} devices, but {n} are available")
+    if n_slices == 1:
+        grid = mesh_utils.create_device_mesh(ici_sizes, devices, allow_split_physical_axes=True)
+    elif all(hasattr(d, "slice_index") for d in devices):
+        grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices)
+    else:
+        grid = _hybrid_grid_by_order(devices, ici_sizes, dcn_sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _hybrid_grid_by_order(
+    devices: Sequence[jax.Device], ici: Sequence[int], dcn: Sequence[int]
+) -> np.ndarray:
+    """Hybrid mesh for devices with no slice index: each run of consecutive devices is a slice.
+
+    Axis ``a`` of the result has size ``dcn[a] * ici[a]`` with the slice index as the
+    major part, so collectives along an axis that spans slices cross the DCN only at
+    the slice boundary, as on real multi-slice hardware.
+    """
+    per_slice = math.prod(ici)
+    slices = [np.asarray(devices[i : i + per_slice], dtype=object).reshape(ici)
+              for i in range(0, len(devices), per_slice)]
+    out = np.empty(tuple(d * i for d, i in zip(dcn, ici, strict=True)), dtype=object)
+    for idx, block in zip(np.ndindex(*dcn), slices, strict=True):
+        where = tuple(slice(k * i, (k + 1) * i) for k, i in zip(idx, ici, strict=True))
+        out[where] = block
+    return out
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes as an ordered dict."""
+    return dict(mesh.shape)
+
+
+def describe(mesh: Mesh) -> str:
+    """One line such as ``data=2 x fsdp=2 x tensor=2 (8 devices)``; size-1 axes omitted."""
+    parts = [f"{name}={size}" for name, size in mesh.shape.items() if size > 1]
+    return f"{' x '.join(parts) or 'single device'} ({mesh.size} devices)"

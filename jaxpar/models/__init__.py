@@ -1,0 +1,5 @@
+"""Reference models, annotated with logical axis names."""
+
+from jaxpar.models.transformer import Block, Transformer, TransformerConfig
+
+__all__ = ["Block", "Transformer", "TransformerConfig"]

@@ -1,0 +1,120 @@
+"""The Plan: one object that says how a training run is laid out on devices.
+
+A :class:`Plan` holds the mesh, the parameter rules (how weights are stored) and the
+activation rules (how computation is split). FSDP is the clearest example of why these
+are two mappings: weights are stored split on ``embed`` over ``fsdp``, while the compute
+batch is split over ``(data, fsdp)``, so each layer all-gathers its weights just in time.
+
+``plan.activate()`` is the one context under which models are built and run: inside it,
+:func:`constrain` applies the activation rules, and Flax variables are not sharded
+eagerly (jaxpar places them itself, through the parameter rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import rules as rules_lib
+from jaxpar.mesh import describe
+from jaxpar.rules import LogicalNames, Rules
+
+_ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Mesh plus rules, and the training knobs that depend on them.
+
+    Attributes:
+      mesh: the device mesh (see :func:`jaxpar.make_mesh`).
+      param_rules: logical name -> mesh axes for weights (and optimizer state).
+      act_rules: logical name -> mesh axes for activations and the input batch.
+    """
+
+    mesh: Mesh
+    param_rules: Rules
+    act_rules: Rules
+
+    @classmethod
+    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp") -> Plan:
+        """A plan with one of the named rule presets (see :func:`jaxpar.rules.preset`)."""
+        params, acts = rules_lib.preset(name)
+        return cls(mesh=mesh, param_rules=params, act_rules=acts)
+
+    def replace(self, **changes) -> Plan:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # --- shardings ------------------------------------------------------------------------
+    def param_spec(self, names: LogicalNames, shape=None, path: str = "") -> PartitionSpec:
+        """PartitionSpec of a weight with these logical names."""
+        return self.param_rules.spec(names, self.mesh, shape=shape, path=path)
+
+    def act_spec(self, names: LogicalNames, shape=None, path: str = "") -> PartitionSpec:
+        """PartitionSpec of an activation with these logical names."""
+        return self.act_rules.spec(names, self.mesh, shape=shape, path=path)
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """A NamedSharding on this plan's mesh."""
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """The sharding of a fully replicated array (scalars, step counters)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        """Sharding of an input batch of token ids, shaped ``(batch, seq, ...)``."""
+        names = ("batch", "seq") + (None,) * (ndim - 2)
+        return self.sharding(self.act_spec(names[:ndim]))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the batch is split (the product of the batch's mesh axes)."""
+        spec = self.act_spec(("batch",))[0]
+        axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+        size = 1
+        for a in axes:
+            size *= self.mesh.shape[a]
+        return size
+
+    # --- context --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Plan]:
+        """Make this the current plan: :func:`constrain` uses it, and variables are created
+        unsharded so jaxpar can place them by the parameter rules."""
+        token = _ACTIVE.set(self)
+        try:
+            with nnx.use_eager_sharding(False):
+                yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def describe(self) -> str:
+        """A one-line summary for logs."""
+        return f"mesh {describe(self.mesh)}"
+
+
+def current_plan() -> Plan | None:
+    """The plan activated by the innermost ``plan.activate()``, or None."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
+    """Constrain activation ``x`` to the sharding its logical names imply under the current plan.
+
+    Use inside model code: ``x = jaxpar.constrain(x, ("batch", "seq", "embed"))``. With no
+    active plan (for example in a plain single-device run) it returns ``x`` unchanged.
+    """
+    plan = _ACTIVE.get()
+    if plan is None:
+        return x
+    spec = plan.act_spec(names, shape=x.shape, path="activation")
+    return jax.lax.with_sharding_constraint(x, plan.sharding(spec))
