@@ -174,8 +174,8 @@ class Rules:
 # Logical names used by jaxpar's models. Weights: vocab, embed, mlp, heads, kv_heads,
 # head_dim, layers, stage, norm. Activations additionally: batch, seq, act_embed.
 
-_UNSHARDED = [("head_dim", None), ("layers", None), ("seq", None), ("norm", None),
-              ("lora_rank", None)]
+_UNSHARDED = [("stage", "stage"), ("head_dim", None), ("layers", None), ("repeat", None),
+              ("seq", None), ("norm", None), ("lora_rank", None)]
 
 _PARAMS = {
     "dp": [("vocab", None), ("embed", None), ("mlp", None), ("heads", None),

@@ -103,48 +103,58 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _einsum(rngs: nnx.Rngs, spec: str, shape: tuple[int, ...], names: tuple[str, ...],
+            std: float) -> nnx.Einsum:
+    init = nnx.with_partitioning(nnx.initializers.normal(std), names)
+    return nnx.Einsum(spec, shape, None, kernel_init=init, rngs=rngs)
+
+
+def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: float
+            ) -> nnx.Linear:
+    init = nnx.with_partitioning(nnx.initializers.normal(std), names)
+    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
+
+
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention, head-parallel under tensor parallelism."""
+    """Grouped-query causal self-attention, head-parallel under tensor parallelism.
+
+    Projections are ``nnx.Einsum`` modules, so parameter filters and LoRA see ordinary
+    Flax layers (``attn/wq/kernel`` and so on).
+    """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        d, h = cfg.d_model, cfg.head_dim
-        init = nnx.initializers.normal(cfg.init_std)
-        out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        self.wq = _param(rngs, init, (d, cfg.n_heads, h), ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs, init, (d, cfg.n_kv_heads, h), ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, init, (d, cfg.n_kv_heads, h), ("embed", "kv_heads", "head_dim"))
-        self.wo = _param(rngs, out_init, (cfg.n_heads, h, d), ("heads", "head_dim", "embed"))
+        d, h, std = cfg.d_model, cfg.head_dim, cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        self.wq = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_heads, h),
+                          ("embed", "heads", "head_dim"), std)
+        self.wk = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_kv_heads, h),
+                          ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_kv_heads, h),
+                          ("embed", "kv_heads", "head_dim"), std)
+        self.wo = _einsum(rngs, "bsnh,nhe->bse", (cfg.n_heads, h, d),
+                          ("heads", "head_dim", "embed"), out_std)
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("bse,enh->bsnh", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("bse,enh->bsnh", x, self.wv[...].astype(dtype))
-        q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q = constrain(apply_rotary(self.wq(x), sin, cos), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rotary(self.wk(x), sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
-        out = jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dtype))
-        return constrain(checkpoint_name(out, "attention_out"), RESIDUAL)
+        return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward block: column-parallel gate/up, row-parallel down."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(cfg.init_std)
-        out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        self.w_gate = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
-        self.w_up = _param(rngs, init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
-        self.w_down = _param(rngs, out_init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.w_gate = _linear(rngs, cfg.d_model, cfg.d_ff, ("embed", "mlp"), std)
+        self.w_up = _linear(rngs, cfg.d_model, cfg.d_ff, ("embed", "mlp"), std)
+        self.w_down = _linear(rngs, cfg.d_ff, cfg.d_model, ("mlp", "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        gate = x @ self.w_gate[...].astype(dtype)
-        up = x @ self.w_up[...].astype(dtype)
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        out = checkpoint_name(hidden, "mlp_hidden") @ self.w_down[...].astype(dtype)
+        hidden = constrain(jax.nn.silu(self.w_gate(x)) * self.w_up(x), ("batch", "seq", "mlp"))
+        out = self.w_down(checkpoint_name(hidden, "mlp_hidden"))
         return constrain(checkpoint_name(out, "mlp_out"), RESIDUAL)
 
 
@@ -179,8 +189,8 @@ class Transformer(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, nnx.initializers.normal(cfg.init_std),
-                                  (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+            self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
+                                   cfg.init_std)
 
     def embed_tokens(self, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
         """Look up token embeddings: ``(batch, seq)`` -> ``(batch, seq, embed)``."""
@@ -212,7 +222,7 @@ class Transformer(nnx.Module):
         if self.config.tie_embeddings:
             out = jnp.einsum("bse,ve->bsv", x, self.embed[...].astype(x.dtype))
         else:
-            out = x @ self.lm_head[...].astype(x.dtype)
+            out = self.lm_head(x)
         return constrain(out, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array, *, dtype=jnp.float32, block_fn=None) -> jax.Array:
