@@ -49,7 +49,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         "adafactor": lambda: optax.adafactor(schedule),
     }
     if cfg.optimizer not in makers:
-        raise JaxparError(f"unknown train.optimizer {cfg.optimizer!r}; choose from {sorted(makers)}")
+        raise JaxparError(
+            f"unknown train.optimizer {cfg.optimizer!r}; choose from {sorted(makers)}"
+        )
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*parts, makers[cfg.optimizer]())
 
@@ -138,7 +140,7 @@ class Trainer:
         params = optax.apply_updates(state["params"], updates)
         new_state = {"params": params, "frozen": state["frozen"], "opt_state": opt_state,
                      "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     def _eval_impl(self, state: dict[str, Any], batch: jax.Array) -> jax.Array:
         return self._loss(state["params"], state["frozen"], batch)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import pipeline as pipeline_lib
 from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain
 
@@ -173,9 +174,16 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Llama-style decoder: token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
+    """Llama-style decoder: token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
 
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    With ``pipeline=Schedule(stages, microbatches, repeats)`` the decoder layers are stored
+    in the pipeline layout (leading ``("repeat", "stage")`` axes, see
+    :mod:`jaxpar.pipeline`) and run as a (circular) pipeline; the weights are initialised
+    exactly as without it, so the same seed gives the same model.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
+                 pipeline: pipeline_lib.Schedule | None = None):
         self.config = cfg = config
         self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
                             ("vocab", "embed"))
@@ -187,6 +195,14 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
+        if pipeline is not None:
+            if pipeline.layers != cfg.n_layers:
+                raise JaxparError(
+                    f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
+                    f"{pipeline.stages} x {pipeline.repeats}"
+                )
+            self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
+            self.pipeline_schedule = pipeline
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
@@ -205,10 +221,16 @@ class Transformer(nnx.Module):
         """Run the stacked decoder layers over ``x`` with ``lax.scan``.
 
         ``block_fn(block, x, sin, cos)`` may wrap the layer call (remat, for instance).
+        A model built with a pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
         """
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
-        graphdef, stacked = nnx.split(self.blocks)
         call = block_fn or (lambda block, h, s, c: block(h, s, c))
+        schedule = getattr(self, "pipeline_schedule", None)
+        if schedule is not None:
+            return pipeline_lib.pipeline_module(
+                self.blocks, x, lambda block, h: call(block, h, sin, cos),
+                microbatches=schedule.microbatches, act_names=RESIDUAL)
+        graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, layer_state):
             return call(nnx.merge(graphdef, layer_state), h, sin, cos), None

@@ -1,0 +1,43 @@
+"""Shared builders for tests: a small reference model on a chosen mesh."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+import jaxpar
+from jaxpar.data import TokenLoader, load_tokens
+from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.train import make_optimizer
+
+SMALL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
+                          d_ff=128, max_seq_len=64)
+SEQ = 32
+BATCH = 16
+
+
+def small_config(*overrides: str) -> jaxpar.Config:
+    """A run config around :data:`SMALL`, with overrides."""
+    base = [f"model.{k}={v}" for k, v in vars(SMALL).items()]
+    return jaxpar.load_config(None, [*base, f"train.seq_len={SEQ}",
+                                     f"train.global_batch={BATCH}", "train.steps=5",
+                                     "train.warmup_steps=1", *overrides])
+
+
+def make_trainer(mesh_axes: dict[str, int], rules: str = "fsdp_tp", *, devices=None,
+                 cfg: TransformerConfig = SMALL) -> jaxpar.Trainer:
+    """A Trainer of ``cfg`` on a mesh of ``mesh_axes`` over ``devices`` (default: all)."""
+    mesh = jaxpar.make_mesh(mesh_axes, devices=devices)
+    plan = jaxpar.Plan.from_preset(mesh, rules)
+    model = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
+    opt = make_optimizer(small_config().train)
+    return jaxpar.Trainer(model, opt, plan)
+
+
+def loader(batch: int = BATCH, seq: int = SEQ) -> TokenLoader:
+    """A deterministic loader over the built-in corpus."""
+    return TokenLoader(load_tokens("stdlib", 400_000), batch, seq, seed=0)
+
+
+def one_device():
+    return jax.devices()[:1]

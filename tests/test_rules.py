@@ -1,0 +1,69 @@
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import JaxparError, Rules, make_mesh
+from jaxpar.rules import PRESETS, preset
+
+
+@pytest.fixture(scope="module")
+def mesh(devices):
+    return make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def test_first_free_rule_wins_and_fallback(mesh):
+    rules = Rules([("mlp", "tensor"), ("embed", "tensor"), ("embed", "fsdp"), ("batch", "data")])
+    # mlp takes tensor first (rule order, not dimension order); embed falls back to fsdp.
+    assert rules.spec(("embed", "mlp"), mesh) == P("fsdp", "tensor")
+    assert rules.spec(("embed",), mesh) == P("tensor")
+
+
+def test_multi_axis_target_and_none(mesh):
+    rules = Rules([("batch", ("data", "fsdp")), ("seq", None), ("embed", "fsdp")])
+    # batch takes data and fsdp, so embed finds fsdp taken and stays replicated.
+    assert rules.spec(("batch", "seq", "embed"), mesh) == P(("data", "fsdp"), None, None)
+    assert rules.spec((None, "embed"), mesh) == P(None, "fsdp")
+
+
+def test_size_one_axes_are_dropped(devices):
+    mesh = make_mesh({"data": 8})
+    rules = Rules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("embed", "data")])
+    assert rules.spec(("batch",), mesh) == P("data")
+    # embed's first rule targets only size-1 axes, so the fallback rule applies.
+    assert rules.spec(("embed",), mesh) == P("data")
+
+
+def test_unknown_logical_name_names_it_and_path(mesh):
+    rules = Rules([("embed", "fsdp")])
+    with pytest.raises(JaxparError, match=r"logical axis 'hiddn' of blocks/w has no rule"):
+        rules.spec(("embed", "hiddn"), mesh, path="blocks/w")
+
+
+def test_indivisible_dimension(mesh):
+    rules = Rules([("heads", "tensor")])
+    with pytest.raises(JaxparError, match=r"dimension 0 \('heads', size 3\) of attn/wq is not "
+                                          r"divisible by mesh axes \('tensor',\)"):
+        rules.spec(("heads",), mesh, shape=(3,), path="attn/wq")
+
+
+def test_rules_may_not_name_missing_mesh_axes(mesh):
+    with pytest.raises(JaxparError, match="'model'"):
+        Rules([("embed", "model")]).spec(("embed",), mesh)
+
+
+def test_explain_says_which_rule_fired(mesh):
+    rules = Rules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("embed", None)])
+    text = rules.explain(("batch", "embed"), mesh)
+    assert "batch: dataxfsdp (rule 0)" in text
+    assert "embed: replicated (rule 2 replicates it)" in text
+
+
+def test_presets(mesh):
+    assert set(PRESETS) >= {"dp", "fsdp", "tp", "fsdp_tp"}
+    params, acts = preset("fsdp_tp")
+    assert params.spec(("embed", "mlp"), mesh) == P("fsdp", "tensor")
+    assert acts.spec(("batch", "seq", "embed"), mesh) == P(("data", "fsdp"), None, None)
+    dp_params, dp_acts = preset("dp")
+    assert dp_params.spec(("embed", "mlp"), mesh) == P(None, None)
+    assert dp_acts.spec(("batch",), mesh) == P(("data", "fsdp", "tensor"))
+    with pytest.raises(JaxparError, match="unknown rules preset"):
+        preset("zero9")
