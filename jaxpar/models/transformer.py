@@ -185,6 +185,11 @@ class Transformer(nnx.Module):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
                  pipeline: pipeline_lib.Schedule | None = None):
         self.config = cfg = config
+        if pipeline is not None and pipeline.layers != cfg.n_layers:
+            raise JaxparError(
+                f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
+                f"{pipeline.stages} x {pipeline.repeats}"
+            )
         self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
                             ("vocab", "embed"))
 
@@ -196,11 +201,6 @@ class Transformer(nnx.Module):
 
         self.blocks = make_blocks(rngs)
         if pipeline is not None:
-            if pipeline.layers != cfg.n_layers:
-                raise JaxparError(
-                    f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
-                    f"{pipeline.stages} x {pipeline.repeats}"
-                )
             self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
             self.pipeline_schedule = pipeline
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
