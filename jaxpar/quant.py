@@ -1,0 +1,339 @@
+"""Frozen-base storage: keep the weights LoRA does not train in bfloat16 or int8.
+
+``int8`` is QLoRA-style: every ``nnx.Linear`` / ``nnx.Einsum`` kernel is replaced by a
+:class:`QuantizedProjection` holding the kernel as int8 with one float32 scale per output
+channel (symmetric absmax), dequantized on the fly in compute. The quantized kernel keeps
+the logical names of the weight it replaces, so it is sharded exactly like it; the scale's
+input dimensions have size 1 and are unnamed (replicated). Embeddings and norms are left
+as they are. ``bfloat16`` stores every frozen float matrix in bfloat16.
+
+Both are stored as non-``nnx.Param`` variables (int8) or as ``nnx.Param`` (bf16), so a
+trainer with ``trainable=nnx.LoRAParam`` leaves them out of the gradient and optimizer.
+
+Projections are described by a :class:`ProjectionSpec`, an einsum view of the layer
+(``nnx.Linear`` is ``"...i,io->...o"``), which tells which kernel dimensions contract with
+the input and which reach the output; LoRA uses the same description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.errors import JaxparError
+from jaxpar.partitioning import logical_names
+
+BASE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "int8")
+_INT8_MAX = 127.0
+STACK_AXES = frozenset({"layers", "stage", "repeat"})
+"""Logical names of stacking dimensions (not part of a weight's own shape)."""
+
+
+class QuantizedKernel(nnx.Variable):
+    """An int8 kernel of a frozen projection (never trained: not an ``nnx.Param``)."""
+
+
+class QuantScale(nnx.Variable):
+    """Per-output-channel float32 scales of a :class:`QuantizedKernel`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionSpec:
+    """Einsum view of a projection layer, for a single (unstacked) kernel.
+
+    Attributes:
+      x: subscripts of the input (may contain ``...``).
+      kernel: subscripts of the kernel, one letter per kernel dimension.
+      out: subscripts of the output.
+      in_letters: kernel letters contracted with the input (in kernel order).
+      out_letters: kernel letters that only reach the output (in kernel order).
+      shared: kernel letters present in input, kernel and output (batched, e.g. per-head).
+    """
+
+    x: str
+    kernel: str
+    out: str
+    in_letters: str
+    out_letters: str
+    shared: str
+
+    @property
+    def equation(self) -> str:
+        """The layer's own einsum equation."""
+        return f"{self.x},{self.kernel}->{self.out}"
+
+    def free_letters(self, n: int) -> str:
+        """``n`` letters not used by the equation (for rank and stacking dimensions)."""
+        used = set(self.equation)
+        free = [c for c in string.ascii_letters if c not in used]
+        if len(free) < n:
+            raise JaxparError(f"einsum {self.equation!r} leaves no free subscript letters")
+        return "".join(free[:n])
+
+
+def _letters(sub: str) -> str:
+    return sub.replace("...", "")
+
+
+def parse_einsum(equation: str) -> ProjectionSpec:
+    """Describe ``"input,kernel->output"`` (the form ``nnx.Einsum`` takes)."""
+    eq = equation.replace(" ", "")
+    m = re.fullmatch(r"([A-Za-z.]*),([A-Za-z]+)->([A-Za-z.]*)", eq)
+    if m is None:
+        raise JaxparError(
+            f"cannot adapt einsum {equation!r}: expected 'input,kernel->output' with a kernel "
+            "without '...'"
+        )
+    x, k, out = m.groups()
+    xl, ol = set(_letters(x)), set(_letters(out))
+    in_l = "".join(c for c in k if c in xl and c not in ol)
+    out_l = "".join(c for c in k if c in ol and c not in xl)
+    shared = "".join(c for c in k if c in xl and c in ol)
+    if len(in_l) + len(out_l) + len(shared) != len(k) or len(set(k)) != len(k):
+        raise JaxparError(f"cannot adapt einsum {equation!r}: every kernel letter must appear "
+                          "once and reach the input or the output")
+    if not in_l or not out_l:
+        raise JaxparError(f"einsum {equation!r} has no contracted or no output kernel dimension")
+    return ProjectionSpec(x, k, out, in_l, out_l, shared)
+
+
+LINEAR_SPEC = parse_einsum("...i,io->...o")
+
+
+def projection_spec(module: nnx.Module) -> ProjectionSpec:
+    """The :class:`ProjectionSpec` of an ``nnx.Linear``, ``nnx.Einsum`` or
+    :class:`QuantizedProjection`."""
+    if isinstance(module, QuantizedProjection):
+        return parse_einsum(module.equation)
+    if isinstance(module, nnx.Einsum):
+        if module.einsum_str is None:
+            raise JaxparError("cannot adapt an nnx.Einsum whose equation is given at call time")
+        return parse_einsum(module.einsum_str)
+    if isinstance(module, nnx.Linear):
+        return LINEAR_SPEC
+    raise JaxparError(f"{type(module).__name__} is not a projection (nnx.Linear or nnx.Einsum)")
+
+
+def stack_depth(kernel_ndim: int, spec: ProjectionSpec) -> int:
+    """Leading stacking dimensions of a kernel (e.g. 1 for layers made with ``nnx.vmap``)."""
+    lead = kernel_ndim - len(spec.kernel)
+    if lead < 0:
+        raise JaxparError(f"kernel of rank {kernel_ndim} does not fit einsum {spec.equation!r}")
+    return lead
+
+
+def is_tracing(x: Any) -> bool:
+    """Whether ``x`` is a tracer (inside ``jit``/``eval_shape``) rather than a concrete array."""
+    return isinstance(x, jax.core.Tracer)
+
+
+# --- int8 storage -------------------------------------------------------------------------
+
+
+def quantize_int8(w: jax.Array, in_axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Symmetric absmax int8 quantization, one scale per slice along ``in_axes``.
+
+    Returns ``(q, scale)`` with ``w ~= q * scale``; ``scale`` keeps ``in_axes`` as size 1.
+    """
+    w32 = w.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w32), axis=in_axes, keepdims=True)
+    scale = jnp.maximum(absmax, jnp.finfo(jnp.float32).tiny) / _INT8_MAX
+    q = jnp.clip(jnp.round(w32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+class QuantizedProjection(nnx.Module):
+    """A frozen ``nnx.Linear``/``nnx.Einsum`` whose kernel is stored in int8.
+
+    The forward dequantizes (``q * scale``) in the compute dtype and runs the layer's own
+    einsum; the bias (if any) is kept as it was. Works on stacked kernels (leading
+    ``layers`` axis) because scales are stacked the same way.
+    """
+
+    def __init__(self, module: nnx.Linear | nnx.Einsum):
+        spec = projection_spec(module)
+        kernel = module.kernel
+        w = kernel.get_value()
+        lead = stack_depth(w.ndim, spec)
+        in_axes = tuple(lead + spec.kernel.index(c) for c in spec.in_letters)
+        q, scale = quantize_int8(w, in_axes)
+        names = logical_names(kernel)
+        meta: dict[str, Any] = {}
+        scale_meta: dict[str, Any] = {}
+        if names is not None:
+            meta["out_sharding"] = names
+            scale_meta["out_sharding"] = tuple(
+                None if i in in_axes else n for i, n in enumerate(names))
+        with nnx.use_eager_sharding(False):
+            self.kernel = QuantizedKernel(q, **meta)
+            self.scale = QuantScale(scale, **scale_meta)
+        self.bias = module.bias
+        self.equation = spec.equation
+        self.is_linear = not isinstance(module, nnx.Einsum)
+        self.orig_dtype = str(w.dtype)
+        self.dtype = module.dtype
+        self.precision = module.precision
+        self.preferred_element_type = module.preferred_element_type
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        """The kernel as floats (``q * scale``), stacked like the stored kernel."""
+        return self.kernel[...].astype(dtype) * self.scale[...].astype(dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or jnp.result_type(x.dtype, self.scale[...].dtype)
+        w = self.dequantize(dtype)
+        kwargs = {}
+        if self.preferred_element_type is not None:
+            kwargs["preferred_element_type"] = self.preferred_element_type
+        y = jnp.einsum(self.equation, x.astype(dtype), w, precision=self.precision, **kwargs)
+        if self.bias is not None:
+            y = y + _broadcast_bias(self.bias[...].astype(y.dtype), self.equation, w.shape)
+        return y
+
+    def to_float(self, dtype: Any = None) -> nnx.Linear | nnx.Einsum:
+        """An equivalent float ``nnx.Linear``/``nnx.Einsum`` (dequantized kernel)."""
+        return rebuild_projection(self, self.dequantize(dtype or self.orig_dtype))
+
+
+def _broadcast_bias(bias: jax.Array, equation: str, kernel_shape: tuple[int, ...]) -> jax.Array:
+    spec = parse_einsum(equation)
+    if spec.x.startswith("...") and spec.out.startswith("..."):
+        return bias  # trailing output dims: plain broadcasting
+    sizes = dict(zip(spec.kernel, kernel_shape, strict=True))
+    shape = [sizes.get(c, 1) for c in _letters(spec.out)]
+    return bias.reshape(shape)
+
+
+def rebuild_projection(q: QuantizedProjection, kernel: jax.Array) -> nnx.Linear | nnx.Einsum:
+    """A float ``nnx.Linear``/``nnx.Einsum`` equivalent to ``q`` with the given kernel."""
+    spec = parse_einsum(q.equation)
+    names = logical_names(q.kernel)
+    meta = {} if names is None else {"out_sharding": names}
+    with nnx.use_eager_sharding(False):
+        if q.is_linear:
+            lead = kernel.ndim - 2
+            mod = nnx.eval_shape(lambda: nnx.Linear(
+                kernel.shape[lead], kernel.shape[lead + 1], use_bias=False, dtype=q.dtype,
+                precision=q.precision, preferred_element_type=q.preferred_element_type,
+                rngs=nnx.Rngs(0)))
+        else:
+            lead = stack_depth(kernel.ndim, spec)
+            mod = nnx.eval_shape(lambda: nnx.Einsum(
+                q.equation, kernel.shape[lead:], None, dtype=q.dtype, precision=q.precision,
+                preferred_element_type=q.preferred_element_type, rngs=nnx.Rngs(0)))
+        mod.kernel = nnx.Param(kernel, **meta)
+    mod.bias = q.bias
+    return mod
+
+
+# --- converting a whole model -------------------------------------------------------------
+
+
+def projections(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """``(path, module)`` of every ``nnx.Linear``/``nnx.Einsum``/:class:`QuantizedProjection`."""
+    kinds = (nnx.Linear, nnx.Einsum, QuantizedProjection)
+    return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, kinds)]
+
+
+def get_child(parent: Any, key: Any) -> Any:
+    """One step down a graph path (attribute or item)."""
+    key = getattr(key, "key", key)
+    if isinstance(key, int) or (isinstance(parent, dict) and key in parent):
+        return parent[key]
+    return getattr(parent, key)
+
+
+def set_child(parent: Any, key: Any, value: Any) -> None:
+    """Replace one child of a module (attribute or item)."""
+    key = getattr(key, "key", key)
+    if isinstance(key, int) or isinstance(parent, dict):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def replace_module(model: nnx.Module, path: tuple, new: Any) -> None:
+    """Put ``new`` at ``path`` inside ``model`` (in place)."""
+    if not path:
+        raise JaxparError("cannot replace the root module")
+    parent = model
+    for key in path[:-1]:
+        parent = get_child(parent, key)
+    set_child(parent, path[-1], new)
+
+
+def convert_frozen(
+    model: nnx.Module,
+    base_dtype: str,
+    *,
+    skip: Callable[[tuple, nnx.Variable], bool] | None = None,
+) -> nnx.Module:
+    """Store the frozen base of ``model`` in ``base_dtype``, in place; returns ``model``.
+
+    ``"float32"`` leaves it alone. ``"bfloat16"`` casts every float ``nnx.Param`` that is a
+    matrix (two or more dimensions besides stacking axes such as ``layers``; not
+    ``nnx.LoRAParam``) to bfloat16; vectors (norm scales, biases) stay as they are. Models
+    that compute in their weights' dtype then run in bfloat16. ``"int8"`` replaces every
+    projection with a :class:`QuantizedProjection` (dequantized to the dtype of the
+    activations and scales, so compute precision is unchanged) and leaves everything else
+    (embeddings, norms) as it is. ``skip(path, variable)`` exempts variables (and
+    projections, by their kernel).
+    """
+    if base_dtype not in BASE_DTYPES:
+        raise JaxparError(f"unknown base_dtype {base_dtype!r}; choose one of {BASE_DTYPES}")
+    if base_dtype == "float32":
+        return model
+    if base_dtype == "int8":
+        for path, mod in projections(model):
+            if isinstance(mod, QuantizedProjection):
+                continue
+            if skip is not None and skip(path + ("kernel",), mod.kernel):
+                continue
+            replace_module(model, path, QuantizedProjection(mod))
+        return model
+    for path, var in list(nnx.iter_graph(model)):
+        if not isinstance(var, nnx.Param) or isinstance(var, nnx.LoRAParam):
+            continue
+        if skip is not None and skip(tuple(path), var):
+            continue
+        value = var.get_value()
+        names = logical_names(var) or (None,) * value.ndim
+        matrix_dims = sum(n not in STACK_AXES for n in names)
+        if matrix_dims >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
+            var.set_value(value.astype(jnp.bfloat16))
+    return model
+
+
+def describe_storage(model: nnx.Module) -> dict[str, int]:
+    """Bytes of the model's state by dtype, e.g. ``{"int8": ..., "float32": ...}``."""
+    out: dict[str, int] = {}
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        if hasattr(value, "dtype") and hasattr(value, "size"):
+            key = str(value.dtype)
+            out[key] = out.get(key, 0) + int(value.size) * value.dtype.itemsize
+    return out
+
+
+__all__ = [
+    "BASE_DTYPES",
+    "LINEAR_SPEC",
+    "ProjectionSpec",
+    "QuantScale",
+    "QuantizedKernel",
+    "QuantizedProjection",
+    "convert_frozen",
+    "describe_storage",
+    "parse_einsum",
+    "projection_spec",
+    "projections",
+    "quantize_int8",
+    "rebuild_projection",
+]
