@@ -384,7 +384,7 @@ def save_adapters(model: nnx.Module, path: str | Path) -> Path:
         raise JaxparError("model has no LoRA adapters to save")
     path = Path(path).absolute()
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path, state.to_pure_dict())
+    ckptr.save(path, nnx.to_pure_dict(state))
     ckptr.wait_until_finished()
     return path
 
@@ -403,13 +403,13 @@ def load_adapters(model: nnx.Module, path: str | Path) -> nnx.Module:
         raise JaxparError("model has no LoRA adapters to load into; call jaxpar.lora.apply first")
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        state.to_pure_dict())
+        nnx.to_pure_dict(state))
     path = Path(path).absolute()
     try:
         restored = ocp.StandardCheckpointer().restore(path, target)
     except Exception as e:  # orbax raises many types; report them as one user error
         raise JaxparError(f"cannot load LoRA adapters from {path}: {e}") from e
-    state.replace_by_pure_dict(restored)
+    nnx.replace_by_pure_dict(state, restored)
     nnx.update(model, state)
     return model
 
@@ -428,6 +428,7 @@ class FinetuneReport:
     lora_optimizer_bytes: int
     full_optimizer_bytes: int
     lora_frozen_bytes: int
+    lora_adapter_bytes: int
     full_param_bytes: int
 
     @property
@@ -443,8 +444,11 @@ class FinetuneReport:
             f" vs full {self.full_trainable:,}",
             f"optimizer state: LoRA {self.lora_optimizer_bytes * mib:.1f} MiB vs full "
             f"{self.full_optimizer_bytes * mib:.1f} MiB",
-            f"weights: LoRA frozen base {self.lora_frozen_bytes * mib:.1f} MiB + adapters vs "
-            f"full {self.full_param_bytes * mib:.1f} MiB",
+            f"gradients: LoRA {self.lora_adapter_bytes * mib:.1f} MiB vs full "
+            f"{self.full_param_bytes * mib:.1f} MiB",
+            f"weights: LoRA frozen base {self.lora_frozen_bytes * mib:.1f} MiB + adapters "
+            f"{self.lora_adapter_bytes * mib:.1f} MiB vs full {self.full_param_bytes * mib:.1f}"
+            " MiB",
         ])
 
 
@@ -474,6 +478,7 @@ def finetune_report(
         lora_optimizer_bytes=_bytes(jax.eval_shape(optimizer.init, lora_params)),
         full_optimizer_bytes=_bytes(jax.eval_shape(optimizer.init, full_params)),
         lora_frozen_bytes=_bytes(frozen),
+        lora_adapter_bytes=_bytes(lora_params),
         full_param_bytes=_bytes(full_params),
     )
 

@@ -370,4 +370,28 @@ def test_finetune_report_counts():
     assert report.full_optimizer_bytes == 2 * 4 * report.full_trainable + 4
     q = lora.finetune_report(base_factory, lora.LoraConfig(rank=RANK, base_dtype="int8"))
     assert q.lora_frozen_bytes < report.lora_frozen_bytes / 2
+    assert report.lora_adapter_bytes == 4 * report.lora_trainable
     assert "trainable" in str(report)
+
+
+def test_pipeline_layout_adapters_follow_stage_sharding(devices):
+    # Abstract only: adapters of (repeat, stage)-stacked blocks carry both axes, and the
+    # stage axis is sharded over the "stage" mesh axis like the weights they adapt.
+    from jaxpar import pipeline as pl
+
+    mesh = jaxpar.make_mesh({"stage": 2, "fsdp": 2, "tensor": 2})
+    pp_plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                            d_ff=64, max_seq_len=32)
+    make = lambda: lora.apply(Transformer(cfg, rngs=nnx.Rngs(0), pipeline=pl.Schedule(2, 2, 2)),
+                              rank=RANK, base_dtype="int8")
+    with pp_plan.activate():
+        model = nnx.eval_shape(make)
+        sh = jaxpar.state_shardings(pp_plan, nnx.state(model))
+    flat = {path_str(p): v.get_value().spec for p, v in nnx.to_flat_state(sh)}
+    assert dict(lora.adapted(model))["blocks/attn/wq"].lora_a.shape == (2, 2, 32, RANK)
+    assert flat["blocks/attn/wq/lora_a"] == jax.sharding.PartitionSpec(None, "stage", "fsdp",
+                                                                        None)
+    assert flat["blocks/attn/wo/lora_b"] == jax.sharding.PartitionSpec(None, "stage", None,
+                                                                        "fsdp")
+    assert flat["blocks/attn/wq/base/kernel"][:2] == (None, "stage")
