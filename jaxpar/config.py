@@ -47,9 +47,14 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """How logical names map to mesh axes: a preset name (dp, fsdp, tp, fsdp_tp)."""
+    """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), ZeRO stage, precision
+    policy, remat policy and gradient-accumulation microbatches."""
 
     rules: str = "fsdp_tp"
+    zero_stage: int = 0
+    precision: str = "params=float32,compute=float32,output=float32"
+    remat: str = "none"
+    microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

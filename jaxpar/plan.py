@@ -21,8 +21,11 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import remat as remat_lib
 from jaxpar import rules as rules_lib
+from jaxpar.errors import JaxparError
 from jaxpar.mesh import describe
+from jaxpar.precision import Policy
 from jaxpar.rules import LogicalNames, Rules
 
 _ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
@@ -36,17 +39,34 @@ class Plan:
       mesh: the device mesh (see :func:`jaxpar.make_mesh`).
       param_rules: logical name -> mesh axes for weights (and optimizer state).
       act_rules: logical name -> mesh axes for activations and the input batch.
+      precision: mixed-precision policy (master, compute and output dtypes).
+      zero_stage: 0-3: shard optimizer state (1), gradients (2), parameters (3) over the
+        data-parallel axes (see :mod:`jaxpar.zero`).
+      remat: rematerialization policy name per block (see :mod:`jaxpar.remat`).
+      microbatches: gradient accumulation: split each batch into this many microbatches and
+        apply one update.
     """
 
     mesh: Mesh
     param_rules: Rules
     act_rules: Rules
+    precision: Policy = Policy()
+    zero_stage: int = 0
+    remat: str = "none"
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise JaxparError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        remat_lib.check(self.remat)
+        if self.microbatches < 1:
+            raise JaxparError(f"microbatches must be >= 1, got {self.microbatches}")
 
     @classmethod
-    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp") -> Plan:
+    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", **knobs) -> Plan:
         """A plan with one of the named rule presets (see :func:`jaxpar.rules.preset`)."""
         params, acts = rules_lib.preset(name)
-        return cls(mesh=mesh, param_rules=params, act_rules=acts)
+        return cls(mesh=mesh, param_rules=params, act_rules=acts, **knobs)
 
     def replace(self, **changes) -> Plan:
         """A copy with some fields changed."""
@@ -76,12 +96,16 @@ class Plan:
         return self.sharding(self.act_spec(names[:ndim]))
 
     @property
+    def data_parallel_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (size-1 axes omitted)."""
+        spec = self.act_spec(("batch",))[0]
+        return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ways the batch is split (the product of the batch's mesh axes)."""
-        spec = self.act_spec(("batch",))[0]
-        axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
         size = 1
-        for a in axes:
+        for a in self.data_parallel_axes:
             size *= self.mesh.shape[a]
         return size
 
@@ -99,7 +123,8 @@ class Plan:
 
     def describe(self) -> str:
         """A one-line summary for logs."""
-        return f"mesh {describe(self.mesh)}"
+        return (f"mesh {describe(self.mesh)}, zero {self.zero_stage}, precision {self.precision}"
+                f", remat {self.remat}, microbatches {self.microbatches}")
 
 
 def current_plan() -> Plan | None:

@@ -1,0 +1,70 @@
+"""ZeRO stages: per-device model-state bytes follow the paper's arithmetic; losses do not move."""
+
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar.inspect import memory_stats
+from jaxpar.zero import formula_bytes, zero_spec
+from tests.helpers import loader, small_config
+
+MIXED = "plan.precision=params=float32,compute=bfloat16,output=float32"
+
+
+def trainer(*overrides):
+    return jaxpar.Trainer.from_config(small_config(*overrides))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_bytes_match_zero_formula(stage):
+    report = trainer("mesh.data=8", f"plan.zero_stage={stage}", MIXED).memory_report(
+        loader().batch(0))
+    measured = report["param_bytes"] + report["grad_bytes"] + report["opt_bytes"]
+    assert measured == pytest.approx(report["formula_bytes"], rel=0.05)
+    assert report["formula_bytes"] == formula_bytes(stage, report["n_params"], 8)
+
+
+def test_stage3_composes_with_tensor_parallelism():
+    report = trainer("mesh.data=4", "mesh.tensor=2", "plan.zero_stage=3", MIXED
+                     ).memory_report(loader().batch(0))
+    measured = report["param_bytes"] + report["grad_bytes"] + report["opt_bytes"]
+    # Norm scales are replicated over tensor, so allow the 5% the issue allows.
+    assert measured == pytest.approx(formula_bytes(3, report["n_params"], 4, 2), rel=0.05)
+
+
+def test_stages_train_identically():
+    def run(stage):
+        t = trainer("mesh.data=8", f"plan.zero_stage={stage}")
+        return [t.step(loader().batch(i))["loss"] for i in range(3)]
+
+    reference = run(0)
+    for stage in (1, 2, 3):
+        np.testing.assert_allclose(run(stage), reference, rtol=1e-5)
+
+
+def test_indivisible_state_is_left_whole_and_reported(devices):
+    mesh = jaxpar.make_mesh({"data": 8})
+    spec, split = zero_spec(jaxpar.Rules([]).spec((None,), mesh), (6,), mesh, ("data",))
+    assert not split and tuple(spec) == (None,)
+    spec, split = zero_spec(jaxpar.Rules([]).spec((None, None), mesh), (8, 16), mesh, ("data",))
+    assert split and tuple(spec) == (None, "data")  # the largest divisible dimension
+
+
+def test_remat_full_lowers_compiled_temp_memory():
+    def temp(remat):
+        t = trainer("mesh.data=8", f"plan.remat={remat}", "model.n_layers=4")
+        return memory_stats(t.lower(loader().batch(0)).compile())["temp_bytes"]
+
+    assert temp("full") < 0.8 * temp("none")
+
+
+def test_gradient_accumulation_equals_large_batch():
+    big = trainer("mesh.data=8", "train.global_batch=32")
+    acc = trainer("mesh.data=8", "train.global_batch=32", "plan.microbatches=4")
+    data = loader(batch=32)
+    for i in range(3):
+        a, b = big.step(data.batch(i)), acc.step(data.batch(i))
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    np.testing.assert_allclose(np.asarray(acc.state["params"]["embed"].get_value()),
+                               np.asarray(big.state["params"]["embed"].get_value()),
+                               rtol=1e-4, atol=1e-6)
