@@ -24,7 +24,7 @@ CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_
 BATCH, SEQ = 16, 16
 MESH_SR = {"stage": 2, "data": 4}
 MESH_3D = {"data": 2, "tensor": 2, "stage": 2}
-MESH_S4 = {"stage": 4, "data": 2}
+MESH_S4 = {"stage": 4, "fsdp": 2}
 
 
 def _tokens(batch: int = BATCH) -> jax.Array:
@@ -179,10 +179,10 @@ def test_pipeline_rejects_bad_batch():
 
 # --- the reference model: exact against the unpipelined one ------------------------------
 @pytest.mark.parametrize("stages,microbatches,repeats,axes", [
-    (4, 4, 1, MESH_S4),   # GPipe, M = S, four stages on four devices
+    (4, 4, 1, MESH_S4),   # GPipe, M = S, four stages, composed with FSDP (fsdp=2)
     (2, 4, 2, MESH_SR),   # circular, buffered (M > S)
     (2, 2, 2, MESH_3D),   # circular, M = S, 3D mesh data=2 x tensor=2 x stage=2
-], ids=["S4M4R1", "S2M4R2", "S2M2R2-3d"])
+], ids=["S4M4R1-fsdp2", "S2M4R2", "S2M2R2-3d"])
 def test_pipelined_transformer_equals_unpipelined(stages, microbatches, repeats, axes):
     _, _, ref_loss, ref_grads = _reference()
     loss, grads, _, _, _ = _run(stages, microbatches, repeats, tuple(axes.items()))
@@ -208,7 +208,7 @@ def test_stage_shift_is_collective_permute_and_weights_stay(axes):
 
 
 @pytest.mark.parametrize("stages,microbatches,repeats,axes", [
-    (4, 4, 1, MESH_S4), (2, 2, 2, MESH_3D)], ids=["stage4", "3d"])
+    (4, 4, 1, MESH_S4), (2, 2, 2, MESH_3D)], ids=["stage4-fsdp2", "3d"])
 def test_each_device_holds_only_its_stages(stages, microbatches, repeats, axes):
     _, _, _, plan, state = _run(stages, microbatches, repeats, tuple(axes.items()))
     per_device = stages // plan.mesh.shape["stage"]
