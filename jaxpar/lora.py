@@ -357,6 +357,16 @@ def trainable_filter(spec: str | None = None, *, lora: bool = False) -> Any:
     return path_filter(spec)
 
 
+def select_trainable(model: nnx.Module, spec: str | None = None) -> Any:
+    """:func:`trainable_filter` for ``model`` (LoRA counts as on if it has adapters),
+    checked: a filter that selects no parameter is an error listing the parameter paths."""
+    filt = trainable_filter(spec, lora=bool(adapted(model)))
+    if not jax.tree.leaves(nnx.state(model, filt)):
+        paths = [path_str(p) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        raise JaxparError(f"train.trainable={spec!r} selects no parameter; parameters: {paths}")
+    return filt
+
+
 def count_params(model: nnx.Module, filt: Any = nnx.Param) -> int:
     """Number of elements in the variables ``filt`` selects (works on abstract models)."""
     return sum(int(math.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, filt)))
@@ -502,5 +512,6 @@ __all__ = [
     "path_filter",
     "place",
     "save_adapters",
+    "select_trainable",
     "trainable_filter",
 ]

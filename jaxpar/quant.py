@@ -178,20 +178,22 @@ class QuantizedProjection(nnx.Module):
         self.equation = spec.equation
         self.is_linear = not isinstance(module, nnx.Einsum)
         self.orig_dtype = str(w.dtype)
-        self.dtype = module.dtype
-        self.precision = module.precision
-        self.preferred_element_type = module.preferred_element_type
+        self.dtype = getattr(module, "dtype", None)
+        self.precision = getattr(module, "precision", None)
+        self.preferred_element_type = getattr(module, "preferred_element_type", None)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """The kernel as floats (``q * scale``), stacked like the stored kernel."""
         return self.kernel[...].astype(dtype) * self.scale[...].astype(dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         dtype = self.dtype or jnp.result_type(x.dtype, self.scale[...].dtype)
         w = self.dequantize(dtype)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if self.preferred_element_type is not None:
             kwargs["preferred_element_type"] = self.preferred_element_type
+        if out_sharding is not None:
+            kwargs["out_sharding"] = out_sharding
         y = jnp.einsum(self.equation, x.astype(dtype), w, precision=self.precision, **kwargs)
         if self.bias is not None:
             y = y + _broadcast_bias(self.bias[...].astype(y.dtype), self.equation, w.shape)
@@ -230,6 +232,8 @@ def rebuild_projection(q: QuantizedProjection, kernel: jax.Array) -> nnx.Linear 
                 preferred_element_type=q.preferred_element_type, rngs=nnx.Rngs(0)))
         mod.kernel = nnx.Param(kernel, **meta)
     mod.bias = q.bias
+    if q.is_linear:
+        mod.use_bias = q.bias is not None
     return mod
 
 

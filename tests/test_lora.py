@@ -256,7 +256,7 @@ def test_save_and_load_adapters_alone(plan, run, tmp_path):
         assert a[...].sharding == b[...].sharding
     np.testing.assert_array_equal(forward(plan, dst, TOKS), expected)
     with plan.activate():
-        other = lora.apply(UserModel(nnx.Rngs(0)), target=".", rank=2)
+        other = nnx.eval_shape(lambda: lora.apply(UserModel(nnx.Rngs(0)), target=".", rank=2))
     with pytest.raises(jaxpar.JaxparError, match="cannot load LoRA adapters"):
         lora.load_adapters(other, path)
 
@@ -275,6 +275,14 @@ def test_trainable_filter_strings(plan):
                                           "blocks/mlp/w_up/lora_b"}
     with pytest.raises(jaxpar.JaxparError, match="regex"):
         lora.trainable_filter("(unclosed")
+    assert lora.select_trainable(model) is nnx.LoRAParam  # the model has adapters
+    with pytest.raises(jaxpar.JaxparError, match="selects no parameter.*final_norm/scale"):
+        lora.select_trainable(model, "no_such_param")
+    with plan.activate():
+        plain = nnx.eval_shape(base_factory)
+    assert lora.select_trainable(plain) is nnx.Param
+    with pytest.raises(jaxpar.JaxparError, match="selects no parameter"):
+        lora.select_trainable(plain, "lora")
 
 
 class UserModel(nnx.Module):
@@ -297,9 +305,11 @@ def test_user_model_lora_merge_and_low_precision(plan):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
     user = lambda: UserModel(nnx.Rngs(1))
     # adapters created inside init_sharded's factory: born sharded, no extra annotation
-    ref_model = jaxpar.init_sharded(user, plan)
-    ref = forward(plan, ref_model, x)
     model = jaxpar.init_sharded(lambda: lora.apply(user(), target=".", rank=2), plan)
+    # the reference: the same weights without adapters (merging B = 0 adds exactly zero)
+    ref_model = lora.merge(nnx.clone(model))
+    assert not lora.adapted(ref_model) and lora.adapted(model)
+    ref = forward(plan, ref_model, x)
     np.testing.assert_array_equal(forward(plan, model, x), ref)
     lp = dict(lora.adapted(model))["per_head"]
     assert lp.lora_a.shape == (4, 8, 2) and lp.lora_b.shape == (4, 2, 8)
