@@ -97,6 +97,27 @@ class Schedule:
                 f"pipeline.microbatches or use repeats=1"
             )
 
+    @classmethod
+    def for_model(cls, n_layers: int, stages: int, microbatches: int = 0,
+                  repeats: int = 0) -> Schedule:
+        """The schedule for a model of ``n_layers`` on ``stages`` stages, filling defaults.
+
+        ``repeats=0`` means ``n_layers // stages`` (the deepest circular schedule the model
+        allows, the smallest bubble); ``microbatches=0`` means one per stage (``M = S``).
+
+        Raises:
+          JaxparError: when ``n_layers`` is not ``stages * repeats``.
+        """
+        _check_positive(n_layers=n_layers, stages=stages)
+        if n_layers % stages:
+            raise JaxparError(f"model.n_layers={n_layers} is not divisible by "
+                              f"{stages} pipeline stages (mesh.stage)")
+        repeats = repeats or n_layers // stages
+        if stages * repeats != n_layers:
+            raise JaxparError(f"model.n_layers={n_layers} must equal stages x repeats = "
+                              f"{stages} x {repeats}; set pipeline.repeats={n_layers // stages}")
+        return cls(stages, microbatches or stages, repeats)
+
     @property
     def layers(self) -> int:
         """Number of layers the schedule runs: ``S * R``."""
