@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from jaxpar.errors import JaxparError
+from jaxpar.lora import LoraConfig
 from jaxpar.models.transformer import TransformerConfig
 
 
@@ -59,7 +60,8 @@ class PlanConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and schedule."""
+    """Optimisation and schedule. ``trainable``: which parameters train: ``lora``, ``all``,
+    or a regex over parameter paths; empty means ``lora`` when LoRA is enabled, else all."""
 
     steps: int = 200
     global_batch: int = 16
@@ -71,6 +73,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     seed: int = 0
     log_every: int = 1
+    trainable: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Config:
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (what ``config.yaml`` holds)."""

@@ -67,6 +67,17 @@ class Policy:
         """Cast floating-point leaves to the compute dtype."""
         return _cast_floats(tree, self.compute)
 
+    def narrow_to_compute(self, tree: Any) -> Any:
+        """Cast floating-point leaves wider than the compute dtype down to it, never up: a
+        frozen base stored in bf16 stays bf16 under an f32 policy."""
+        width = jnp.dtype(self.compute).itemsize
+
+        def cast(x):
+            floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+            return x.astype(self.compute) if floating and x.dtype.itemsize > width else x
+
+        return jax.tree.map(cast, tree)
+
     def cast_to_params(self, tree: Any) -> Any:
         """Cast floating-point leaves to the parameter dtype."""
         return _cast_floats(tree, self.params)

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar import lora as lora_lib
 from jaxpar.config import Config, TrainConfig
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import make_mesh
@@ -150,7 +151,10 @@ class Trainer:
                                 microbatches=p.microbatches)
         seed = config.train.seed
         model = init_sharded(lambda: Transformer(config.model, rngs=nnx.Rngs(seed)), plan)
-        trainer = cls(model, make_optimizer(config.train), plan)
+        with plan.activate():
+            lora_lib.apply_config(model, config.lora, rngs=seed, plan=plan)
+        trainable = lora_lib.select_trainable(model, config.train.trainable)
+        trainer = cls(model, make_optimizer(config.train), plan, trainable=trainable)
         trainer.config = config
         return trainer
 
@@ -165,7 +169,7 @@ class Trainer:
     # --- the step -------------------------------------------------------------------------
     def _loss(self, params: nnx.State, frozen: nnx.State, batch: jax.Array) -> jax.Array:
         model = nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
-                          self.policy.cast_to_compute(frozen))
+                          self.policy.narrow_to_compute(frozen))
         return self.loss_fn(model, batch).astype(jnp.float32)
 
     def _gradients(self, state: dict[str, Any], batch: jax.Array) -> tuple[jax.Array, Any]:

@@ -23,8 +23,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import pipeline as pipeline_lib
+from jaxpar import remat as remat_lib
 from jaxpar.errors import JaxparError
-from jaxpar.plan import constrain
+from jaxpar.plan import constrain, current_plan
 
 RESIDUAL = ("batch", "seq", "embed")
 
@@ -116,6 +117,16 @@ def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: 
     return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
 
 
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention through ``jax.nn.dot_product_attention`` (fused kernels on GPU)."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
+        f32 = lambda t: t.astype(jnp.float32)
+        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention, head-parallel under tensor parallelism.
 
@@ -139,7 +150,7 @@ class Attention(nnx.Module):
         q = constrain(apply_rotary(self.wq(x), sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(self.wk(x), sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o = _attention(q, k, v)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
@@ -208,12 +219,16 @@ class Transformer(nnx.Module):
             self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
                                    cfg.init_std)
 
-    def embed_tokens(self, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Look up token embeddings: ``(batch, seq)`` -> ``(batch, seq, embed)``."""
+    def embed_tokens(self, tokens: jax.Array, dtype=None) -> jax.Array:
+        """Look up token embeddings: ``(batch, seq)`` -> ``(batch, seq, embed)``.
+
+        Computation runs in ``dtype``, by default the dtype the weights are given in (a
+        precision policy casts them before the call)."""
         # Gather from the table in its compute layout (vocab-parallel, embed whole), so that
         # GSPMD lowers the lookup to a masked local gather plus one all-reduce (Megatron's
         # vocab-parallel embedding) instead of rematerialising a doubly sharded table.
-        table = constrain(self.embed[...].astype(dtype), ("vocab", "embed"))
+        table = self.embed[...]
+        table = constrain(table.astype(dtype or table.dtype), ("vocab", "embed"))
         x = jnp.take(table, tokens, axis=0)
         return constrain(x, RESIDUAL)
 
@@ -247,12 +262,15 @@ class Transformer(nnx.Module):
             out = self.lm_head(x)
         return constrain(out, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens: jax.Array, *, dtype=jnp.float32, block_fn=None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
+        """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise JaxparError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
                 f"{self.config.max_seq_len}"
             )
+        if block_fn is None and (plan := current_plan()) is not None:
+            block_fn = remat_lib.block_wrapper(plan.remat)
         x = self.embed_tokens(tokens, dtype)
         x = self.apply_blocks(x, block_fn)
         return self.logits(x)
