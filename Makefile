@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/pipeline.py --no-time
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,7 +10,7 @@ Annotate a model with logical axis names, pick a mesh, and train it sharded::
     metrics = trainer.step(batch)
 """
 
-from jaxpar import models
+from jaxpar import lora, models, pipeline
 from jaxpar.config import Config, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import MESH_AXES, make_mesh
@@ -31,7 +31,9 @@ __all__ = [
     "init_sharded",
     "load_config",
     "make_mesh",
+    "lora",
     "models",
+    "pipeline",
     "state_shardings",
 ]
 __version__ = "0.1.0"

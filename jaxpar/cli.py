@@ -37,6 +37,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"mesh {describe(mesh)}, rules {config.plan.rules}, "
           f"model {config.model.param_count() / 1e6:.2f}M params")
+    if mesh.shape["stage"] > 1:
+        from jaxpar.pipeline import Schedule
+
+        print(Schedule.for_model(config.model.n_layers, mesh.shape["stage"],
+                                 config.pipeline.microbatches, config.pipeline.repeats
+                                 ).describe())
     _, history = train(config, args.out)
     s = summarize(history)
     print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "

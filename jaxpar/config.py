@@ -59,6 +59,17 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism, used when the mesh's ``stage`` axis is larger than 1.
+
+    ``microbatches`` 0: one per stage (M = S). ``repeats`` 0: n_layers / stages (circular).
+    """
+
+    microbatches: int = 0
+    repeats: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and schedule. ``trainable``: which parameters train: ``lora``, ``all``,
     or a regex over parameter paths; empty means ``lora`` when LoRA is enabled, else all."""
@@ -95,6 +106,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (what ``config.yaml`` holds)."""

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from jaxpar import lora as lora_lib
+from jaxpar import pipeline as pipeline_lib
 from jaxpar.config import Config, TrainConfig
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import make_mesh
@@ -150,12 +151,19 @@ class Trainer:
                                 zero_stage=p.zero_stage, remat=p.remat,
                                 microbatches=p.microbatches)
         seed = config.train.seed
-        model = init_sharded(lambda: Transformer(config.model, rngs=nnx.Rngs(seed)), plan)
+        stages = mesh.shape["stage"]
+        schedule = (pipeline_lib.Schedule.for_model(config.model.n_layers, stages,
+                                                    config.pipeline.microbatches,
+                                                    config.pipeline.repeats)
+                    if stages > 1 else None)
+        model = init_sharded(
+            lambda: Transformer(config.model, rngs=nnx.Rngs(seed), pipeline=schedule), plan)
         with plan.activate():
             lora_lib.apply_config(model, config.lora, rngs=seed, plan=plan)
         trainable = lora_lib.select_trainable(model, config.train.trainable)
         trainer = cls(model, make_optimizer(config.train), plan, trainable=trainable)
         trainer.config = config
+        trainer.schedule = schedule
         return trainer
 
     def _opt_shardings(self, params: nnx.State, param_sh: nnx.State) -> Any:
