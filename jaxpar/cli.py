@@ -1,6 +1,9 @@
 """The ``jaxpar`` command line.
 
-``jaxpar train --config configs/tiny.yaml [--devices N] [--out DIR] [key=value ...]``
+``jaxpar train --config configs/tiny.yaml [--devices N] [--out DIR] [--resume] [key=value ...]``
+``jaxpar plan --model configs/llama-7b.yaml --chips tpu-v5p:256 --global-batch 512 --seq 4096``
+``jaxpar inspect --config configs/tiny.yaml --devices 8 [--json]``
+``jaxpar launch --processes 2 --devices-per-process 4 -- train --config ...``
 
 ``--devices N`` simulates N CPU devices; it must be handled before JAX starts a backend,
 which is why this module imports the heavy parts of jaxpar only inside the commands.
@@ -51,6 +54,62 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from jaxpar.planner import command as plan_command
+
+    return plan_command(args)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    _simulate_devices(args.devices)
+    from jaxpar.inspect import command as inspect_command
+
+    return inspect_command(args)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from jaxpar.launch import command as launch_command
+
+    return launch_command(args)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="choose a mesh, ZeRO stage, remat and microbatches")
+    plan.add_argument("--model", required=True, help="run or model config YAML")
+    plan.add_argument("--chips", required=True,
+                      help="chip kind and count, e.g. tpu-v5p:256, h100:64, cpu:8")
+    plan.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--seq", type=int, required=True, help="sequence length")
+    plan.add_argument("--catalog", help="YAML file with extra chip kinds")
+    plan.add_argument("--top", type=int, default=5, help="plans to show")
+    plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
+    plan.add_argument("--json", action="store_true", help="print the plans as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="model overrides, e.g. model.n_layers=40")
+    plan.set_defaults(func=_cmd_plan)
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    inspect = sub.add_parser("inspect", help="compile one train step and report what XLA did")
+    inspect.add_argument("--config", help="YAML config file")
+    inspect.add_argument("--devices", type=int, help="simulate N CPU devices")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    inspect.set_defaults(func=_cmd_inspect)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    launch = sub.add_parser("launch", help="run a jaxpar command as several local processes")
+    launch.add_argument("--processes", type=int, required=True, help="processes to start")
+    launch.add_argument("--devices-per-process", type=int, default=1,
+                        help="simulated CPU devices in each process")
+    launch.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    launch.add_argument("command_args", nargs=argparse.REMAINDER,
+                        help="-- then the jaxpar command, e.g. -- train --config ...")
+    launch.set_defaults(func=_cmd_launch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every jaxpar command."""
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.splitlines()[0])
@@ -59,10 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a config")
     train.add_argument("--config", help="YAML config file (defaults apply without one)")
     train.add_argument("--devices", type=int, help="simulate N CPU devices")
-    train.add_argument("--out", help="run folder for config.yaml and metrics.jsonl")
+    train.add_argument("--out", help="run folder for config.yaml, metrics.jsonl, checkpoints/")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in OUT/checkpoints")
+    train.add_argument("--coordinator", help="multi-process: coordinator host:port")
+    train.add_argument("--num-processes", type=int, help="multi-process: process count")
+    train.add_argument("--process-id", type=int, help="multi-process: this process's index")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. mesh.tensor=2 train.steps=50")
     train.set_defaults(func=_cmd_train)
+    _add_plan(sub)
+    _add_inspect(sub)
+    _add_launch(sub)
     return parser
 
 
