@@ -1,0 +1,103 @@
+"""``jaxpar inspect``: one compiled (never run) train step, reported as JSON and as tables."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+import jaxpar
+from jaxpar import cli
+from jaxpar.inspect import compare_collectives
+from jaxpar.report import fmt_bytes, table
+
+# The tiny config on its own fsdp_tp mesh (data=2 x fsdp=2 x tensor=2), with a short batch
+# so the compile stays quick.
+FAST = ["train.global_batch=16", "train.seq_len=32"]
+
+
+@pytest.fixture(scope="module")
+def report(devices):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["inspect", "--config", "configs/tiny.yaml", "--json", *FAST]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_json_has_every_key(report):
+    assert {"params", "memory", "collectives", "flops", "predicted"} <= set(report)
+    assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(report["memory"])
+    assert all(report["memory"][k] > 0 for k in ("argument_bytes", "output_bytes",
+                                                  "temp_bytes"))
+    assert report["flops"] > 0
+    for row in report["collectives"]:
+        assert {"kind", "count", "bytes_per_device", "axes"} <= set(row)
+        assert row["count"] > 0 and row["bytes_per_device"] > 0
+    if report["predicted"] is None:
+        assert any("planner" in n for n in report["notes"])
+    else:
+        assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(
+            report["predicted"]["memory"])
+
+
+def test_params_table_matches_the_model(report):
+    config = jaxpar.load_config("configs/tiny.yaml")
+    assert report["param_count"] == config.model.param_count()
+    rows = {r["path"]: r for r in report["params"]}
+    assert sum(r["bytes_per_device"] for r in rows.values()) < 4 * config.model.param_count()
+    up = rows["blocks/mlp/w_up/kernel"]
+    assert up["logical_axes"] == ["layers", "embed", "mlp"]
+    assert up["spec"] == [None, "fsdp", "tensor"]
+    assert up["bytes_per_device"] == 4 * 128 * 512 * 4 // 4
+    # The argument buffers hold params, Adam's two moments and the batch: about 3x params.
+    params_bytes = sum(r["bytes_per_device"] for r in rows.values())
+    assert 2.5 * params_bytes < report["memory"]["argument_bytes"] < 4 * params_bytes
+
+
+def test_fsdp_gathers_and_tensor_reduces(report):
+    kinds = {(r["kind"], tuple(r["axes"])) for r in report["collectives"]}
+    assert ("all-gather", ("fsdp",)) in kinds
+    assert ("all-reduce", ("tensor",)) in kinds
+    assert all(set(r["axes"]) <= {"data", "stage", "fsdp", "tensor"}
+               for r in report["collectives"])
+
+
+def test_human_tables_print(devices, capsys):
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", *FAST]
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=2 x fsdp=2 x tensor=2 (8 devices)" in out
+    for heading in ("Parameters:", "Memory per device", "Collectives in the optimized HLO",
+                    "FLOPs per device", "pred/meas", "blocks/mlp/w_up/kernel"):
+        assert heading in out
+    assert "all-reduce  tensor" in out
+
+
+def test_bad_config_key_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--config",
+                           "configs/tiny.yaml", "--devices", "8", "plan.rulez=tp"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("jaxpar: error: unknown config key 'plan.rulez'; "
+                                   "did you mean 'plan.rules'?")
+
+
+def test_compare_collectives_joins_on_kind_and_axes(devices):
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    measured = [{"kind": "all-reduce", "axes": ["data", "fsdp"], "count": 2,
+                 "bytes_per_device": 100}]
+    predicted = [{"kind": "all-reduce", "axes": ["fsdp", "data"], "bytes_per_device": 90},
+                 {"kind": "all-gather", "axes": ["fsdp"], "bytes_per_device": 10}]
+    rows = compare_collectives(measured, predicted, mesh)
+    assert rows[0]["predicted_bytes_per_device"] == 90
+    assert rows[1] == {"kind": "all-gather", "axes": ["fsdp"], "count": 0,
+                       "bytes_per_device": None, "predicted_bytes_per_device": 10.0}
+
+
+def test_table_and_bytes_formatting():
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(1536) == "1.50 KiB"
+    assert fmt_bytes(None) == "-"
+    text = table(["a", "bb"], [("x", 1), ("yyy", 22)], right=(1,))
+    assert text.splitlines() == ["  a    bb", "  ---  --", "  x     1", "  yyy  22"]
