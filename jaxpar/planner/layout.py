@@ -1,0 +1,119 @@
+"""Where each parameter lives for a candidate layout, computed without devices.
+
+The planner resolves shardings with the very code the Trainer uses
+(:func:`jaxpar.rules.preset`, :meth:`Rules.spec`, :func:`jaxpar.zero.zero_spec`), against a
+stand-in mesh that has only axis sizes, so its per-device sizes are the Trainer's exactly.
+
+For every tensor it records the elements one device holds in four layouts:
+
+* ``base``: the parameter rules' layout (what optimizer state uses at ZeRO 0);
+* ``zero``: with the free data-parallel axes added (ZeRO 1-3 state, ZeRO 2-3 gradients);
+* ``compute``: what a matmul needs, the stored layout without data-parallel axes (weights
+  sharded over ``fsdp`` or by ZeRO-3 are all-gathered to it, just in time);
+* and which data-parallel axes the stored gradient is split over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+from types import SimpleNamespace
+
+from jax.sharding import PartitionSpec
+
+from jaxpar import rules as rules_lib
+from jaxpar.errors import JaxparError
+from jaxpar.mesh import MESH_AXES
+from jaxpar.planner.model import ModelSpec, Tensor
+from jaxpar.zero import zero_spec
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def local_elems(shape: tuple[int, ...], spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    """Elements one device holds of an array of ``shape`` laid out as ``spec``."""
+    n = 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, entry in zip(shape, entries, strict=True):
+        n *= dim // math.prod(sizes[a] for a in _axes(entry))
+    return n
+
+
+def _drop(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in _axes(entry) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """One tensor's per-device elements in each layout (see the module docstring)."""
+
+    tensor: Tensor
+    base: int
+    zero: int
+    compute: int
+    store_dp_axes: tuple[str, ...]  # data-parallel axes the stored parameter is split over
+    zero_axes: tuple[str, ...]  # axes ZeRO adds to optimizer state / gradients
+    base_dp_axes: tuple[str, ...]  # data-parallel axes already in the base layout (FSDP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """All tensors of a model placed on a mesh under a rules preset and ZeRO stage."""
+
+    sizes: dict[str, int]
+    dp_axes: tuple[str, ...]
+    dp: int
+    tp_axes: tuple[str, ...]
+    placed: tuple[Placed, ...]
+    zero_stage: int
+
+    def total(self, which: str) -> int:
+        """Sum over tensors of one layout's per-device elements."""
+        return sum(getattr(p, which) for p in self.placed)
+
+
+@lru_cache(maxsize=4096)
+def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], rules: str,
+                   zero_stage: int) -> Layout:
+    sizes = dict(sizes_items)
+    mesh = SimpleNamespace(shape=sizes)
+    param_rules, act_rules = rules_lib.preset(rules)
+    batch = act_rules.spec(("batch",), mesh)[0]
+    dp_axes = _axes(batch)
+    dp = math.prod(sizes[a] for a in dp_axes)
+    tp_axes = tuple(a for a in ("tensor",) if sizes.get(a, 1) > 1 and a not in dp_axes)
+    placed = []
+    for t in spec.tensors:
+        base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
+        zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
+        store = zspec if zero_stage >= 3 else base_spec
+        store_dp = tuple(a for e in store for a in _axes(e) if a in dp_axes)
+        base_dp = tuple(a for e in base_spec for a in _axes(e) if a in dp_axes)
+        zero_axes = tuple(a for e in zspec for a in _axes(e) if a in dp_axes and a not in base_dp)
+        compute = _drop(store, dp_axes)
+        placed.append(Placed(t, local_elems(t.shape, base_spec, sizes),
+                             local_elems(t.shape, zspec, sizes),
+                             local_elems(t.shape, compute, sizes), store_dp, zero_axes, base_dp))
+    return Layout(sizes, dp_axes, dp, tp_axes, tuple(placed), zero_stage)
+
+
+def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: int) -> Layout:
+    """Place ``spec``'s tensors on a mesh of total axis ``sizes`` (ICI x DCN per axis).
+
+    Raises:
+      JaxparError: when a sharded dimension does not divide (the message names it).
+    """
+    full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+    if any(v < 1 for v in full.values()):
+        raise JaxparError(f"mesh sizes must be positive, got {full}")
+    return _layout_cached(spec, tuple(full.items()), rules, zero_stage)

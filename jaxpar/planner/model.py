@@ -1,0 +1,141 @@
+"""What the planner knows of a model: its parameter tensors (shape, logical axis names) and,
+for transformers, the sizes that drive activation memory and attention FLOPs.
+
+Two sources: a :class:`jaxpar.models.TransformerConfig` (read analytically, in microseconds,
+so the search can evaluate thousands of candidates), or any Flax NNX model factory, read by
+abstract evaluation (``nnx.eval_shape``: shapes and logical names, no arrays allocated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from jaxpar.errors import JaxparError
+from jaxpar.models.transformer import TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter array as the Trainer stores it (stacked layers keep their axis)."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        """Elements."""
+        return math.prod(self.shape)
+
+    @property
+    def per_layer(self) -> bool:
+        """True for a decoder-layer weight stacked over ``layers`` (or the pipeline's
+        ``repeat, stage``): the scan runs it once per layer, and HLO holds its
+        collectives once, inside the loop body."""
+        return bool(self.names) and self.names[0] in ("layers", "repeat")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Parameters plus the transformer sizes (zero for a generic model)."""
+
+    tensors: tuple[Tensor, ...]
+    n_layers: int = 0
+    d_model: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    d_ff: int = 0
+    vocab_size: int = 0
+    tie_embeddings: bool = False
+    name: str = "model"
+
+    @property
+    def n_params(self) -> int:
+        """All parameters."""
+        return sum(t.size for t in self.tensors)
+
+    @property
+    def n_dense(self) -> int:
+        """Parameters that take part in matmuls (everything but the embedding lookup
+        table, unless it is tied to the output head, and the norm scales)."""
+        skip = 0
+        for t in self.tensors:
+            if "norm" in t.names or (t.path == "embed" and not self.tie_embeddings):
+                skip += t.size
+        return self.n_params - skip
+
+    @property
+    def is_transformer(self) -> bool:
+        """True when the activation sizes are known."""
+        return self.n_layers > 0 and self.d_model > 0
+
+
+def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
+    """The parameter tensors of :class:`jaxpar.models.Transformer` for ``cfg``.
+
+    With ``stages > 1`` the decoder layers use the pipeline layout ``(repeat, stage, ...)``.
+    """
+    d, h, L = cfg.d_model, cfg.head_dim, cfg.n_layers
+    n, k, f, v = cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
+    if stages > 1:
+        if L % stages:
+            raise JaxparError(f"model.n_layers={L} is not divisible by {stages} stages")
+        lead, lead_names = (L // stages, stages), ("repeat", "stage")
+    else:
+        lead, lead_names = (L,), ("layers",)
+    layer = [
+        ("attn_norm/scale", (d,), ("norm",)),
+        ("attn/wq/kernel", (d, n, h), ("embed", "heads", "head_dim")),
+        ("attn/wk/kernel", (d, k, h), ("embed", "kv_heads", "head_dim")),
+        ("attn/wv/kernel", (d, k, h), ("embed", "kv_heads", "head_dim")),
+        ("attn/wo/kernel", (n, h, d), ("heads", "head_dim", "embed")),
+        ("mlp_norm/scale", (d,), ("norm",)),
+        ("mlp/w_gate/kernel", (d, f), ("embed", "mlp")),
+        ("mlp/w_up/kernel", (d, f), ("embed", "mlp")),
+        ("mlp/w_down/kernel", (f, d), ("mlp", "embed")),
+    ]
+    tensors = [Tensor("embed", (v, d), ("vocab", "embed"))]
+    tensors += [Tensor(f"blocks/{p}", lead + s, lead_names + names) for p, s, names in layer]
+    tensors.append(Tensor("final_norm/scale", (d,), ("norm",)))
+    if not cfg.tie_embeddings:
+        tensors.append(Tensor("lm_head/kernel", (d, v), ("embed", "vocab")))
+    return ModelSpec(tuple(tensors), L, d, n, k, h, f, v, cfg.tie_embeddings,
+                     name=f"transformer d{d} L{L}")
+
+
+def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
+    """Parameter tensors of any Flax NNX model, by abstract evaluation (no arrays made).
+
+    Logical names come from each variable's sharding metadata (``nnx.with_partitioning``);
+    a parameter without names counts as replicated. A model that carries a
+    ``TransformerConfig`` as ``.config`` also gets the activation sizes.
+    """
+    import jax
+    from flax import nnx
+
+    from jaxpar.pipeline import _names
+
+    try:
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(factory)
+    except JaxparError:
+        raise
+    except Exception as err:  # the factory is user code: say which step failed
+        raise JaxparError(f"could not evaluate the model factory abstractly: {err}") from None
+    params = nnx.state(abstract, nnx.Param)
+    tensors = []
+    for path, var in jax.tree_util.tree_leaves_with_path(
+            params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        shape = tuple(var.get_value().shape)
+        names = _names(var) or (None,) * len(shape)
+        key = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        tensors.append(Tensor(key, shape, tuple(names)))
+    cfg = getattr(abstract, "config", None)
+    if isinstance(cfg, TransformerConfig):
+        t = from_transformer(cfg)
+        return dataclasses.replace(t, tensors=tuple(tensors), name=name)
+    return ModelSpec(tuple(tensors), name=name)
