@@ -3,9 +3,22 @@ on a machine, from a cost model that needs no devices.
 
 Public API: :func:`plan` (search), :func:`estimate` (one candidate), :func:`predict` (the
 figures for an actual run config, as ``jaxpar inspect`` measures them) and :func:`command`
-(the ``jaxpar plan`` CLI).
+(the ``jaxpar plan`` CLI, in :mod:`jaxpar.planner.cli`).
+
+Example::
+
+    from jaxpar.planner import plan
+    best = plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=512, seq=4096)[0]
+    print(best.candidate.describe(), best.step_time_s, best.mfu)
 """
 
+from __future__ import annotations
+
+from jaxpar.planner.api import estimate, plan, resolve_model
+from jaxpar.planner.catalog import BUILTIN, Chip, Machine, load_catalog, parse_chips
+from jaxpar.planner.cli import command
+from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.predict import predict
 
-__all__ = ["predict"]
+__all__ = ["BUILTIN", "Candidate", "Chip", "Estimate", "Machine", "command", "estimate",
+           "load_catalog", "parse_chips", "plan", "predict", "resolve_model"]

@@ -113,6 +113,7 @@ class Estimate:
     mfu: float
     fits: bool
     hbm_bytes: float
+    reason: str = ""
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -190,7 +191,7 @@ def working_set_bytes(spec: ModelSpec, loc: _Local, seq: int, act: int) -> float
     gradient (``vocab`` per token each).
     """
     d = spec.d_model
-    attn = loc.tokens * (4 * loc.heads * seq * 4 + act * (4 * loc.d_ff + 8 * d))
+    attn = loc.tokens * (3 * loc.heads * seq * 4 + act * (4 * loc.d_ff + 8 * d))
     loss = loc.tokens * 3 * loc.vocab * 4
     return max(attn, loss)
 
@@ -209,7 +210,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     master = opt_elems * 4 if mixed else 0
     opt = moments * opt_elems * 4
     batch = global_batch * (seq + 1) * 4 / lay.dp
-    act = 4 if backend == "cpu" else c  # XLA:CPU computes bf16 in f32
+    act = c
     loc = _local(spec, lay, cand, global_batch, seq)
     stages = lay.sizes.get("stage", 1)
     if spec.is_transformer:
@@ -217,12 +218,13 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act)
         if stages > 1:  # the pipeline keeps every in-flight microbatch's activations
             saved *= min(_pipe_m(cand, stages), stages)
-        work = working_set_bytes(spec, loc, seq, act)
+        # XLA:CPU runs bf16 matmuls in f32, so its transients are f32 whatever the policy.
+        work = working_set_bytes(spec, loc, seq, 4 if backend == "cpu" else c)
     else:
         saved = work = 0.0
     # Gradients: the backward pass accumulates them in the compute layout (f32 on CPU,
     # compute dtype elsewhere); with gradient accumulation an f32 running sum as well.
-    grads = lay.total("compute") * act
+    grads = lay.total("compute") * (4 if backend == "cpu" else c)
     if cand.microbatches > 1:
         grads += base * 4
     # The update: clipped gradients and Adam's new moments in the optimizer's layout.
@@ -323,13 +325,30 @@ def model_flops(spec: ModelSpec, global_batch: int, seq: int) -> float:
     return tokens * (6 * spec.n_dense + attn)
 
 
+def _layer_forward_flops(spec: ModelSpec, seq: int) -> dict[str, float]:
+    """Forward FLOPs per token of one decoder layer, by part."""
+    d, h, n, k, f = spec.d_model, spec.head_dim, spec.n_heads, spec.n_kv_heads, spec.d_ff
+    return {"qkv": 2 * d * h * (n + 2 * k), "wo": 2 * n * h * d, "gate_up": 4 * d * f,
+            "down": 2 * f * d, "attention": 4 * n * h * seq}
+
+
+_RECOMPUTED = {"none": (), "dots_saveable": (), "offload_dots": (),
+               "dots_with_no_batch_dims_saveable": ("attention",),
+               "save_attention_and_mlp_outputs": ("qkv", "gate_up", "attention"),
+               "full": ("qkv", "wo", "gate_up", "down", "attention")}
+
+
 def hardware_flops(spec: ModelSpec, global_batch: int, seq: int, remat: str) -> float:
-    """FLOPs actually executed: full remat reruns the forward pass (``+2N`` per token plus
-    attention); the partial policies rerun the non-matmul work only."""
+    """FLOPs actually executed: the model FLOPs plus the forward matmuls the remat policy
+    recomputes (``full``: the whole layer; ``save_attention_and_mlp_outputs``: all but the
+    attention-output and MLP-down projections; ``dots_with_no_batch_dims_saveable``: the
+    attention score and value products)."""
     base = model_flops(spec, global_batch, seq)
-    if remat == "full":
-        return base * 4 / 3
-    return base
+    if not spec.is_transformer:
+        return base * (4 / 3 if remat == "full" else 1)
+    parts = _layer_forward_flops(spec, seq)
+    extra = sum(parts[p] for p in _RECOMPUTED.get(remat, ()))
+    return base + global_batch * seq * spec.n_layers * extra
 
 
 def _collective_time(row: dict[str, Any], cand: Candidate, machine: Machine) -> float:

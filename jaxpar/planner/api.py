@@ -1,0 +1,173 @@
+"""The planner's Python API: :func:`plan` and :func:`estimate`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxpar.config import Config, load_config
+from jaxpar.errors import JaxparError
+from jaxpar.models.transformer import TransformerConfig
+from jaxpar.planner.catalog import Chip, Machine, parse_chips
+from jaxpar.planner.cost import Candidate, Estimate
+from jaxpar.planner.cost import estimate as _estimate
+from jaxpar.planner.model import ModelSpec, from_nnx, from_transformer
+from jaxpar.planner.search import reason, search
+
+ModelLike = TransformerConfig | Config | str | Path | Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A model argument made concrete: the spec per pipeline stage count, and the run
+    config it came from (for ``--write``), if any."""
+
+    spec_for: Callable[[int], ModelSpec]
+    config: Config | None
+    name: str
+    pipeline: bool = True
+
+
+def resolve_model(model: ModelLike, overrides: Iterable[str] = ()) -> Resolved:
+    """Accept a TransformerConfig, a run Config, a YAML path, or an NNX model factory.
+
+    ``overrides`` (``model.<field>=value``) apply to YAML paths and Configs.
+    """
+    overrides = list(overrides)
+    if isinstance(model, (str, Path)):
+        model = load_config(model, overrides)
+        overrides = []
+    if isinstance(model, Config):
+        if overrides:
+            from jaxpar.config import _build, apply_overrides
+
+            model = _build(Config, apply_overrides(model.to_dict(), overrides))
+        cfg = model.model
+        return Resolved(lambda s: from_transformer(cfg, stages=s), model,
+                        f"d{cfg.d_model} L{cfg.n_layers}")
+    if overrides:
+        raise JaxparError("model overrides need a YAML path or a jaxpar.Config model")
+    if isinstance(model, TransformerConfig):
+        cfg = model
+        return Resolved(lambda s: from_transformer(cfg, stages=s), None,
+                        f"d{cfg.d_model} L{cfg.n_layers}")
+    if callable(model):
+        spec = from_nnx(model)
+
+        def spec_for(stages: int) -> ModelSpec:
+            if stages > 1:
+                raise JaxparError("pipeline stages need the reference transformer")
+            return spec
+
+        return Resolved(spec_for, None, spec.name, pipeline=False)
+    raise JaxparError(f"cannot plan for a {type(model).__name__}; pass a TransformerConfig, "
+                      "a jaxpar.Config, a YAML path or an NNX model factory")
+
+
+def _machine(chips: str | Machine, slices: int,
+             catalog: str | Path | Mapping[str, Chip] | None) -> Machine:
+    return chips if isinstance(chips, Machine) else parse_chips(chips, slices=slices,
+                                                                 catalog=catalog)
+
+
+def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
+         slices: int = 1, catalog: str | Path | Mapping[str, Chip] | None = None,
+         top: int = 5, precision: str = "bfloat16", overrides: Iterable[str] = ()
+         ) -> list[Estimate]:
+    """The best plans for training ``model`` on ``chips``, fastest first.
+
+    Args:
+      model: TransformerConfig, run Config, YAML path or NNX model factory.
+      chips: ``"kind:count"`` (e.g. ``"tpu-v5p:256"``, ``"h100:64"``, ``"cpu:8"``).
+      global_batch: sequences per optimizer step.
+      seq: sequence length.
+      slices: ICI domains joined by DCN (GPU nodes are inferred from the chip's domain).
+      catalog: YAML file (or mapping) with extra chip kinds.
+      top: how many plans to return (at least two are computed, for the reason).
+      precision: compute dtype; ``bfloat16`` means f32 master weights, bf16 compute.
+      overrides: ``model.<field>=value`` for a YAML path or Config.
+
+    Returns:
+      :class:`Estimate` s, best first. Each has ``candidate`` (mesh and knobs),
+      ``memory``, ``step_time_s``, ``mfu``, ``fits`` and ``reason`` (why it beats the
+      next one; for the winner, why it beats the runner-up). When nothing fits, the plans
+      needing the least memory, with ``fits=False``.
+
+    Raises:
+      JaxparError: for an unknown chip kind, a malformed ``chips``, or a bad model.
+    """
+    if global_batch < 1 or seq < 1:
+        raise JaxparError(f"global batch and seq must be positive, got {global_batch}, {seq}")
+    resolved = resolve_model(model, overrides)
+    machine = _machine(chips, slices, catalog)
+    optimizer = resolved.config.train.optimizer if resolved.config else "adamw"
+    result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
+                    optimizer=optimizer, top=top, pipeline=resolved.pipeline)
+    plans = result.plans
+    for i, est in enumerate(plans):
+        est.reason = reason(est, plans[i + 1] if i + 1 < len(plans) else None)
+    return plans[:top]
+
+
+def estimate(model: ModelLike, candidate: Candidate, *, chips: str | Machine,
+             global_batch: int, seq: int, slices: int = 1,
+             catalog: str | Path | Mapping[str, Chip] | None = None,
+             backend: str | None = None) -> Estimate:
+    """The cost model's figures for one candidate (see :class:`Candidate`)."""
+    resolved = resolve_model(model)
+    machine = _machine(chips, slices, catalog)
+    if candidate.n_devices != machine.count:
+        raise JaxparError(f"candidate mesh spans {candidate.n_devices} devices, machine has "
+                          f"{machine.count}")
+    spec = resolved.spec_for(candidate.sizes["stage"])
+    return _estimate(spec, machine, candidate, global_batch, seq, backend=backend)
+
+
+def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
+    """JSON-ready summary of a plan (what ``jaxpar plan --json`` prints)."""
+    c = est.candidate
+    return {
+        "mesh": c.mesh_dict(),
+        "rules": c.rules,
+        "zero_stage": c.zero_stage,
+        "remat": c.remat,
+        "microbatches": c.microbatches,
+        "pipeline_microbatches": c.pipeline_microbatches,
+        "precision": c.precision,
+        "memory_per_device_bytes": int(est.memory_per_device_bytes),
+        "memory": {k: int(v) for k, v in est.memory.items()},
+        "hbm_bytes": int(est.hbm_bytes),
+        "fits": est.fits,
+        "step_time_s": est.step_time_s,
+        "compute_s": est.compute_s,
+        "comm_s": est.comm_s,
+        "bubble": est.bubble,
+        "tokens_per_s": global_batch * seq / est.step_time_s,
+        "tflops_per_device": est.model_flops / est.step_time_s / 1e12,
+        "mfu": est.mfu,
+        "reason": est.reason,
+    }
+
+
+def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig | None,
+               global_batch: int, seq: int) -> Config:
+    """The run config that trains with this plan (``jaxpar train --config`` accepts it)."""
+    c = est.candidate
+    ici, dcn = dict(c.ici), dict(c.dcn)
+    data: dict[str, Any] = base.to_dict() if base is not None else Config().to_dict()
+    if model_cfg is not None:
+        data["model"] = dataclasses.asdict(model_cfg)
+    data["model"]["max_seq_len"] = max(int(data["model"]["max_seq_len"]), seq)
+    data["mesh"] = {**{a: ici[a] for a in ("data", "stage", "fsdp", "tensor")},
+                    **{f"dcn_{a}": dcn[a] for a in ("data", "stage", "fsdp", "tensor")}}
+    compute = "bfloat16" if c.precision in ("bfloat16", "bf16") else c.precision
+    data["plan"] = {"rules": c.rules, "zero_stage": c.zero_stage,
+                    "precision": f"params=float32,compute={compute},output=float32",
+                    "remat": c.remat, "microbatches": c.microbatches}
+    data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}
+    data["train"] = {**data["train"], "global_batch": global_batch, "seq_len": seq}
+    from jaxpar.config import _build
+
+    return _build(Config, data)

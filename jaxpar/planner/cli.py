@@ -1,0 +1,71 @@
+"""``jaxpar plan``: print the best plans as a table or JSON, optionally write the winner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jaxpar.errors import JaxparError
+from jaxpar.planner.api import plan, resolve_model, run_config, to_dict
+from jaxpar.planner.catalog import parse_chips
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f}"
+
+
+def _mesh_text(mesh: dict) -> str:
+    parts = []
+    for axis, m in mesh.items():
+        if m["size"] > 1:
+            parts.append(f"{axis}={m['ici']}" + (f"*{m['dcn']}" if m["dcn"] > 1 else ""))
+    return " ".join(parts) or "single"
+
+
+def table(rows: list[dict], header: str) -> str:
+    """Plain aligned text: one line per plan, then the winner's reason."""
+    cols = ["#", "mesh (ici*dcn)", "zero", "remat", "mb", "pp_mb", "mem GiB", "fits",
+            "step s", "TFLOP/s", "MFU"]
+    lines = []
+    for i, r in enumerate(rows, 1):
+        lines.append([str(i), _mesh_text(r["mesh"]), str(r["zero_stage"]), r["remat"],
+                      str(r["microbatches"]), str(r["pipeline_microbatches"] or "-"),
+                      f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
+                      "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
+                      f"{r['tflops_per_device']:.0f}", f"{r['mfu'] * 100:.1f}%"])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+    out = [header, fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines)]
+    if rows:
+        out.append(f"why #1: {rows[0]['reason']}")
+    return "\n".join(out)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run ``jaxpar plan`` with the parsed CLI arguments; returns the exit code."""
+    overrides = list(args.overrides or [])
+    bad = [o for o in overrides if not o.startswith("model.")]
+    if bad:
+        raise JaxparError(f"jaxpar plan takes model.<field>=value overrides only, got {bad[0]!r}")
+    resolved = resolve_model(args.model, overrides)
+    machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
+    plans = plan(resolved.config, chips=machine, global_batch=args.global_batch, seq=args.seq,
+                 top=args.top)
+    rows = [to_dict(p, args.global_batch, args.seq) for p in plans]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        cfg = resolved.config.model
+        header = (f"plan: {cfg.param_count() / 1e9:.2f}B params on {machine.describe()}, "
+                  f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
+                  f"f32 master + Adam")
+        print(table(rows, header))
+    if args.write:
+        if not plans:
+            raise JaxparError("no plan to write")
+        config = run_config(plans[0], resolved.config, None, args.global_batch, args.seq)
+        config.save(Path(args.write))
+        if not args.json:
+            print(f"wrote {args.write}: jaxpar train --config {args.write}")
+    return 0
