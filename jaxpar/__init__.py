@@ -8,9 +8,13 @@ Annotate a model with logical axis names, pick a mesh, and train it sharded::
     model = jaxpar.init_sharded(lambda: jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(0)), plan)
     trainer = jaxpar.Trainer(model, optax.adamw(3e-3), plan)
     metrics = trainer.step(batch)
+
+Or let the planner choose the mesh for a machine you do not have::
+
+    best = jaxpar.plan(cfg, chips="tpu-v5p:256", global_batch=512, seq=4096)[0]
 """
 
-from jaxpar import lora, models, pipeline
+from jaxpar import lora, models, pipeline, planner
 from jaxpar.config import Config, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import MESH_AXES, make_mesh
@@ -18,6 +22,11 @@ from jaxpar.partitioning import init_sharded, state_shardings
 from jaxpar.plan import Plan, constrain, current_plan
 from jaxpar.rules import Rules
 from jaxpar.train import Trainer
+
+# ``jaxpar.plan(...)`` is the planner's entry point. The ``jaxpar.plan`` module (home of
+# :class:`Plan`) was imported above, so ``from jaxpar.plan import ...`` keeps working;
+# only the package attribute now names the function.
+plan = planner.plan
 
 __all__ = [
     "MESH_AXES",
@@ -34,6 +43,8 @@ __all__ = [
     "lora",
     "models",
     "pipeline",
+    "plan",
+    "planner",
     "state_shardings",
 ]
 __version__ = "0.1.0"

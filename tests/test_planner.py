@@ -97,6 +97,13 @@ def test_llama_7b_on_v5p_256_fits_and_is_sane():
     assert best.step_time_s > 6 * 6.7e9 * 512 * 4096 / (459e12 * 256)
 
 
+def test_top_level_plan_is_the_planner():
+    best = jaxpar.plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=512,
+                       seq=4096, top=1)[0]
+    assert best.fits and best.candidate.n_devices == 256
+    assert jaxpar.Plan.__module__ == "jaxpar.plan"  # the Plan class is untouched
+
+
 def test_1024_chip_plan_answers_quickly():
     start = time.perf_counter()
     plans = plan("configs/llama-70b.yaml", chips="tpu-v5p:1024", global_batch=1024, seq=4096,
