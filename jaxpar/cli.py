@@ -29,6 +29,9 @@ def _simulate_devices(n: int | None) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     _simulate_devices(args.devices)
+    from jaxpar.launch import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
 
     from jaxpar.config import load_config
@@ -37,20 +40,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     mesh = make_mesh(config.mesh.ici(), dcn=config.mesh.dcn())
-    print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"mesh {describe(mesh)}, rules {config.plan.rules}, "
-          f"model {config.model.param_count() / 1e6:.2f}M params")
-    if mesh.shape["stage"] > 1:
+    writer = jax.process_index() == 0
+    if writer:
+        procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices{procs}, "
+              f"mesh {describe(mesh)}, rules {config.plan.rules}, "
+              f"model {config.model.param_count() / 1e6:.2f}M params", flush=True)
+    if mesh.shape["stage"] > 1 and writer:
         from jaxpar.pipeline import Schedule
 
         print(Schedule.for_model(config.model.n_layers, mesh.shape["stage"],
                                  config.pipeline.microbatches, config.pipeline.repeats
                                  ).describe())
-    _, history = train(config, args.out)
-    s = summarize(history)
-    print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "
-          f"{s['mean_tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s'] * 1e3:.1f} ms/step"
-          + (f"; wrote {args.out}/metrics.jsonl" if args.out else ""))
+    _, history = train(config, args.out, resume=args.resume)
+    if writer and history:
+        s = summarize(history)
+        print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "
+              f"{s['mean_tokens_per_s']:,.0f} tokens/s, "
+              f"{s['mean_step_time_s'] * 1e3:.1f} ms/step"
+              + (f"; wrote {args.out}/metrics.jsonl and checkpoints/" if args.out else ""))
+    elif writer:
+        print(f"done: already at step {config.train.steps}; nothing to train")
     return 0
 
 

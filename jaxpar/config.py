@@ -2,8 +2,9 @@
 
 Sections: ``model`` (the :class:`~jaxpar.models.TransformerConfig` fields), ``mesh``
 (axis sizes), ``plan`` (rules preset), ``train`` (steps, batch, optimizer) and ``data``
-(the corpus). An unknown key anywhere is an error that names it and suggests the closest
-valid key.
+(the corpus), ``lora``, ``pipeline``, ``checkpoint``, and the top-level ``init_from``
+(weights to start from). An unknown key anywhere is an error that names it and suggests
+the closest valid key.
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints under ``OUT/checkpoints`` (see :mod:`jaxpar.checkpoint`): a save every
+    ``every`` steps (0: only at the end) and at the end, the newest ``keep`` kept, written
+    in the background while training goes on when ``async_save``."""
+
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -107,6 +119,10 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    init_from: str = ""
+    """Checkpoint folder (``RUN/checkpoints``) whose model weights initialise this run's
+    (base) model; optimizer and step start fresh."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (what ``config.yaml`` holds)."""

@@ -144,7 +144,11 @@ class Trainer:
     # --- construction ---------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Config) -> Trainer:
-        """Mesh, plan, sharded model and optimizer from a loaded config, as the CLI builds them."""
+        """Mesh, plan, sharded model and optimizer from a loaded config, as the CLI builds them.
+
+        With ``config.init_from``, the model's weights come from that run's newest
+        checkpoint (see :func:`jaxpar.checkpoint.load_weights`); the optimizer starts fresh.
+        """
         mesh = make_mesh(config.mesh.ici(), dcn=config.mesh.dcn())
         p = config.plan
         plan = Plan.from_preset(mesh, p.rules, precision=Policy.parse(p.precision),
@@ -158,6 +162,10 @@ class Trainer:
                     if stages > 1 else None)
         model = init_sharded(
             lambda: Transformer(config.model, rngs=nnx.Rngs(seed), pipeline=schedule), plan)
+        if config.init_from:  # weights of an earlier run, before LoRA wraps them
+            from jaxpar.checkpoint import load_weights
+
+            load_weights(model, config.init_from, stages=stages)
         with plan.activate():
             lora_lib.apply_config(model, config.lora, rngs=seed, plan=plan)
         trainable = lora_lib.select_trainable(model, config.train.trainable)

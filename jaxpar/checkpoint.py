@@ -1,0 +1,491 @@
+"""Checkpoints that survive faults: asynchronous, atomic, sharded saves restored into any plan.
+
+A run's checkpoints live under ``RUN/checkpoints``, one folder per step, written by an
+``orbax.checkpoint.CheckpointManager`` with three items:
+
+* ``state``: the :class:`~jaxpar.Trainer`'s state pytree (``params``, ``frozen``,
+  ``opt_state``, ``step``, and ``master``/``loss_scale`` when the precision policy has
+  them), each array written shard by shard by the processes that hold it;
+* ``meta`` (JSON): the step, the seed (model init and data order derive from it; LoRA
+  dropout state is part of ``frozen``), the data loader's position and the layout it was
+  saved under;
+* ``config`` (JSON): the resolved run config.
+
+Saves are asynchronous: the step blocks only while arrays are copied off the devices, the
+files are written by a background thread. They are atomic: orbax writes into
+``<step>.orbax-checkpoint-tmp-*`` and renames the folder to ``<step>`` once every item of
+every process is on disk, so a folder named by its step alone is complete.
+
+Restoring reads every array straight into the shardings of the Trainer it restores into
+(each device reads only its own slices), so a checkpoint saved under one plan loads under
+another: another device count, mesh or ZeRO stage, or the pipeline's ``(repeat, stage)``
+layout of stacked layers (a reshape on the devices after reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.errors import JaxparError
+
+STATE, META, CONFIG = "state", "meta", "config"
+SAVE_DELAY_ENV = "JAXPAR_CHECKPOINT_TEST_DELAY"
+"""Test hook: seconds each save sleeps in the background before its last file is written."""
+
+
+class CorruptCheckpoint(JaxparError):
+    """A checkpoint folder that exists but cannot be read back."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt) and an older one used instead."""
+
+
+class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
+    """JSON item that honours :data:`SAVE_DELAY_ENV`, so tests can kill a process mid-save."""
+
+    async def _save_fn(self, x, directory):
+        delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await super()._save_fn(x, directory)
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_save=True)
+class _MetaSave(ocp.args.JsonSave):
+    """Save args of :class:`_MetaHandler`."""
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
+class _MetaRestore(ocp.args.JsonRestore):
+    """Restore args of :class:`_MetaHandler`."""
+
+
+# --- pytree <-> flat "a/b/c" paths --------------------------------------------------------
+def _key_str(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flat_paths(tree: Any) -> dict[str, Any]:
+    """``{"params/blocks/attn/wq/kernel": leaf, ...}`` in the tree's flattening order."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [_key_str(k) for k in path]
+        if len(parts) > 1 and parts[-1] == "value":  # an nnx.Variable's payload
+            parts.pop()
+        out["/".join(parts)] = leaf
+    return out
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = root
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return root
+
+
+def _flatten_dict(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, Mapping):
+        return {prefix.rstrip("/"): tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flatten_dict(v, f"{prefix}{k}/"))
+    return out
+
+
+# --- matching a checkpoint to a target ----------------------------------------------------
+def _stack_lead(have: tuple, want: tuple, stages_have: int, stages_want: int
+                ) -> tuple[int, int] | None:
+    """Leading dims to merge when ``have`` and ``want`` differ only in how stacked layers
+    are laid out: ``(L, ...)`` unpipelined, ``(L // S, S, ...)`` over ``S`` pipeline
+    stages. None when they differ in any other way."""
+    ks = 2 if stages_have > 1 and len(have) >= 2 and have[1] == stages_have else 1
+    kw = 2 if stages_want > 1 and len(want) >= 2 and want[1] == stages_want else 1
+    if (ks, kw) == (1, 1) or len(have) < ks or len(want) < kw:
+        return None
+    if have[ks:] != want[kw:] or _prod(have[:ks]) != _prod(want[:kw]):
+        return None
+    return ks, kw
+
+
+def _prod(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _listing(items: list[str], limit: int = 10) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
+          stages: tuple[int, int] = (1, 1)
+          ) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, Callable]]:
+    """Abstract arrays to read for every ``target`` path, and reshapes to apply after.
+
+    ``saved`` maps paths to stored shapes; ``target`` maps paths to arrays (or abstract
+    arrays) carrying the wanted shape, dtype and sharding. ``stages``: pipeline stages the
+    checkpoint and the target were laid out for (stacked layers are converted).
+
+    Raises:
+      JaxparError: listing every path whose shape differs, is missing from the
+        checkpoint, or is in the checkpoint but not in the target.
+    """
+    missing = [k for k in target if k not in saved]
+    extra = [k for k in saved if k not in target]
+    wrong, abstract, fixes = [], {}, {}
+    for key, leaf in target.items():
+        if key not in saved:
+            continue
+        have, want = tuple(saved[key]), tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if have == want:
+            abstract[key] = jax.ShapeDtypeStruct(want, leaf.dtype, sharding=sharding)
+            continue
+        lead = _stack_lead(have, want, *stages)
+        if lead is None:
+            wrong.append(f"{key}: checkpoint {have}, expected {want}")
+            continue
+        ks, kw = lead
+        spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+        spec = spec + (None,) * (len(want) - len(spec))
+        mid = (NamedSharding(sharding.mesh, PartitionSpec(*((None,) * ks + spec[kw:])))
+               if isinstance(sharding, NamedSharding) else sharding)
+        abstract[key] = jax.ShapeDtypeStruct(have, leaf.dtype, sharding=mid)
+        fixes[key] = jax.jit(lambda x, want=want: x.reshape(want), out_shardings=sharding)
+    problems = []
+    wrong.sort(key=lambda w: w.startswith("opt_state"))  # model weights first
+    if wrong:
+        problems.append(f"shape mismatch at {_listing(wrong)}")
+    if missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in this model: {_listing(extra)}")
+    if problems:
+        raise JaxparError(f"{what} does not match the config: " + "; ".join(problems))
+    return abstract, fixes
+
+
+@contextlib.contextmanager
+def _quiet_asyncio() -> Iterator[None]:
+    """Silence asyncio's dump of every sibling read that failed with a corrupt file (the
+    first failure is reported, once, as a CorruptCheckpoint)."""
+    log = logging.getLogger("asyncio")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        gc.collect()  # the orphaned futures report when collected: do it while quiet
+        log.setLevel(level)
+
+
+def _brief(err: BaseException) -> str:
+    text = " ".join(str(err).split()).split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+# --- the manager --------------------------------------------------------------------------
+def _manager(directory: Path, *, keep: int | None = None, async_save: bool = True,
+             read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
+        read_only=read_only, cleanup_tmp_directories=not read_only)
+    handlers = {STATE: ocp.handlers.PyTreeCheckpointHandler(), META: _MetaHandler(),
+                CONFIG: ocp.handlers.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
+
+
+def resolve_dir(source: str | Path) -> Path:
+    """The checkpoint folder for ``source``: ``RUN/checkpoints`` itself or a ``RUN`` folder."""
+    path = Path(source).expanduser().absolute()
+    if (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
+        path = path / "checkpoints"
+    if not path.is_dir():
+        raise JaxparError(f"checkpoint folder {str(path)!r} does not exist")
+    return path
+
+
+class Checkpointer:
+    """Saves and restores a :class:`~jaxpar.Trainer`'s state under one folder.
+
+    Every process of a multi-process run must create it and call :meth:`save` and
+    :meth:`restore` at the same steps: the arrays are written and read collectively.
+
+    Args:
+      directory: the checkpoint folder (``RUN/checkpoints``); created if missing.
+      every: save when the step is a multiple of this (0: only when forced).
+      keep: how many of the newest checkpoints to keep.
+      async_save: write in the background while training continues.
+    """
+
+    def __init__(self, directory: str | Path, *, every: int = 100, keep: int = 3,
+                 async_save: bool = True):
+        if keep < 1:
+            raise JaxparError(f"checkpoint.keep must be at least 1, got {keep}")
+        if every < 0:
+            raise JaxparError(f"checkpoint.every must be 0 or positive, got {every}")
+        self.directory = Path(directory).expanduser().absolute()
+        self.every = every
+        self._manager = _manager(self.directory, keep=keep, async_save=async_save)
+
+    @classmethod
+    def from_config(cls, directory: str | Path, config: Any) -> Checkpointer:
+        """From a :class:`~jaxpar.config.CheckpointConfig`."""
+        return cls(directory, every=config.every, keep=config.keep,
+                   async_save=config.async_save)
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first (waits for a save in
+        flight)."""
+        self._manager.wait_until_finished()
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save falls on ``step``."""
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def save(self, trainer: Any, *, config: Any = None, force: bool = False) -> float | None:
+        """Start saving ``trainer.state`` at its current step if due (or ``force``).
+
+        Returns the seconds the caller was blocked (the copy off the devices, plus waiting
+        for the previous save if it is still writing), or None when nothing was saved.
+        """
+        step = trainer.step_count
+        if not (force or self.due(step)) or step in self._manager.all_steps():
+            return None
+        start = time.perf_counter()
+        config = config if config is not None else getattr(trainer, "config", None)
+        seed = config.train.seed if config is not None else None
+        mesh = trainer.plan.mesh
+        meta = {"step": step, "seed": seed,
+                "data": {"position": step, "seed": seed,
+                         "global_batch": config.train.global_batch if config else None},
+                "processes": jax.process_count(), "devices": mesh.size,
+                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage}
+        state = _nest(flat_paths(trainer.state))
+        args = ocp.args.Composite(**{
+            STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
+            CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
+        self._manager.save(step, args=args, force=True)
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish the save in flight and release the manager."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def path(self, step: int) -> Path:
+        """The folder of checkpoint ``step``."""
+        return self.directory / str(step)
+
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        """``{path: shape}`` of the arrays in checkpoint ``step``.
+
+        Raises:
+          CorruptCheckpoint: when its metadata cannot be read.
+        """
+        try:
+            tree = self._manager.item_metadata(step)[STATE]
+            tree = getattr(tree, "tree", tree)
+            shapes = {k: tuple(v.shape) for k, v in _flatten_dict(tree).items()}
+        except AttributeError as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable: its array metadata is missing "
+                "or damaged") from e
+        except Exception as e:  # orbax and tensorstore raise many types
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
+        if not shapes:
+            raise CorruptCheckpoint(f"checkpoint {self.path(step)} holds no arrays")
+        return shapes
+
+    def meta(self, step: int) -> dict[str, Any]:
+        """The ``meta`` item of checkpoint ``step`` (step, seed, data position, layout).
+
+        Raises:
+          CorruptCheckpoint: when it cannot be read.
+        """
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                **{META: _MetaRestore()}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
+        return dict(out[META] or {})
+
+    def config(self, step: int) -> dict[str, Any]:
+        """The resolved run config saved with checkpoint ``step`` (a nested dict)."""
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                **{CONFIG: ocp.args.JsonRestore()}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
+        return dict(out[CONFIG] or {})
+
+    def read(self, step: int, target: Mapping[str, Any], what: str = "",
+             partial: bool = False, stages: int = 1
+             ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """Read the arrays at ``target``'s paths from checkpoint ``step`` into ``target``'s
+        shapes, dtypes and shardings; returns them and the checkpoint's ``meta``.
+
+        Raises:
+          CorruptCheckpoint: when the files cannot be read.
+          JaxparError: when shapes or paths do not match (``partial``: extra paths in the
+            checkpoint are fine).
+
+        ``stages``: pipeline stages of ``target``'s layout of stacked layers.
+        """
+        saved = self.saved_shapes(step)
+        meta = self.meta(step)
+        saved_stages = int((meta.get("mesh") or {}).get("stage", 1))
+        if partial:
+            saved = {k: v for k, v in saved.items() if k in target}
+        abstract, fixes = match(saved, target, what or f"checkpoint {self.path(step)}",
+                                (saved_stages, stages))
+        item = _nest(abstract)
+        args = ocp.args.PyTreeRestore(item=item, partial_restore=partial,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+        try:
+            with _quiet_asyncio():
+                out = self._manager.restore(step, args=ocp.args.Composite(**{STATE: args}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
+        values = _flatten_dict(out[STATE])
+        values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
+        return values, meta
+
+    def restore(self, trainer: Any, step: int | None = None) -> dict[str, Any]:
+        """Load checkpoint ``step`` into ``trainer.state``, resharded to its plan.
+
+        With ``step`` None, the newest complete checkpoint; a corrupt one is skipped with a
+        :class:`CheckpointWarning` and renamed ``corrupt-<step>`` (kept, not deleted) so
+        the run can save that step again. Returns the checkpoint's ``meta``.
+
+        Raises:
+          JaxparError: when no checkpoint exists or none can be read, or when the
+            checkpoint's shapes do not match the trainer's (listing the paths).
+        """
+        if step is not None:
+            return self._restore_step(trainer, step)
+        steps = self.steps()
+        if not steps:
+            raise JaxparError(f"no complete checkpoint in {self.directory}")
+        bad: list[int] = []
+        for s in reversed(steps):
+            try:
+                meta = self._restore_step(trainer, s)
+            except CorruptCheckpoint as e:
+                warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,
+                              stacklevel=2)
+                bad.append(s)
+                continue
+            if bad:
+                self._set_aside(bad)
+            return meta
+        raise JaxparError(f"no readable checkpoint in {self.directory}: steps {steps} "
+                          "are all corrupt")
+
+    def _restore_step(self, trainer: Any, step: int) -> dict[str, Any]:
+        target = flat_paths(trainer.state)
+        values, meta = self.read(step, target, stages=trainer.plan.mesh.shape["stage"])
+        treedef = jax.tree_util.tree_structure(trainer.state)
+        state = jax.tree_util.tree_unflatten(treedef, [values[k] for k in target])
+        if int(state["step"]) != step:
+            raise CorruptCheckpoint(f"checkpoint {self.path(step)} holds step "
+                                    f"{int(state['step'])}, not {step}")
+        trainer.state = state
+        return meta
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for s in steps:
+                dest = self.directory / f"corrupt-{s}"
+                n = 1
+                while dest.exists():
+                    dest, n = self.directory / f"corrupt-{s}.{n}", n + 1
+                self.path(s).rename(dest)
+                warnings.warn(f"kept corrupt checkpoint {self.path(s)} as {dest}",
+                              CheckpointWarning, stacklevel=3)
+        ocp.multihost.sync_global_processes("jaxpar_checkpoint_set_aside")
+        self._manager.reload()
+
+
+# --- weights only (init_from) -------------------------------------------------------------
+def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1) -> int:
+    """Overwrite ``model``'s ``nnx.Param`` s with those of the newest readable checkpoint in
+    ``source`` (a ``RUN/checkpoints`` or ``RUN`` folder), each read into the sharding of the
+    variable it replaces; returns the checkpoint's step.
+
+    Float32 master weights are preferred to a half-precision working copy when the
+    checkpoint has both. Use it before wrapping the model with LoRA. ``stages``: pipeline
+    stages ``model``'s stacked layers are laid out for.
+
+    Raises:
+      JaxparError: when no checkpoint can be read, or the checkpoint's model does not match
+        ``model`` (listing the mismatched paths).
+    """
+    directory = resolve_dir(source)
+    reader = Checkpointer.__new__(Checkpointer)
+    reader.directory, reader.every = directory, 0
+    reader._manager = _manager(directory, read_only=True)
+    try:
+        steps = reader.steps()
+        if not steps:
+            raise JaxparError(f"init_from: no complete checkpoint in {directory}")
+        state = nnx.state(model, nnx.Param)
+        wanted = flat_paths(state)
+        for step in reversed(steps):
+            try:
+                saved = reader.saved_shapes(step)
+                names = {k: next((f"{g}/{k}" for g in ("master", "params", "frozen")
+                                  if f"{g}/{k}" in saved), f"params/{k}") for k in wanted}
+                target = {names[k]: v for k, v in wanted.items()}
+                values, _ = reader.read(step, target, partial=True, stages=stages,
+                                        what=f"init_from checkpoint {reader.path(step)}")
+            except CorruptCheckpoint as e:
+                warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,
+                              stacklevel=2)
+                continue
+            leaves = [values[names[k]] for k in wanted]
+            new = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves)
+            nnx.update(model, new)
+            return step
+        raise JaxparError(f"init_from: no readable checkpoint in {directory}")
+    finally:
+        reader.close()

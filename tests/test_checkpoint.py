@@ -1,0 +1,228 @@
+"""Checkpoints: exact resume after SIGKILL (mid-run and mid-save), restoring under other
+plans (device count, mesh, ZeRO stage, pipeline layout), corrupt and mismatched
+checkpoints, and init_from for a LoRA fine-tune."""
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.checkpoint import (
+    SAVE_DELAY_ENV,
+    Checkpointer,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    flat_paths,
+)
+from jaxpar.models import Transformer
+from jaxpar.pipeline import Schedule
+from jaxpar.run import train
+from jaxpar.train import Trainer, make_optimizer
+from tests.helpers import SMALL, loader, small_config
+
+# The run the CLI tests use: the small model on the tiny config's 2 x 2 x 2 mesh.
+MODEL = [f"model.{k}={v}" for k, v in vars(SMALL).items()]
+RUN = [*MODEL, "train.seq_len=32", "train.global_batch=16", "train.steps=40",
+       "train.warmup_steps=2", "data.max_bytes=200000", "checkpoint.every=4",
+       "checkpoint.keep=3"]
+
+
+def run_config(*extra: str) -> jaxpar.Config:
+    return jaxpar.load_config("configs/tiny.yaml", [*RUN, *extra])
+
+
+def losses(path: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"duplicated steps in {path}: {steps}"
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of RUN: its folder and its losses by step."""
+    out = tmp_path_factory.mktemp("reference")
+    trainer, history = train(run_config(), out, progress=False)
+    assert [m["step"] for m in history] == list(range(1, 41))
+    return out, {m["step"]: m["loss"] for m in history}, trainer
+
+
+# --- SIGKILL mid-save and mid-run, then exact resume (via the CLI) ------------------------
+def _start(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.yaml",
+           "--devices", "8", "--out", str(out), *extra, *RUN]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"run ended before the kill: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting to kill"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigkill_mid_save_and_mid_run_then_exact_resume(tmp_path, reference):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    names = lambda: {p.name for p in ckpts.iterdir()} if ckpts.is_dir() else set()
+
+    # 1. Every save sleeps 2 s before its last file: kill while step 8 is being saved.
+    proc = _start(out, env={SAVE_DELAY_ENV: "2"})
+    _kill_when(proc, lambda: "4" in names() and any(n.startswith("8.") for n in names()))
+    assert "8" not in names(), "a save cut short by SIGKILL looks complete"
+    with Checkpointer(ckpts) as ckpt:
+        assert ckpt.steps() == [4]
+
+    # 2. Resume from step 4, kill during training soon after the first new step (the
+    #    resumed run rewrites metrics.jsonl without the steps after 4, then appends).
+    metrics = out / "metrics.jsonl"
+    inode = metrics.stat().st_ino
+    proc = _start(out, "--resume")
+    _kill_when(proc, lambda: metrics.exists() and metrics.stat().st_ino != inode
+               and 5 in _steps(metrics))
+    stdout = proc.stdout.read()
+    assert f"resumed from {ckpts / '4'} (step 4 of 40)" in stdout
+    with Checkpointer(ckpts) as ckpt:
+        last = max(ckpt.steps())
+
+    # 3. Resume again and finish: no step repeated in metrics.jsonl, losses bitwise equal.
+    proc = _start(out, "--resume")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert f"resumed from {ckpts / str(last)}" in stdout
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, 41))
+    assert got == reference[1], "losses after resume differ from the uninterrupted run"
+    with Checkpointer(ckpts) as ckpt:
+        assert ckpt.steps() == [32, 36, 40]  # keep=3
+
+    # A fresh run into a folder with checkpoints refuses rather than overwrite them.
+    with pytest.raises(jaxpar.JaxparError, match="already holds checkpoints.*--resume"):
+        train(run_config(), out, progress=False)
+
+
+def _steps(path: Path) -> set[int]:
+    steps = set()
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError, KeyError):
+            steps.add(json.loads(line)["step"])
+    return steps
+
+
+# --- restoring under other plans ----------------------------------------------------------
+def build(axes: dict, zero: int = 0, devices=None, cfg=SMALL) -> Trainer:
+    mesh = jaxpar.make_mesh(axes, devices=devices)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", zero_stage=zero)
+    stages = mesh.shape["stage"]
+    sched = Schedule.for_model(cfg.n_layers, stages) if stages > 1 else None
+    model = jaxpar.init_sharded(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0), pipeline=sched), plan)
+    return Trainer(model, make_optimizer(small_config().train), plan)
+
+
+@pytest.fixture(scope="module")
+def fsdp8_checkpoint(tmp_path_factory):
+    """Checkpoints at steps 1 and 2 of a ZeRO-1 FSDP run over 8 devices."""
+    directory = tmp_path_factory.mktemp("fsdp8") / "checkpoints"
+    trainer = build({"fsdp": 8}, zero=1)
+    data = loader()
+    with Checkpointer(directory, every=1) as ckpt:
+        for step in range(2):
+            trainer.step(data.batch(step))
+            ckpt.save(trainer)
+    return directory, trainer, {k: np.asarray(v) for k, v in flat_paths(trainer.state).items()}
+
+
+@pytest.mark.parametrize("axes, zero, n_devices", [
+    ({"tensor": 4}, 0, 4),                            # 8 -> 4 devices, FSDP -> Megatron TP
+    ({"data": 2, "fsdp": 2, "tensor": 2}, 0, 8),      # -> 3D mesh
+    ({"data": 8}, 3, 8),                              # ZeRO 1 -> ZeRO 3
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, 1, 8),     # -> pipeline (repeat, stage) layout
+])
+def test_restore_under_another_plan(fsdp8_checkpoint, axes, zero, n_devices):
+    directory, source, saved = fsdp8_checkpoint
+    target = build(axes, zero, devices=jax.devices()[:n_devices])
+    wanted = {k: v.sharding for k, v in flat_paths(target.state).items()}
+    with Checkpointer(directory) as ckpt:
+        meta = ckpt.restore(target)
+    assert meta["step"] == 2 and meta["data"]["position"] == 2
+    assert meta["mesh"]["fsdp"] == 8 and target.step_count == 2
+    got = flat_paths(target.state)
+    assert set(got) == set(saved)
+    for key, value in got.items():
+        assert value.sharding == wanted[key], key  # read straight into the new layout
+        assert np.array_equal(np.asarray(value).reshape(saved[key].shape), saved[key]), key
+    if axes == {"tensor": 4}:  # and it trains on: the next step matches the source's
+        batch = loader().batch(2)
+        np.testing.assert_allclose(target.step(batch)["loss"], source.step(batch)["loss"],
+                                   rtol=1e-5)
+
+
+def test_corrupt_checkpoint_falls_back_and_shape_mismatch_is_listed(fsdp8_checkpoint,
+                                                                   tmp_path):
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(fsdp8_checkpoint[0], directory)
+    data_files = [p for p in (directory / "2" / "state").rglob("*") if p.is_file()
+                  and p.parent.name == "d"]
+    biggest = max(data_files, key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 2)
+
+    trainer = build({"fsdp": 8}, zero=1)
+    ckpt = Checkpointer(directory)
+    with pytest.raises(CorruptCheckpoint, match=f"checkpoint {directory / '2'} is corrupt"):
+        ckpt.restore(trainer, step=2)
+    with pytest.warns(CheckpointWarning, match="is corrupt or truncated"):
+        meta = ckpt.restore(trainer)
+    assert meta["step"] == 1 and trainer.step_count == 1
+    assert (directory / "corrupt-2" / "state").is_dir()  # kept aside, not deleted
+    assert ckpt.steps() == [1]
+    ckpt.close()
+
+    wider = build({"fsdp": 8}, cfg=dataclasses.replace(SMALL, d_ff=192))
+    with (pytest.raises(jaxpar.JaxparError, match="does not match the config") as err,
+          Checkpointer(fsdp8_checkpoint[0]) as ckpt):
+        ckpt.restore(wider)
+    msg = str(err.value)
+    assert "params/blocks/mlp/w_up/kernel: checkpoint (2, 64, 128), expected (2, 64, 192)" in msg
+    assert "opt_state/1/0/mu/blocks/mlp/w_down/kernel" in msg
+
+
+# --- init_from: a LoRA fine-tune of a trained run -----------------------------------------
+def test_init_from_finetunes_lora_only(reference, tmp_path):
+    base_dir, _, base_trainer = reference
+    cfg = jaxpar.load_config("configs/tiny-lora.yaml", [
+        *RUN, "train.steps=3", f"init_from={base_dir / 'checkpoints'}"])
+    trainer, history = train(cfg, tmp_path / "lora", progress=False)
+    assert [m["step"] for m in history] == [1, 2, 3]  # step 0, fresh optimizer
+    base = {k: np.asarray(v) for k, v in flat_paths(base_trainer.state["params"]).items()}
+    frozen = {k.replace("/base/", "/"): np.asarray(v)
+              for k, v in flat_paths(trainer.state["frozen"]).items()}
+    assert set(base) == set(frozen)
+    for key in base:  # the trained weights, loaded and left untouched by the fine-tune
+        assert np.array_equal(frozen[key], base[key]), key
+    adapters = flat_paths(trainer.state["params"])
+    assert adapters and all("lora_" in k for k in adapters)
+    assert any(np.abs(np.asarray(v)).max() > 0 for k, v in adapters.items()
+               if k.endswith("lora_b"))  # B starts at zero and trained
+
+    bad = jaxpar.load_config("configs/tiny-lora.yaml", [
+        *RUN, "model.d_model=32", f"init_from={base_dir / 'checkpoints'}"])
+    with pytest.raises(jaxpar.JaxparError, match="init_from checkpoint .* does not match "
+                       "the config: shape mismatch at .*embed: checkpoint"):
+        Trainer.from_config(bad)
