@@ -19,7 +19,8 @@ every process is on disk, so a folder named by its step alone is complete.
 Restoring reads every array straight into the shardings of the Trainer it restores into
 (each device reads only its own slices), so a checkpoint saved under one plan loads under
 another: another device count, mesh or ZeRO stage, or the pipeline's ``(repeat, stage)``
-layout of stacked layers (a reshape on the devices after reading).
+layout of stacked layers (a reshape on the devices after reading; see
+:mod:`jaxpar.reshard`).
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.reshard import flat_paths, flatten_dict, match, nest
 
 STATE, META, CONFIG = "state", "meta", "config"
 SAVE_DELAY_ENV = "JAXPAR_CHECKPOINT_TEST_DELAY"
@@ -73,120 +74,6 @@ class _MetaSave(ocp.args.JsonSave):
 @ocp.args.register_with_handler(_MetaHandler, for_restore=True)
 class _MetaRestore(ocp.args.JsonRestore):
     """Restore args of :class:`_MetaHandler`."""
-
-
-# --- pytree <-> flat "a/b/c" paths --------------------------------------------------------
-def _key_str(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def flat_paths(tree: Any) -> dict[str, Any]:
-    """``{"params/blocks/attn/wq/kernel": leaf, ...}`` in the tree's flattening order."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [_key_str(k) for k in path]
-        if len(parts) > 1 and parts[-1] == "value":  # an nnx.Variable's payload
-            parts.pop()
-        out["/".join(parts)] = leaf
-    return out
-
-
-def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
-    root: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split("/")
-        node = root
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return root
-
-
-def _flatten_dict(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, Mapping):
-        return {prefix.rstrip("/"): tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flatten_dict(v, f"{prefix}{k}/"))
-    return out
-
-
-# --- matching a checkpoint to a target ----------------------------------------------------
-def _stack_lead(have: tuple, want: tuple, stages_have: int, stages_want: int
-                ) -> tuple[int, int] | None:
-    """Leading dims to merge when ``have`` and ``want`` differ only in how stacked layers
-    are laid out: ``(L, ...)`` unpipelined, ``(L // S, S, ...)`` over ``S`` pipeline
-    stages. None when they differ in any other way."""
-    ks = 2 if stages_have > 1 and len(have) >= 2 and have[1] == stages_have else 1
-    kw = 2 if stages_want > 1 and len(want) >= 2 and want[1] == stages_want else 1
-    if (ks, kw) == (1, 1) or len(have) < ks or len(want) < kw:
-        return None
-    if have[ks:] != want[kw:] or _prod(have[:ks]) != _prod(want[:kw]):
-        return None
-    return ks, kw
-
-
-def _prod(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _listing(items: list[str], limit: int = 10) -> str:
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
-def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
-          stages: tuple[int, int] = (1, 1)
-          ) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, Callable]]:
-    """Abstract arrays to read for every ``target`` path, and reshapes to apply after.
-
-    ``saved`` maps paths to stored shapes; ``target`` maps paths to arrays (or abstract
-    arrays) carrying the wanted shape, dtype and sharding. ``stages``: pipeline stages the
-    checkpoint and the target were laid out for (stacked layers are converted).
-
-    Raises:
-      JaxparError: listing every path whose shape differs, is missing from the
-        checkpoint, or is in the checkpoint but not in the target.
-    """
-    missing = [k for k in target if k not in saved]
-    extra = [k for k in saved if k not in target]
-    wrong, abstract, fixes = [], {}, {}
-    for key, leaf in target.items():
-        if key not in saved:
-            continue
-        have, want = tuple(saved[key]), tuple(leaf.shape)
-        sharding = getattr(leaf, "sharding", None)
-        if have == want:
-            abstract[key] = jax.ShapeDtypeStruct(want, leaf.dtype, sharding=sharding)
-            continue
-        lead = _stack_lead(have, want, *stages)
-        if lead is None:
-            wrong.append(f"{key}: checkpoint {have}, expected {want}")
-            continue
-        ks, kw = lead
-        spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-        spec = spec + (None,) * (len(want) - len(spec))
-        mid = (NamedSharding(sharding.mesh, PartitionSpec(*((None,) * ks + spec[kw:])))
-               if isinstance(sharding, NamedSharding) else sharding)
-        abstract[key] = jax.ShapeDtypeStruct(have, leaf.dtype, sharding=mid)
-        fixes[key] = jax.jit(lambda x, want=want: x.reshape(want), out_shardings=sharding)
-    problems = []
-    wrong.sort(key=lambda w: w.startswith("opt_state"))  # model weights first
-    if wrong:
-        problems.append(f"shape mismatch at {_listing(wrong)}")
-    if missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
-    if extra:
-        problems.append(f"in the checkpoint but not in this model: {_listing(extra)}")
-    if problems:
-        raise JaxparError(f"{what} does not match the config: " + "; ".join(problems))
-    return abstract, fixes
 
 
 @contextlib.contextmanager
@@ -287,7 +174,7 @@ class Checkpointer:
                          "global_batch": config.train.global_batch if config else None},
                 "processes": jax.process_count(), "devices": mesh.size,
                 "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage}
-        state = _nest(flat_paths(trainer.state))
+        state = nest(flat_paths(trainer.state))
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
             CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
@@ -321,7 +208,7 @@ class Checkpointer:
         try:
             tree = self._manager.item_metadata(step)[STATE]
             tree = getattr(tree, "tree", tree)
-            shapes = {k: tuple(v.shape) for k, v in _flatten_dict(tree).items()}
+            shapes = {k: tuple(v.shape) for k, v in flatten_dict(tree).items()}
         except AttributeError as e:
             raise CorruptCheckpoint(
                 f"checkpoint {self.path(step)} is unreadable: its array metadata is missing "
@@ -377,7 +264,7 @@ class Checkpointer:
             saved = {k: v for k, v in saved.items() if k in target}
         abstract, fixes = match(saved, target, what or f"checkpoint {self.path(step)}",
                                 (saved_stages, stages))
-        item = _nest(abstract)
+        item = nest(abstract)
         args = ocp.args.PyTreeRestore(item=item, partial_restore=partial,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(item))
         try:
@@ -386,7 +273,7 @@ class Checkpointer:
         except Exception as e:
             raise CorruptCheckpoint(
                 f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
-        values = _flatten_dict(out[STATE])
+        values = flatten_dict(out[STATE])
         values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
         return values, meta
 
@@ -489,3 +376,15 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1) -> i
         raise JaxparError(f"init_from: no readable checkpoint in {directory}")
     finally:
         reader.close()
+
+
+__all__ = [
+    "CheckpointWarning",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "SAVE_DELAY_ENV",
+    "flat_paths",
+    "load_weights",
+    "match",
+    "resolve_dir",
+]
