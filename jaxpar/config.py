@@ -73,7 +73,9 @@ class PipelineConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and schedule. ``trainable``: which parameters train: ``lora``, ``all``,
-    or a regex over parameter paths; empty means ``lora`` when LoRA is enabled, else all."""
+    or a regex over parameter paths; empty means ``lora`` when LoRA is enabled, else all.
+    ``eval_every``: every this many steps (and at the end) log ``eval_loss``, the mean loss
+    on the first ``eval_batches`` batches of the held-out data; 0 turns it off."""
 
     steps: int = 200
     global_batch: int = 16
@@ -86,6 +88,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     trainable: str = ""
+    eval_every: int = 0
+    eval_batches: int = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The training run behind ``jaxpar train``: config in, a trained model and a run folder out.
 
 The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON
-object per logged step: step, loss, step_time_s, tokens_per_s, grad_norm, and
-checkpoint_block_s on steps that started a save) and ``checkpoints/`` (see
+object per logged step: step, loss, step_time_s, tokens_per_s, grad_norm, eval_loss on
+steps that evaluated the held-out data (``train.eval_every``), and checkpoint_block_s on
+steps that started a save) and ``checkpoints/`` (see
 :mod:`jaxpar.checkpoint`).
 """
 
@@ -23,16 +24,30 @@ from jaxpar.errors import JaxparError
 from jaxpar.train import Trainer
 
 
-def make_loader(config: Config) -> TokenLoader:
-    """The training loader for this process, from the config's data section."""
+def make_loader(config: Config, *, holdout: bool = False) -> TokenLoader:
+    """This process's loader over the training tokens (or, with ``holdout``, over the
+    held-out tail of the corpus: ``data.holdout_fraction``)."""
     tokens = load_tokens(config.data.source, config.data.max_bytes)
-    train_tokens, _ = split_holdout(tokens, config.data.holdout_fraction)
+    train_tokens, held_out = split_holdout(tokens, config.data.holdout_fraction)
+    chosen = held_out if holdout else train_tokens
+    if len(chosen) < config.train.seq_len + 2:
+        part = "held-out" if holdout else "training"
+        raise JaxparError(
+            f"data.source {config.data.source!r}: the {part} part has {len(chosen)} tokens, "
+            f"fewer than one window of train.seq_len + 1 = {config.train.seq_len + 1}"
+            + ("; raise data.holdout_fraction or turn off train.eval_every" if holdout else ""))
     loader = TokenLoader(
-        train_tokens, config.train.global_batch, config.train.seq_len, seed=config.train.seed,
+        chosen, config.train.global_batch, config.train.seq_len,
+        seed=config.train.seed + (1 if holdout else 0),
         process_index=jax.process_index(), process_count=jax.process_count(),
     )
     loader.vocab_check(config.model.vocab_size)
     return loader
+
+
+def evaluate(trainer: Trainer, holdout: TokenLoader, batches: int) -> float:
+    """Mean loss over the first ``batches`` held-out batches (the same ones every time)."""
+    return sum(trainer.eval_loss(holdout.batch(i)) for i in range(batches)) / batches
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -97,6 +112,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     if resume and out_dir is None:
         raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
     loader = make_loader(config)
+    holdout = make_loader(config, holdout=True) if config.train.eval_every > 0 else None
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
@@ -148,11 +164,14 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
                                     force=trainer.step_count == end)
                 if blocked is not None:
                     metrics["checkpoint_block_s"] = blocked
+            if holdout is not None and (trainer.step_count % config.train.eval_every == 0
+                                        or trainer.step_count == end):
+                metrics["eval_loss"] = evaluate(trainer, holdout, config.train.eval_batches)
             history.append(metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}",
                             tok_s=f"{metrics['tokens_per_s']:,.0f}", step_s=f"{elapsed:.3f}")
             if metrics_file is not None and (step % config.train.log_every == 0
-                                             or step == end - 1):
+                                             or step == end - 1 or "eval_loss" in metrics):
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
     finally:

@@ -210,6 +210,8 @@ def test_init_from_finetunes_lora_only(reference, tmp_path):
         *RUN, "train.steps=3", f"init_from={base_dir / 'checkpoints'}"])
     trainer, history = train(cfg, tmp_path / "lora", progress=False)
     assert [m["step"] for m in history] == [1, 2, 3]  # step 0, fresh optimizer
+    # tiny-lora.yaml evaluates the held-out tail of the corpus (here at the last step).
+    assert "eval_loss" not in history[0] and 0 < history[-1]["eval_loss"] < 10
     base = {k: np.asarray(v) for k, v in flat_paths(base_trainer.state["params"]).items()}
     frozen = {k.replace("/base/", "/"): np.asarray(v)
               for k, v in flat_paths(trainer.state["frozen"]).items()}

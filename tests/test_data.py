@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+import jaxpar
 from jaxpar import JaxparError
 from jaxpar.data import TokenLoader, load_tokens, split_holdout, stdlib_corpus
 
@@ -43,3 +44,17 @@ def test_user_files(tmp_path):
 def test_holdout_split():
     train, held = split_holdout(np.arange(100), 0.1)
     assert len(train) == 90 and held[0] == 90
+
+
+def test_holdout_loader_is_the_tail_and_too_small_a_holdout_is_named():
+    from jaxpar.run import make_loader
+
+    cfg = jaxpar.load_config(None, ["data.max_bytes=100000", "train.seq_len=32",
+                                    "train.global_batch=4", "data.holdout_fraction=0.1"])
+    train, held = make_loader(cfg), make_loader(cfg, holdout=True)
+    assert len(train.tokens) + len(held.tokens) == 100000 and len(held.tokens) == 10000
+    assert held.batch(0).shape == (4, 33) and not np.array_equal(held.batch(0), train.batch(0))
+    empty = jaxpar.load_config(None, ["data.max_bytes=100000", "data.holdout_fraction=0.0",
+                                      "train.eval_every=5"])
+    with pytest.raises(JaxparError, match="held-out part has 0 tokens"):
+        make_loader(empty, holdout=True)
