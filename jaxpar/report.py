@@ -29,6 +29,10 @@ def fmt_count(n: float | None) -> str:
     return f"{n:,.0f}" if abs(n) < 1e6 else f"{n:.3e}"
 
 
+def _or_dash(x: Any) -> Any:
+    return "-" if x is None else x
+
+
 def fmt_ratio(predicted: float | None, measured: float | None) -> str:
     """``predicted / measured`` to two decimals, or ``'-'`` when either is missing or zero."""
     if predicted is None or not measured:
@@ -97,7 +101,7 @@ def render_inspection(report: dict[str, Any]) -> str:
     mrows = []
     for key, label in (("argument_bytes", "arguments"), ("output_bytes", "outputs"),
                        ("temp_bytes", "temp"), ("alias_bytes", "aliased (donated)"),
-                       ("peak_bytes", "peak = args + outs - aliased + temp")):
+                       ("total_bytes", "total = args + outs - aliased + temp")):
         if key not in mem:
             continue
         p = pmem.get(key)
@@ -105,23 +109,34 @@ def render_inspection(report: dict[str, Any]) -> str:
     out.append(table(["", "measured", "predicted", "pred/meas"], mrows, right=(1, 2, 3)))
 
     out.append("\nCollectives in the optimized HLO (per device, one step)")
-    crows = [(c["kind"], fmt_axes(c["axes"]), c["count"], fmt_bytes(c["bytes_per_device"]),
-              fmt_bytes(c.get("predicted_bytes_per_device")),
+    rows_c = report["comparison"]["collectives"]
+    crows = [(c["kind"], fmt_axes(c["axes"]), c["count"], _or_dash(c.get("predicted_count")),
+              fmt_bytes(c["bytes_per_device"]), fmt_bytes(c.get("predicted_bytes_per_device")),
               fmt_ratio(c.get("predicted_bytes_per_device"), c["bytes_per_device"]))
-             for c in report["comparison"]["collectives"]]
+             for c in rows_c]
     if crows:
-        out.append(table(["kind", "mesh axes", "count", "bytes", "predicted", "pred/meas"],
-                         crows, right=(2, 3, 4, 5)))
+        meas = sum(c["bytes_per_device"] or 0 for c in rows_c)
+        preds = [c["predicted_bytes_per_device"] for c in rows_c
+                 if c.get("predicted_bytes_per_device") is not None]
+        p_total = sum(preds) if preds else None
+        crows.append(("total", "", sum(c["count"] for c in rows_c), "", fmt_bytes(meas),
+                      fmt_bytes(p_total), fmt_ratio(p_total, meas)))
+        out.append(table(["kind", "mesh axes", "count", "predicted", "bytes", "predicted",
+                          "pred/meas"], crows, right=(2, 3, 4, 5, 6)))
     else:
         out.append("  none (a single device, or nothing to communicate)")
 
-    out.append("\nCompute")
+    out.append("\nCompute per device")
     p_flops = report["comparison"].get("predicted_flops")
-    frows = [("FLOPs per device", fmt_count(report["flops"]), fmt_count(p_flops),
+    detail = report.get("flops_detail", {})
+    frows = [("matmul FLOPs (every loop trip)", fmt_count(report["flops"]), fmt_count(p_flops),
               fmt_ratio(p_flops, report["flops"]))]
+    if "xla_cost_analysis" in detail:
+        frows.append(("XLA cost analysis FLOPs (loop bodies once)",
+                      fmt_count(detail["xla_cost_analysis"]), "-", "-"))
     step = pred.get("step_time_s")
     if step is not None:
-        frows.append(("step time (s)", "not run", f"{step:.4g}", "-"))
+        frows.append(("step time (s), not run", "-", f"{step:.4g}", "-"))
     out.append(table(["", "measured", "predicted", "pred/meas"], frows, right=(1, 2, 3)))
     for note in report.get("notes", []):
         out.append(f"\nnote: {note}")

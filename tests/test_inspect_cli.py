@@ -35,11 +35,32 @@ def test_json_has_every_key(report):
     for row in report["collectives"]:
         assert {"kind", "count", "bytes_per_device", "axes"} <= set(row)
         assert row["count"] > 0 and row["bytes_per_device"] > 0
-    if report["predicted"] is None:
-        assert any("planner" in n for n in report["notes"])
-    else:
-        assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(
-            report["predicted"]["memory"])
+    assert report["flops_detail"]["xla_cost_analysis"] > 0
+
+
+def test_planner_prediction_sits_beside_each_figure(report):
+    pred = report["predicted"]
+    assert pred is not None, report["notes"]
+    assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(pred["memory"])
+    mem = report["memory"]
+    assert 0.8 < pred["memory"]["argument_bytes"] / mem["argument_bytes"] < 1.25
+    assert 0.8 < pred["memory"]["total_bytes"] / mem["total_bytes"] < 1.25
+    assert 0.9 < report["comparison"]["predicted_flops"] / report["flops"] < 1.1
+    rows = report["comparison"]["collectives"]
+    measured = sum(r["bytes_per_device"] or 0 for r in rows)
+    predicted = sum(r["predicted_bytes_per_device"] or 0 for r in rows)
+    assert 0.8 < predicted / measured < 1.25
+
+
+def test_matmul_flops_count_every_scanned_layer(report):
+    # The layers run under lax.scan: XLA's cost analysis counts the loop body once, the
+    # matmul count multiplies it by the trip count and lands near 6 x params x tokens.
+    config = jaxpar.load_config("configs/tiny.yaml")
+    tokens = 16 * 32
+    six_n_t = 6 * config.model.param_count() * tokens / 8
+    assert 0.9 * six_n_t < report["flops"] < 1.3 * six_n_t
+    assert report["flops_detail"]["loops"] >= 2
+    assert report["flops_detail"]["xla_cost_analysis"] < 0.6 * report["flops"]
 
 
 def test_params_table_matches_the_model(report):
@@ -70,7 +91,7 @@ def test_human_tables_print(devices, capsys):
     out = capsys.readouterr().out
     assert "mesh data=2 x fsdp=2 x tensor=2 (8 devices)" in out
     for heading in ("Parameters:", "Memory per device", "Collectives in the optimized HLO",
-                    "FLOPs per device", "pred/meas", "blocks/mlp/w_up/kernel"):
+                    "matmul FLOPs (every loop trip)", "pred/meas", "blocks/mlp/w_up/kernel"):
         assert heading in out
     assert "all-reduce  tensor" in out
 
@@ -93,7 +114,8 @@ def test_compare_collectives_joins_on_kind_and_axes(devices):
     rows = compare_collectives(measured, predicted, mesh)
     assert rows[0]["predicted_bytes_per_device"] == 90
     assert rows[1] == {"kind": "all-gather", "axes": ["fsdp"], "count": 0,
-                       "bytes_per_device": None, "predicted_bytes_per_device": 10.0}
+                       "bytes_per_device": None, "predicted_bytes_per_device": 10.0,
+                       "predicted_count": 0}
 
 
 def test_table_and_bytes_formatting():
@@ -101,3 +123,19 @@ def test_table_and_bytes_formatting():
     assert fmt_bytes(None) == "-"
     text = table(["a", "bb"], [("x", 1), ("yyy", 22)], right=(1,))
     assert text.splitlines() == ["  a    bb", "  ---  --", "  x     1", "  yyy  22"]
+
+
+def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.inspect import matmul_flops
+
+    def f(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x, ws = jnp.ones((8, 16)), jnp.ones((5, 16, 16))
+    hlo = jax.jit(f).lower(x, ws).compile().as_text()
+    got = matmul_flops(hlo)
+    assert got["flops"] == 5 * 2 * 8 * 16 * 16
+    assert got["loops"] == 1 and got["loops_without_trip_count"] == 0

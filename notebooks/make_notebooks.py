@@ -1,0 +1,368 @@
+"""Write the tutorial notebooks in this folder (without outputs) from the cells below.
+
+Run ``python notebooks/make_notebooks.py`` after editing a cell here; the ``.ipynb`` files
+are generated, and ``tests/test_notebooks.py`` executes them on 8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''\
+# Simulate 8 CPU devices. This must run before JAX starts a backend, so it comes first.
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+print(jax.device_count(), "devices:", jax.devices())'''
+
+# Each notebook is a list of cells; a string starting with "md:" is a markdown cell.
+RULES_AND_MESHES = [
+    '''md:# Logical rules and meshes
+
+jaxpar separates *what a dimension means* from *where it lives*. Model code names every
+dimension of every weight and activation (`"batch"`, `"embed"`, `"mlp"`, `"heads"`, ...).
+A **mesh** arranges the devices on four named axes, `data`, `stage`, `fsdp` and `tensor`.
+Ordered **rules** map the logical names onto mesh axes, and give every array a
+`PartitionSpec`.
+
+This notebook runs on 8 simulated CPU devices, so it works on a laptop: the shardings are
+the ones a TPU pod or a GPU cluster would get.''',
+    SETUP,
+    '''md:## Meshes
+
+`jaxpar.make_mesh` takes the size of each axis. Axes you leave out have size 1, and one
+axis may be `-1`, which takes whatever devices are left. The mesh always has all four
+axes, outermost (most tolerant of slow links) first.''',
+    '''\
+import jaxpar
+from jaxpar.mesh import describe
+
+mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+print(describe(mesh))
+print(dict(mesh.shape))
+print(mesh.device_ids.reshape(2, 2, 2))  # the stage axis (size 1) squeezed out
+
+print(describe(jaxpar.make_mesh({"fsdp": -1, "tensor": 2})))
+print(describe(jaxpar.make_mesh({"data": 8})))''',
+    '''md:A mesh that does not match the device count is an error that shows the arithmetic:''',
+    '''\
+try:
+    jaxpar.make_mesh({"data": 4, "tensor": 4})
+except jaxpar.JaxparError as err:
+    print("JaxparError:", err)''',
+    '''md:## Rules
+
+A `Rules` object is an ordered list of `(logical name, mesh axes)` pairs. For each array,
+a rule fires for a dimension carrying its name when all of its mesh axes are still free in
+that array: earlier rules win, later rules for the same name are fallbacks, and a target
+of `None` keeps the dimension replicated. `explain` says which rule fired for each
+dimension.''',
+    '''\
+rules = jaxpar.Rules([
+    ("batch", ("data", "fsdp")),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("embed", None),
+])
+print(rules.spec(("embed", "mlp"), mesh))
+print(rules.explain(("embed", "mlp"), mesh))
+# "batch" takes data and fsdp first, so "embed" finds fsdp taken and stays replicated:
+print(rules.explain(("batch", "embed"), mesh))''',
+    '''md:Mesh axes of size 1 drop out, so one rule set serves every mesh shape: on a pure
+data-parallel mesh the same weight is replicated.''',
+    '''\
+for axes in ({"data": 8}, {"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"tensor": 8}):
+    m = jaxpar.make_mesh(axes)
+    print(f"{describe(m):32s}", rules.spec(("embed", "mlp"), m))''',
+    '''md:## Presets
+
+jaxpar ships four strategies as presets, each a pair of rule sets: **parameter rules** (how
+weights and optimizer state are stored) and **activation rules** (how the computation is
+split). The table shows how each resolves the reference model's names on the
+`data=2 x fsdp=2 x tensor=2` mesh.''',
+    '''\
+from jaxpar.report import table  # plain-text aligned columns
+from jaxpar.rules import PRESETS, preset
+
+weights = {
+    "embedding (vocab, embed)": ("vocab", "embed"),
+    "MLP up (embed, mlp)": ("embed", "mlp"),
+    "MLP down (mlp, embed)": ("mlp", "embed"),
+    "query (embed, heads, head_dim)": ("embed", "heads", "head_dim"),
+}
+rows = [(label, [str(preset(name)[0].spec(names, mesh)) for name in PRESETS])
+        for label, names in weights.items()]
+acts = ("batch", "seq", "mlp")
+rows.append((f"activation {acts}", [str(preset(name)[1].spec(acts, mesh)) for name in PRESETS]))
+print(table(["", *PRESETS], [(label, *specs) for label, specs in rows]))''',
+    '''md:## A sharded model
+
+`jaxpar.init_sharded` creates the reference Llama-style model straight into sharded
+arrays: the shapes come from abstract evaluation, then the initialisation runs once under
+`jax.jit` with the parameter shardings as outputs, so no device ever holds a whole sharded
+weight. `param_table` lists every weight with its logical names and `PartitionSpec`.''',
+    '''\
+from flax import nnx
+
+from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.partitioning import param_table
+
+plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=256)
+model = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
+
+for row in param_table(plan, nnx.state(model)):
+    print(f"{row['path']:26s} {str(row['shape']):18s} {str(row['logical_axes']):42s} "
+          f"{str(row['spec']):28s} {row['bytes_per_device']:>7,d} B/device")''',
+    '''md:## Drawing shardings
+
+`jax.debug.visualize_array_sharding` draws a 2-D array's blocks and the devices that hold
+each one. The embedding table is `(vocab, embed)`, stored as `(tensor, fsdp)`: four blocks,
+each held by the two devices that differ only along `data` (data parallelism replicates).''',
+    '''\
+jax.debug.visualize_array_sharding(model.embed[...])
+# One layer of the MLP's down projection, (mlp, embed) -> (tensor, fsdp):
+jax.debug.visualize_array_sharding(model.blocks.mlp.w_down.kernel[...][0])''',
+    '''md:The same picture with matplotlib, for any 2-D sharding: `devices_indices_map` says which
+slice of the array each device holds. Below, one weight under each preset.''',
+    '''\
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def draw_sharding(ax, sharding, shape, title):
+    """Shade each block of a 2-D array by the devices that hold it."""
+    blocks = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index, shape, strict=True))
+        blocks.setdefault((r0, r1, c0, c1), []).append(device.id)
+    colors = plt.cm.tab10(np.arange(len(blocks)) % 10)
+    for color, ((r0, r1, c0, c1), ids) in zip(colors, sorted(blocks.items()), strict=False):
+        ax.add_patch(plt.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color,
+                                   edgecolor="black", alpha=0.6))
+        ax.text((c0 + c1) / 2, (r0 + r1) / 2, ",".join(map(str, sorted(ids))),
+                ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, shape[1])
+    ax.set_ylim(shape[0], 0)
+    ax.set_title(title, fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+shape, names = (256, 64), ("mlp", "embed")  # one layer of the MLP down projection
+fig, axes = plt.subplots(1, len(PRESETS), figsize=(3 * len(PRESETS), 3.2))
+for ax, name in zip(axes, PRESETS, strict=True):
+    spec = preset(name)[0].spec(names, mesh)
+    draw_sharding(ax, NamedSharding(mesh, spec), shape, f"{name}: {spec}")
+fig.suptitle("w_down (mlp x embed) on data=2 x fsdp=2 x tensor=2; labels are device ids")
+fig.tight_layout()''',
+    '''md:## Activations
+
+Inside the model, `jaxpar.constrain(x, names)` pins an activation to the sharding the
+*activation* rules give its names, under the plan made current by `plan.activate()`. With
+`fsdp_tp` the batch is split over `data` and `fsdp`, and the MLP's hidden dimension over
+`tensor`.''',
+    '''\
+def hidden(x, w):
+    h = jaxpar.constrain(x @ w, ("batch", "mlp"))
+    return h
+
+
+x = jax.numpy.ones((32, 64))
+w_up = model.blocks.mlp.w_up.kernel[...][0]  # (embed, mlp)
+with plan.activate():
+    h = jax.jit(hidden)(x, w_up)
+print(h.shape, h.sharding.spec)
+fig, ax = plt.subplots(figsize=(4, 3))
+draw_sharding(ax, h.sharding, h.shape, f"h (batch x mlp): {h.sharding.spec}")''',
+    '''md:Next: `02_planning.ipynb` picks the mesh and strategy for a 7B and a 70B model, and
+`03_pipeline_schedules.ipynb` adds the `stage` axis.''',
+]
+
+PIPELINE_SCHEDULES = [
+    '''md:# Pipeline schedules
+
+A pipeline splits a model's layers into **stages**, one group of devices per stage, and
+splits the batch into **microbatches** that flow through the stages one after another.
+While the pipeline fills and drains, some stages have nothing to do: the **bubble**.
+
+jaxpar runs a pipeline as *vectorized stages*: the decoder layers are stored with two
+leading axes `(repeat, stage)`, `stage` sharded over the mesh's `stage` axis, and every
+iteration all stages apply their current layer at once (`jax.vmap`) before the
+activations shift one stage on (a `collective-permute`). With `R` repeats
+(a **circular** schedule) stage `s` holds layers `s, s + S, s + 2S, ...` and each
+microbatch goes round the stages `R` times.''',
+    SETUP,
+    '''md:## The schedule as a timeline
+
+In jaxpar's schedule, stage `s` at iteration `t` works on what stage 0 worked on at
+iteration `t - s`: microbatch `(t - s) mod M` in repeat `(t - s) // M`, as long as
+`0 <= t - s < R * M`. That is all we need to draw it. Below, the same 8-layer model on 4
+stages: GPipe (each stage holds 2 consecutive layers, so one iteration costs 2 layer-times)
+and the circular schedule with `R = 2` (each iteration is one layer).''',
+    '''\
+import matplotlib.pyplot as plt
+import numpy as np
+
+from jaxpar import pipeline as pl
+
+
+def timeline(stages, microbatches, repeats):
+    """grid[s, t] = (microbatch, repeat) that stage s runs at iteration t, or None (bubble)."""
+    sched = pl.Schedule(stages, microbatches, repeats)
+    grid = np.full((stages, sched.iterations), None, dtype=object)
+    for s in range(stages):
+        for t in range(sched.iterations):
+            k = t - s
+            if 0 <= k < repeats * microbatches:
+                grid[s, t] = (k % microbatches, k // microbatches)
+    return grid
+
+
+def draw(ax, stages, microbatches, repeats, cell=1.0, title=""):
+    grid = timeline(stages, microbatches, repeats)
+    colors = plt.cm.tab10(np.arange(microbatches) % 10)
+    for s in range(stages):
+        for t in range(grid.shape[1]):
+            if grid[s, t] is None:
+                continue
+            m, r = grid[s, t]
+            ax.add_patch(plt.Rectangle((t * cell, s), cell, 1, facecolor=colors[m],
+                                       edgecolor="white", alpha=0.45 + 0.5 * r / max(repeats, 2)))
+            ax.text((t + 0.5) * cell, s + 0.5, f"{m}" + (f"/{r}" if repeats > 1 else ""),
+                    ha="center", va="center", fontsize=8)
+    busy = sum(c is not None for c in grid.flat) / grid.size
+    ax.set_ylim(stages, 0)
+    ax.set_yticks(np.arange(stages) + 0.5, [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("time (layer applications)")
+    ax.set_title(f"{title}: {pl.describe_schedule(stages, microbatches, repeats)}",
+                 fontsize=9)
+    return 1 - busy
+
+
+fig, axes = plt.subplots(2, 1, figsize=(10, 5))
+gpipe = draw(axes[0], 4, 4, 1, cell=2.0, title="GPipe, 2 layers per stage")
+circular = draw(axes[1], 4, 4, 2, cell=1.0, title="circular, R=2")
+for ax in axes:
+    ax.set_xlim(0, 14)  # GPipe: 7 iterations x 2 layers; circular: 11 x 1
+fig.tight_layout()
+print(f"bubble: GPipe {gpipe:.1%}, circular {circular:.1%}")
+# The drawing agrees with jaxpar's formula (S - 1) / (R * M + S - 1):
+assert np.isclose(gpipe, pl.bubble_fraction(4, 4, 1))
+assert np.isclose(circular, pl.bubble_fraction(4, 4, 2))''',
+    '''md:Cells are labelled `microbatch/repeat`. The circular schedule finishes after 11
+layer-times instead of 14: its bubble is made of single layers, not pairs of them. The cost
+is more stage-to-stage traffic (each microbatch crosses every stage boundary `R` times)
+and, when `M > S`, a buffer on the stage-0 devices for microbatches waiting for their next
+repeat.
+
+## How the bubble shrinks
+
+`bubble_fraction(S, M, R) = (S - 1) / (R * M + S - 1)`: more microbatches or more repeats
+both shrink it. `Schedule.for_model` picks the deepest circular schedule the model allows
+by default.''',
+    '''\
+ms = np.arange(1, 33)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for repeats in (1, 2, 4, 8):
+    valid = ms[ms >= 8] if repeats > 1 else ms  # circular needs M >= S
+    ax.plot(valid, [pl.bubble_fraction(8, m, repeats) for m in valid], label=f"R={repeats}")
+ax.set_xlabel("microbatches M")
+ax.set_ylabel("bubble fraction")
+ax.set_title("S = 8 stages")
+ax.legend()
+fig.tight_layout()
+print(pl.Schedule.for_model(n_layers=32, stages=8))
+print(pl.Schedule.for_model(n_layers=32, stages=8).describe())''',
+    '''md:## A real pipelined forward pass
+
+Now the reference model on 8 devices: `stage=4 x data=2`, 8 layers, circular with
+`R = 2` and `M = 4` microbatches. With a `Schedule`, the model stores its layers in the
+`(repeat, stage)` layout and initialises them exactly as the unpipelined model would, so
+the same seed gives the same weights and, up to float rounding, the same logits.''',
+    '''\
+from flax import nnx
+
+import jaxpar
+from jaxpar.inspect import collective_table
+from jaxpar.models import Transformer, TransformerConfig
+
+cfg = TransformerConfig(vocab_size=128, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=32)
+schedule = pl.Schedule.for_model(cfg.n_layers, stages=4, microbatches=4, repeats=2)
+print(schedule.describe())
+
+plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"stage": 4, "data": 2}), "fsdp_tp")
+piped = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0), pipeline=schedule),
+                            plan)
+plain = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)),
+                            jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 8}), "fsdp_tp"))
+wq = piped.blocks.attn.wq.kernel[...]
+print("pipelined wq:", wq.shape, wq.sharding.spec)
+print("plain wq:    ", plain.blocks.attn.wq.kernel[...].shape)''',
+    '''\
+tokens = jax.random.randint(jax.random.key(1), (16, 16), 0, cfg.vocab_size)
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+with plan.activate():
+    piped_logits = forward(piped, tokens)
+plain_logits = forward(plain, tokens)
+diff = float(jax.numpy.max(jax.numpy.abs(piped_logits - plain_logits)))
+print(f"logits {piped_logits.shape}, max |pipelined - unpipelined| = {diff:.2e}")
+assert diff < 1e-4''',
+    '''md:What moves between stages? The compiled HLO shows it: `collective-permute`s along the
+`stage` axis carry microbatch activations from one stage to the next; the weights never
+move. The permute sits in the body of the loop over pipeline iterations, so the HLO holds
+it once though it runs 11 times; the all-reduce over `stage` at the end brings the finished
+microbatches from the stage-0 devices to every stage.''',
+    '''\
+with plan.activate():
+    hlo = forward.lower(piped, tokens).compile().as_text()
+for row in collective_table(hlo, plan.mesh):
+    print(f"{row['kind']:20s} over {','.join(row['axes']):12s} x{row['count']:<3d} "
+          f"{row['bytes_per_device']:>9,d} bytes per device")''',
+    '''md:To train with a pipeline from the command line, give the mesh a `stage` axis:
+`jaxpar train --config configs/tiny.yaml --devices 8 mesh.stage=2 mesh.data=2 mesh.fsdp=1
+pipeline.microbatches=4`.''',
+]
+
+NOTEBOOKS = {
+    "01_rules_and_meshes.ipynb": RULES_AND_MESHES,
+    "03_pipeline_schedules.ipynb": PIPELINE_SCHEDULES,
+}
+
+
+def build(cells: list[str]) -> nbformat.NotebookNode:
+    """A notebook (no outputs) from cell sources; ``md:`` marks markdown."""
+    nb = new_notebook()
+    nb.cells = [new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c)
+                for c in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def main() -> None:
+    for name, cells in NOTEBOOKS.items():
+        nbformat.write(build(cells), HERE / name)
+        print("wrote", HERE / name)
+
+
+if __name__ == "__main__":
+    main()
