@@ -341,8 +341,221 @@ for row in collective_table(hlo, plan.mesh):
 pipeline.microbatches=4`.''',
 ]
 
+PLANNING = [
+    """md:# Planning a 7B and a 70B model
+
+Which mesh, ZeRO stage, remat policy and microbatching should a run use? `jaxpar.planner`
+answers from a **cost model** that needs no devices: per-device memory (parameters,
+gradients, optimizer state, activations by remat policy, XLA's temporaries), compute time
+from the model's FLOPs over the chip's peak, and the time of every collective over the
+fast in-slice links (ICI, NVLink) or the data-centre network (DCN, InfiniBand). The search
+enumerates meshes over `data x stage x fsdp x tensor`, drops what does not fit in HBM and
+ranks the rest by estimated step time.
+
+Here: a Llama 7B and a Llama 70B (`configs/llama-7b.yaml`, `configs/llama-70b.yaml`),
+global batch 512 x 4096 tokens, on a TPU v5p pod and on an H100 cluster. The last section
+checks the cost model against what XLA compiles, on 8 simulated CPU devices.""",
+    SETUP,
+    """md:## The device catalog
+
+Per chip: peak dense bf16 FLOP/s, HBM, the bandwidth one chip pushes into collectives
+inside its ICI domain and across the DCN, and how many chips share one ICI domain. Each
+figure's public source is cited in `jaxpar/planner/catalog.py`; custom chips can be added
+from YAML (`--catalog`).""",
+    """\
+import jaxpar
+from jaxpar.planner import BUILTIN, parse_chips, plan
+from jaxpar.report import table
+
+rows = [(name, f"{c.peak_flops / 1e12:.0f}", f"{c.hbm_bytes / 2**30:.0f}",
+         f"{c.ici_bw / 1e9:.0f}", f"{c.dcn_bw / 1e9:.1f}", c.domain)
+        for name, c in BUILTIN.items()]
+print(table(["chip", "TFLOP/s", "HBM GiB", "ICI GB/s", "DCN GB/s", "chips per ICI domain"],
+            rows, right=(1, 2, 3, 4, 5)))
+for chips in ("tpu-v5p:256", "tpu-v5p:512", "h100:64", "h100:128"):
+    print(chips, "->", parse_chips(chips).describe())""",
+    """md:## 7B on 256 TPU v5p chips
+
+`plan` returns the best plans, fastest first, each an `Estimate` with the candidate (mesh
+and knobs), `memory`, `step_time_s`, `mfu`, `fits` and a `reason` saying why it beats the
+next one. The same search runs behind `jaxpar plan --model configs/llama-7b.yaml --chips
+tpu-v5p:256 --global-batch 512 --seq 4096`.""",
+    """\
+GLOBAL_BATCH, SEQ = 512, 4096
+
+
+def show(plans):
+    rows = [(p.candidate.describe(), p.candidate.zero_stage, p.candidate.remat,
+             p.candidate.microbatches, f"{p.memory_per_device_bytes / 2**30:.1f}",
+             f"{p.step_time_s:.2f}", f"{p.mfu:.2f}",
+             f"{GLOBAL_BATCH * SEQ / p.step_time_s:,.0f}") for p in plans]
+    print(table(["mesh", "zero", "remat", "micro", "GiB/device", "step s", "MFU", "tokens/s"],
+                rows, right=(1, 3, 4, 5, 6, 7)))
+    print("winner:", plans[0].reason)
+
+
+plans_7b = plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=GLOBAL_BATCH,
+                seq=SEQ)
+show(plans_7b)""",
+    """md:## The other three: 7B on 64 H100s, 70B on 512 v5p chips and on 128 H100s
+
+GPU clusters are 8-GPU NVLink nodes joined by InfiniBand, so `h100:64` is 8 slices: the
+planner keeps tensor parallelism inside a node and puts the axes that communicate least
+(data, then pipeline stages) across nodes.""",
+    """\
+SCENARIOS = [("configs/llama-7b.yaml", "tpu-v5p:256"), ("configs/llama-7b.yaml", "h100:64"),
+             ("configs/llama-70b.yaml", "tpu-v5p:512"), ("configs/llama-70b.yaml", "h100:128")]
+winners = {("configs/llama-7b.yaml", "tpu-v5p:256"): plans_7b[0]}
+for model, chips in SCENARIOS[1:]:
+    print(f"--- {model} on {chips}")
+    plans = plan(model, chips=chips, global_batch=GLOBAL_BATCH, seq=SEQ, top=3)
+    show(plans)
+    winners[(model, chips)] = plans[0]""",
+    """md:## Strategies side by side
+
+The search compares meshes; to see *why* it lands where it does, fix the layout to a few
+classic strategies and let each pick its best remat policy and gradient-accumulation
+microbatches (the fastest combination that fits, or the leanest one if nothing fits):
+
+* **DP**: weights, gradients and Adam state replicated on every chip;
+* **ZeRO-1 / ZeRO-3**: data parallel, with the optimizer state (1) or everything (3) split
+  over the data-parallel chips;
+* **FSDP**: weights split over an `fsdp` axis inside each slice, data parallel across;
+* **FSDP + TP**: Megatron tensor parallelism over 8 chips of a slice, FSDP over the rest;
+* **FSDP + PP**: 4 pipeline stages, FSDP inside each.
+
+`estimate` gives the cost model's figures for one `Candidate`.""",
+    """\
+from jaxpar.planner import Candidate, estimate, resolve_model
+from jaxpar.planner.cost import check_divisible
+from jaxpar.planner.search import REMATS
+
+
+def strategies(machine):
+    n, s = machine.per_slice, machine.slices
+    pp = (({"stage": 4, "fsdp": n // 4}, {"data": s}) if s == 1 else
+          ({"fsdp": n}, {"stage": 4, "data": s // 4}))
+    return {
+        "DP": ({"data": n}, {"data": s}, 0),
+        "ZeRO-1": ({"data": n}, {"data": s}, 1),
+        "ZeRO-3": ({"data": n}, {"data": s}, 3),
+        "FSDP": ({"fsdp": n}, {"data": s}, 0),
+        "FSDP + TP": ({"fsdp": n // 8, "tensor": 8}, {"data": s}, 0),
+        "FSDP + PP": (*pp, 0),
+    }
+
+
+def tuned(model, chips, ici, dcn, zero):
+    \"\"\"The fastest (remat, microbatches) that fits, else the one needing least memory.\"\"\"
+    resolved = resolve_model(model)
+    best = leanest = None
+    for remat in REMATS:
+        mb = 1
+        while True:
+            cand = Candidate.make(ici, dcn, zero_stage=zero, remat=remat, microbatches=mb)
+            if check_divisible(resolved.spec_for(cand.sizes["stage"]), cand, GLOBAL_BATCH):
+                break  # the batch does not split any further
+            est = estimate(model, cand, chips=chips, global_batch=GLOBAL_BATCH, seq=SEQ)
+            if est.fits:
+                if best is None or est.step_time_s < best.step_time_s:
+                    best = est
+                break
+            if leanest is None or est.memory_per_device_bytes < leanest.memory_per_device_bytes:
+                leanest = est
+            mb *= 2
+    return best or leanest
+
+
+results = {}
+for model, chips in SCENARIOS:
+    machine = parse_chips(chips)
+    results[(model, chips)] = {name: tuned(model, chips, *layout)
+                               for name, layout in strategies(machine).items()}
+    results[(model, chips)]["planner"] = winners[(model, chips)]
+    fitting = {k: e for k, e in results[(model, chips)].items() if e.fits}
+    fastest = min(fitting, key=lambda k: fitting[k].step_time_s) if fitting else "none"
+    print(f"{model} on {chips}: {len(fitting)} of 7 fit; fastest: {fastest}")""",
+    """md:Memory per device (arguments: weights and optimizer state; temporaries: activations
+and XLA's working buffers) against the chip's HBM, and the estimated step time. Hatched
+bars do not fit even with full remat and the most microbatches the batch allows; bars
+taller than the plot are cut, with their height written on them.""",
+    """\
+import matplotlib.pyplot as plt
+import numpy as np
+
+fig, axes = plt.subplots(len(SCENARIOS), 2, figsize=(12, 3.2 * len(SCENARIOS)))
+for row, (model, chips) in zip(axes, SCENARIOS, strict=True):
+    ests = results[(model, chips)]
+    names = list(ests)
+    x = np.arange(len(names))
+    args = np.array([e.memory["argument_bytes"] for e in ests.values()]) / 2**30
+    temp = np.array([e.memory["temp_bytes"] for e in ests.values()]) / 2**30
+    hatch = ["" if e.fits else "//" for e in ests.values()]
+    row[0].bar(x, args, label="arguments (state)", hatch=hatch)
+    row[0].bar(x, temp, bottom=args, label="temporaries (activations)", hatch=hatch)
+    hbm = next(iter(ests.values())).hbm_bytes / 2**30
+    row[0].axhline(hbm, color="black", linestyle="--", label=f"HBM {hbm:.0f} GiB")
+    top = 2.2 * hbm  # bars above this are cut; their height is written on them
+    row[0].set_ylim(0, top)
+    for i, total in enumerate(args + temp):
+        if total > top:
+            row[0].text(i, 0.97 * top, f"{total:,.0f}", ha="center", va="top", fontsize=7,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    row[0].set_ylabel("GiB per device")
+    row[0].set_title(f"{model.split('/')[-1]} on {chips}: memory", fontsize=10)
+    row[1].bar(x, [e.step_time_s for e in ests.values()], hatch=hatch,
+               color=["tab:green" if e.fits else "tab:gray" for e in ests.values()])
+    for i, e in enumerate(ests.values()):
+        row[1].text(i, e.step_time_s, f"MFU {e.mfu:.2f}", ha="center", va="bottom", fontsize=7)
+    row[1].set_ylabel("seconds per step")
+    row[1].set_title(f"{model.split('/')[-1]} on {chips}: step time", fontsize=10)
+    for ax in row:
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+axes[0][0].legend(fontsize=7)
+fig.tight_layout()""",
+    """md:The pattern to look for: replicated state (DP) is the first thing that stops fitting
+as the model grows; splitting it (ZeRO, FSDP) leaves activations as the big item, which
+remat and gradient accumulation trade for time; tensor parallelism splits activations too
+but puts all-reduces on the critical path of every layer, cheap over TPU ICI, dearer across
+a GPU node; pipeline stages add a bubble but communicate little.
+
+## The winner as a run config
+
+`jaxpar plan ... --write run.yaml` writes the winning plan as a config that `jaxpar train`
+runs; in Python, `run_config` does the same.""",
+    """\
+import tempfile
+from pathlib import Path
+
+from jaxpar.planner.api import run_config
+
+base = jaxpar.load_config("configs/llama-7b.yaml")
+config = run_config(plans_7b[0], base, None, GLOBAL_BATCH, SEQ)
+print("mesh:", config.mesh)
+print("plan:", config.plan)
+with tempfile.TemporaryDirectory() as tmp:
+    config.save(Path(tmp) / "run.yaml")
+    assert jaxpar.load_config(Path(tmp) / "run.yaml") == config""",
+    """md:## Checking the cost model against the compiler
+
+A plan is only as good as its cost model. `jaxpar inspect` compiles one train step
+(without running it) and puts the planner's prediction beside what XLA reports: per-device
+memory, every collective in the optimized HLO, and FLOPs. Here on the 8 simulated CPU
+devices, for the tiny config on a `data=2 x fsdp=2 x tensor=2` mesh (the CLI:
+`jaxpar inspect --config configs/tiny.yaml --devices 8`).""",
+    """\
+from jaxpar.inspect import inspect_config
+from jaxpar.report import render_inspection
+
+tiny = jaxpar.load_config("configs/tiny.yaml", ["train.global_batch=16", "train.seq_len=64"])
+report = inspect_config(tiny, source="configs/tiny.yaml")
+text = render_inspection(report)
+print(text[text.index("Memory per device"):])""",
+]
+
 NOTEBOOKS = {
     "01_rules_and_meshes.ipynb": RULES_AND_MESHES,
+    "02_planning.ipynb": PLANNING,
     "03_pipeline_schedules.ipynb": PIPELINE_SCHEDULES,
 }
 
