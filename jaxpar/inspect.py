@@ -268,8 +268,8 @@ def planner_prediction(config: Any, n_devices: int) -> tuple[dict[str, Any] | No
         return None, f"no planner prediction: jaxpar.planner is not available ({err})"
     try:
         return predict(config, n_devices), ""
-    except (ValueError, NotImplementedError) as err:  # JaxparError is a ValueError
-        return None, f"no planner prediction: {err}"
+    except Exception as err:  # noqa: BLE001 - a planner failure must not hide the measurement
+        return None, f"no planner prediction: {type(err).__name__}: {err}"
 
 
 def _axes_key(axes: Any, mesh: Mesh) -> tuple[str, ...]:

@@ -60,7 +60,7 @@ def fmt_spec(spec: Sequence[Any]) -> str:
     def one(entry: Any) -> str:
         if entry is None:
             return "-"
-        return entry if isinstance(entry, str) else "x".join(entry)
+        return entry if isinstance(entry, str) else "{" + ",".join(entry) + "}"
 
     return "(" + ", ".join(one(e) for e in spec) + ")" if spec else "replicated"
 

@@ -139,3 +139,20 @@ def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
     got = matmul_flops(hlo)
     assert got["flops"] == 5 * 2 * 8 * 16 * 16
     assert got["loops"] == 1 and got["loops_without_trip_count"] == 0
+
+
+def test_planner_failure_or_absence_leaves_a_note(monkeypatch):
+    import jaxpar.planner
+    from jaxpar.inspect import planner_prediction
+
+    config = jaxpar.load_config("configs/tiny.yaml")
+
+    def broken(config, n_devices):
+        raise KeyError("no such layout")
+
+    monkeypatch.setattr(jaxpar.planner, "predict", broken)
+    pred, note = planner_prediction(config, 8)
+    assert pred is None and "KeyError" in note and "no such layout" in note
+    monkeypatch.setitem(sys.modules, "jaxpar.planner", None)
+    pred, note = planner_prediction(config, 8)
+    assert pred is None and "not available" in note
