@@ -97,6 +97,15 @@ def test_llama_7b_on_v5p_256_fits_and_is_sane():
     assert best.step_time_s > 6 * 6.7e9 * 512 * 4096 / (459e12 * 256)
 
 
+def test_plans_are_ranked_by_absolute_step_time():
+    # Regression: ranking by step time relative to each plan's own compute put full-remat
+    # plans (more compute, so a smaller ratio) ahead of faster ones.
+    plans = plan("configs/llama-70b.yaml", chips="tpu-v5p:512", global_batch=512, seq=4096)
+    times = [p.step_time_s for p in plans]
+    assert all(b >= a * 0.995 for a, b in zip(times, times[1:], strict=False)), times
+    assert plans[0].candidate.remat != "full"
+
+
 def test_top_level_plan_is_the_planner():
     best = jaxpar.plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=512,
                        seq=4096, top=1)[0]

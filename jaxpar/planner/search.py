@@ -128,16 +128,21 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
         mesh_key = key[:2]
         if mesh_key not in per_mesh or est.step_time_s < per_mesh[mesh_key].step_time_s:
             per_mesh[mesh_key] = est
-    ranked = sorted(per_mesh.values(), key=_rank_key)
+    ranked = _rank(list(per_mesh.values()))
     if not ranked:
         ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
     return SearchResult(ranked[:max(top, 2)], evaluated, rejected)
 
 
-def _rank_key(est: Estimate) -> tuple[float, float]:
-    """Step time, with plans within 0.5% of each other ordered by total communication
-    (hidden or not: less traffic is the safer bet when the overlap estimate is off)."""
-    return (round(est.step_time_s * 200 / max(est.compute_s, 1e-12)), sum(est.comm_s.values()))
+def _rank(estimates: list[Estimate]) -> list[Estimate]:
+    """By step time, in steps of 0.5% of the fastest plan's; plans in the same step are
+    ordered by total communication (hidden or not: less traffic is the safer bet when the
+    overlap estimate is off)."""
+    if not estimates:
+        return []
+    unit = min(e.step_time_s for e in estimates) / 200 or 1e-12
+    return sorted(estimates, key=lambda e: (round(e.step_time_s / unit),
+                                            sum(e.comm_s.values())))
 
 
 # --- explanation --------------------------------------------------------------------------
@@ -161,12 +166,15 @@ def reason(winner: Estimate, runner: Estimate | None) -> str:
     gain = 1 - winner.step_time_s / runner.step_time_s if runner.step_time_s else 0.0
     if abs(gain) < 0.005:
         cw, cr = sum(winner.comm_s.values()), sum(runner.comm_s.values())
-        less = f"{(1 - cw / cr) * 100:.0f}% less" if cr > cw else "no more"
-        return (f"ties with {runner.candidate.describe()} on step time (communication "
-                f"hidden under compute) and moves {less} data per step "
-                f"({cw:.3f} s vs {cr:.3f} s of collectives), "
-                f"{_gib(winner.memory_per_device_bytes)} vs "
+        tie = (f"ties with {runner.candidate.describe()} on step time (communication "
+               f"hidden under compute)")
+        mems = (f"{_gib(winner.memory_per_device_bytes)} vs "
                 f"{_gib(runner.memory_per_device_bytes)} per device")
+        if cr > cw * 1.005:
+            return (f"{tie} and spends {(1 - cw / cr) * 100:.1f}% less time in collectives "
+                    f"({cw:.3f} s vs {cr:.3f} s), {mems}")
+        return (f"{tie} and in collectives ({cw:.3f} s each): a coin toss between the two "
+                f"by this model; {mems}")
     mw, mr = winner.memory_per_device_bytes, runner.memory_per_device_bytes
     ratio = mw / mr if mr else 1.0
     mem = ("same memory class" if 0.8 <= ratio <= 1.25 else
