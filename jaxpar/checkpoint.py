@@ -226,23 +226,19 @@ class Checkpointer:
         Raises:
           CorruptCheckpoint: when it cannot be read.
         """
-        try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                **{META: _MetaRestore()}))
-        except Exception as e:
-            raise CorruptCheckpoint(
-                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
-        return dict(out[META] or {})
+        return self._json_item(step, META, _MetaRestore())
 
     def config(self, step: int) -> dict[str, Any]:
         """The resolved run config saved with checkpoint ``step`` (a nested dict)."""
+        return self._json_item(step, CONFIG, ocp.args.JsonRestore())
+
+    def _json_item(self, step: int, name: str, args: ocp.args.JsonRestore) -> dict[str, Any]:
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                **{CONFIG: ocp.args.JsonRestore()}))
+            out = self._manager.restore(step, args=ocp.args.Composite(**{name: args}))
         except Exception as e:
             raise CorruptCheckpoint(
                 f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
-        return dict(out[CONFIG] or {})
+        return dict(out[name] or {})
 
     def read(self, step: int, target: Mapping[str, Any], what: str = "",
              partial: bool = False, stages: int = 1
