@@ -13,15 +13,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/jaxpar train --config configs/tiny.yaml --devices 8 --out runs/tiny
+	$(VENV)/bin/jaxpar train --config configs/tiny.yaml --devices 8 --out runs/tiny --resume
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check jaxpar tests benchmarks examples
+	$(VENV)/bin/ruff check jaxpar tests benchmarks examples notebooks
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/pipeline.py --no-time
+	$(PY) benchmarks/published.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
