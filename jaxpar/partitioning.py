@@ -35,9 +35,18 @@ def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     return None
 
 
+def key_str(key: Any) -> str:
+    """One path entry as text: an NNX path's name or index, or a JAX key path's dict key,
+    sequence index or attribute name."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def path_str(path: tuple) -> str:
-    """``('layers', 'mlp', 'w_up')`` -> ``'layers/mlp/w_up'``."""
-    return "/".join(str(getattr(p, "key", p)) for p in path)
+    """``('layers', 'mlp', 'w_up')`` (or the JAX key path of the same) -> ``'layers/mlp/w_up'``."""
+    return "/".join(key_str(p) for p in path)
 
 
 def variable_spec(plan: Plan, variable: nnx.Variable, path: str = "") -> PartitionSpec:

@@ -18,21 +18,15 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.partitioning import key_str
 
 
 # --- pytree <-> flat "a/b/c" paths --------------------------------------------------------
-def _key_str(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def flat_paths(tree: Any) -> dict[str, Any]:
     """``{"params/blocks/attn/wq/kernel": leaf, ...}`` in the tree's flattening order."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [_key_str(k) for k in path]
+        parts = [key_str(k) for k in path]
         if len(parts) > 1 and parts[-1] == "value":  # an nnx.Variable's payload
             parts.pop()
         out["/".join(parts)] = leaf

@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxpar.errors import JaxparError
 from jaxpar.models.transformer import TransformerConfig
+from jaxpar.partitioning import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +133,7 @@ def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
             params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         shape = tuple(var.get_value().shape)
         names = _names(var) or (None,) * len(shape)
-        key = "/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
-        tensors.append(Tensor(key, shape, tuple(names)))
+        tensors.append(Tensor(path_str(path), shape, tuple(names)))
     cfg = getattr(abstract, "config", None)
     if isinstance(cfg, TransformerConfig):
         t = from_transformer(cfg)
