@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jaxpar
+    from jaxpar.assembly import build_trainer
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.run import make_loader
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     loader = make_loader(config)
-    trainer = jaxpar.Trainer.from_config(config)
+    trainer = build_trainer(config)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state))
     step = 0
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.restore(trainer)
         jax.block_until_ready(trainer.state)
         rows.append(("restore, same plan (s)", time.perf_counter() - start))
-        target = jaxpar.Trainer.from_config(other)
+        target = build_trainer(other)
         start = time.perf_counter()
         ckpt.restore(target)
         jax.block_until_ready(target.state)

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jaxpar
+    from jaxpar.assembly import build_trainer
     from jaxpar.inspect import memory_stats
     from jaxpar.run import make_loader
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, knobs in strategies.items():
         config = jaxpar.load_config(args.config, [
             *args.overrides, *knobs, "plan.precision=p=f32,c=bf16,o=f32"])
-        trainer = jaxpar.Trainer.from_config(config)
+        trainer = build_trainer(config)
         batch = make_loader(config).batch(0)
         report = trainer.memory_report(batch)
         xla = memory_stats(trainer.lower(batch).compile())

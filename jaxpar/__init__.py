@@ -9,16 +9,25 @@ Annotate a model with logical axis names, pick a mesh, and train it sharded::
     trainer = jaxpar.Trainer(model, optax.adamw(3e-3), plan)
     metrics = trainer.step(batch)
 
+A model jaxpar did not write gets logical names by path, and its block outputs pinned::
+
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", annotations=[(r"kernel$", ("embed", "mlp"))],
+                                   layouts=[(MyDecoderLayer, ("batch", "seq", "embed"))])
+    model = jaxpar.init_sharded(lambda: MyModel(rngs=nnx.Rngs(0)), plan)
+
 Or let the planner choose the mesh for a machine you do not have::
 
     best = jaxpar.plan(cfg, chips="tpu-v5p:256", global_batch=512, seq=4096)[0]
 """
 
 from jaxpar import lora, models, pipeline, planner
+from jaxpar.annotate import annotate, logical_names
+from jaxpar.assembly import assemble, build_trainer
 from jaxpar.config import Config, load_config
 from jaxpar.errors import JaxparError
+from jaxpar.layouts import constrain_outputs
 from jaxpar.mesh import MESH_AXES, make_mesh
-from jaxpar.partitioning import init_sharded, state_shardings
+from jaxpar.partitioning import init_sharded, replication_report, state_shardings
 from jaxpar.plan import Plan, constrain, current_plan
 from jaxpar.rules import Rules
 from jaxpar.train import Trainer
@@ -30,6 +39,12 @@ plan = planner.plan
 
 __all__ = [
     "MESH_AXES",
+    "annotate",
+    "assemble",
+    "build_trainer",
+    "constrain_outputs",
+    "logical_names",
+    "replication_report",
     "Config",
     "JaxparError",
     "Plan",

@@ -1,10 +1,12 @@
 """Run configuration: typed dataclasses loaded from YAML plus ``dotted.key=value`` overrides.
 
-Sections: ``model`` (the :class:`~jaxpar.models.TransformerConfig` fields), ``mesh``
-(axis sizes), ``plan`` (rules preset), ``train`` (steps, batch, optimizer) and ``data``
-(the corpus), ``lora``, ``pipeline``, ``checkpoint``, and the top-level ``init_from``
-(weights to start from). An unknown key anywhere is an error that names it and suggests
-the closest valid key.
+Sections: ``model`` (the :class:`~jaxpar.models.TransformerConfig` fields, or a user's
+model: ``model.factory: package.module:function``), ``mesh`` (axis sizes), ``plan`` (rules
+preset, annotations, layouts, ZeRO, precision, remat), ``train`` (steps, batch, optimizer,
+loss) and ``data`` (the corpus), ``lora``, ``pipeline``, ``checkpoint``, and the top-level
+``init_from`` (weights to start from). An unknown key anywhere is an error that names it
+and suggests the closest valid key. Turning a config into a run is
+:mod:`jaxpar.assembly`'s job.
 """
 
 from __future__ import annotations
@@ -24,8 +26,30 @@ from jaxpar.models.transformer import TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelConfig(TransformerConfig):
+    """The ``model`` section: the built-in decoder's sizes, or a model of the user's own.
+
+    ``factory``: ``package.module:function`` returning a Flax NNX model; it is called with
+    ``kwargs`` as keyword arguments, plus ``rngs=nnx.Rngs(train.seed)`` when it takes
+    ``rngs``. With a factory, the built-in decoder's fields are unused except
+    ``vocab_size``, against which the token data are checked.
+    """
+
+    factory: str = ""
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def transformer(self) -> TransformerConfig:
+        """The built-in decoder's own config (without the factory fields)."""
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        return TransformerConfig(**{k: v for k, v in vars(self).items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh axis sizes within a slice (one may be -1) and, for multi-slice runs, across slices."""
+    """Mesh axis sizes within a slice (one may be -1) and, for multi-slice runs, across slices.
+
+    ``explicit``: JAX's explicit sharding mode (``AxisType.Explicit``) for models that call
+    ``jax.sharding.reshard`` or pass ``out_sharding=``."""
 
     data: int = -1
     stage: int = 1
@@ -35,6 +59,7 @@ class MeshConfig:
     dcn_stage: int = 1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
+    explicit: bool = False
 
     def ici(self) -> dict[str, int]:
         """Axis sizes inside one slice."""
@@ -50,13 +75,22 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), ZeRO stage, precision
-    policy, remat policy and gradient-accumulation microbatches."""
+    policy, remat policy and gradient-accumulation microbatches.
+
+    ``annotations``: ``[[path regex, [logical names]], ...]`` for variables (see
+    :func:`jaxpar.annotate`). ``layouts``: ``[[path regex or "type:ClassName", [logical
+    names]], ...]`` for module outputs (see :func:`jaxpar.constrain_outputs`). ``strict``:
+    a dimension its rule's mesh axes do not divide is an error instead of falling through
+    to the next rule."""
 
     rules: str = "fsdp_tp"
     zero_stage: int = 0
     precision: str = "params=float32,compute=float32,output=float32"
     remat: str = "none"
     microbatches: int = 1
+    annotations: tuple = ()
+    layouts: tuple = ()
+    strict: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +109,9 @@ class TrainConfig:
     """Optimisation and schedule. ``trainable``: which parameters train: ``lora``, ``all``,
     or a regex over parameter paths; empty means ``lora`` when LoRA is enabled, else all.
     ``eval_every``: every this many steps (and at the end) log ``eval_loss``, the mean loss
-    on the first ``eval_batches`` batches of the held-out data; 0 turns it off."""
+    on the first ``eval_batches`` batches of the held-out data; 0 turns it off.
+    ``loss``: ``package.module:function`` with ``fn(model, batch) -> scalar``; empty means
+    next-token cross-entropy (:func:`jaxpar.train.lm_loss`)."""
 
     steps: int = 200
     global_batch: int = 16
@@ -90,6 +126,7 @@ class TrainConfig:
     trainable: str = ""
     eval_every: int = 0
     eval_batches: int = 4
+    loss: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +153,7 @@ class CheckpointConfig:
 class Config:
     """A whole run."""
 
-    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -149,6 +186,19 @@ def _valid_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _mapping_keys(cls: type, prefix: str = "") -> list[str]:
+    """Keys of free-form mapping fields (``model.kwargs``), whose sub-keys are the user's."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += _mapping_keys(t, f"{prefix}{f.name}.")
+        elif t is dict:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
 def _unknown_key(key: str) -> JaxparError:
     close = difflib.get_close_matches(key, _valid_keys(Config), n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -173,6 +223,14 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             return float(value)
         if kind is str:
             return str(value)
+        if kind is tuple:
+            if not isinstance(value, list | tuple):
+                raise ValueError(value)
+            return tuple(value)
+        if kind is dict:
+            if not isinstance(value, Mapping):
+                raise ValueError(value)
+            return dict(value)
     except (TypeError, ValueError):
         raise JaxparError(f"config key {key!r} expects {kind.__name__}, got {value!r}") from None
     return value
@@ -207,9 +265,10 @@ def parse_override(text: str) -> tuple[str, Any]:
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Set each ``dotted.key=value`` in the nested dict ``data`` (in place) and return it."""
     valid = set(_valid_keys(Config))
+    free = _mapping_keys(Config)
     for text in overrides:
         key, value = parse_override(text)
-        if key not in valid:
+        if key not in valid and not any(key.startswith(f + ".") for f in free):
             raise _unknown_key(key)
         *sections, leaf = key.split(".")
         node = data

@@ -326,12 +326,14 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
     import time
 
     import jax
+    from flax import nnx
 
+    from jaxpar.assembly import assemble
     from jaxpar.mesh import describe
-    from jaxpar.train import Trainer
+    from jaxpar.partitioning import replication_report
 
-    trainer = Trainer.from_config(config)
-    plan = trainer.plan
+    run = assemble(config)
+    trainer, plan = run.trainer, run.plan
     rows = config.train.global_batch // jax.process_count()
     # Compilation needs only the batch's shape and dtype (what make_loader's batches have).
     batch = np.zeros((rows, config.train.seq_len + 1), np.int32)
@@ -354,7 +356,11 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
     if matmuls["loops_without_trip_count"]:
         notes.append(f"{matmuls['loops_without_trip_count']} loop(s) without a known trip "
                      "count: their bodies' FLOPs are counted once")
-    schedule = getattr(trainer, "schedule", None)
+    schedule = run.schedule
+    replication = replication_report(plan, nnx.state(trainer.model))
+    if replication["could_shard"] and replication["replicated_share"] > 0.5:
+        notes.append(f"{100 * replication['replicated_share']:.0f}% of parameter bytes are "
+                     "replicated; name them with plan.annotations (jaxpar.annotate)")
     return {
         "header": {
             "config": source,
@@ -369,6 +375,9 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
             "compile_s": compile_s,
             "pipeline": schedule.describe() if schedule is not None else "",
         },
+        "replication": {"replicated_share": replication["replicated_share"],
+                        "replicated_bytes": replication["replicated_bytes"],
+                        "largest": [[p, list(s)] for p, s in replication["largest"]]},
         "param_count": int(sum(np.prod(p["shape"], dtype=np.int64) for p in params)),
         "params": params,
         "memory": memory,

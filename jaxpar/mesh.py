@@ -25,13 +25,31 @@ from jaxpar.errors import JaxparError
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
 """Mesh axis names, outermost (most communication-tolerant) first."""
 
+AXIS_ALIASES: dict[str, str] = {"dp": "data", "tp": "tensor", "mp": "tensor", "pp": "stage"}
+"""Other names people give the same axes; accepted wherever a mesh axis is named."""
+
+
+def canonical_axis(name: str) -> str:
+    """``"tp"`` -> ``"tensor"`` (see :data:`AXIS_ALIASES`); other names are returned as given."""
+    return AXIS_ALIASES.get(name, name)
+
+
+def _canonical_sizes(axes: Mapping[str, int], what: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, size in axes.items():
+        axis = canonical_axis(name)
+        if axis not in MESH_AXES:
+            raise JaxparError(
+                f"unknown mesh axis {name!r} in {what}; jaxpar meshes have axes {MESH_AXES} "
+                f"(aliases: {', '.join(f'{a}={c}' for a, c in AXIS_ALIASES.items())})")
+        if axis in out:
+            raise JaxparError(f"mesh axis {axis!r} is given twice in {what} ({dict(axes)})")
+        out[axis] = size
+    return out
+
 
 def _resolve_sizes(axes: Mapping[str, int], n_devices: int, what: str) -> list[int]:
-    unknown = [name for name in axes if name not in MESH_AXES]
-    if unknown:
-        raise JaxparError(
-            f"unknown mesh axis {unknown[0]!r} in {what}; jaxpar meshes have axes {MESH_AXES}"
-        )
+    axes = _canonical_sizes(axes, what)
     sizes = [int(axes.get(name, 1)) for name in MESH_AXES]
     free = [i for i, s in enumerate(sizes) if s == -1]
     if any(s == 0 or s < -1 for s in sizes):
@@ -59,6 +77,7 @@ def make_mesh(
     *,
     dcn: Mapping[str, int] | None = None,
     devices: Sequence[jax.Device] | None = None,
+    explicit: bool = False,
 ) -> Mesh:
     """Build a mesh over ``devices`` (default: all devices) with jaxpar's named axes.
 
@@ -71,9 +90,13 @@ def make_mesh(
         ``mesh_utils.create_hybrid_device_mesh`` when the devices know their slice;
         otherwise (simulated CPU devices) consecutive devices form one slice.
       devices: the devices to use, in order.
+      explicit: give the axes ``AxisType.Explicit`` (JAX's sharding-in-types mode) for
+        models that call ``jax.sharding.reshard`` or pass ``out_sharding=``; by default
+        axes are ``Auto`` and GSPMD propagates shardings from jaxpar's constraints.
 
     Raises:
-      JaxparError: when an axis name is unknown, or the product of the axis sizes does
+      JaxparError: when an axis name is unknown (``dp``, ``tp``/``mp`` and ``pp`` are
+        accepted for data, tensor and stage), or the product of the axis sizes does
         not equal the number of devices (the message shows the arithmetic).
     """
     devices = list(jax.devices() if devices is None else devices)
@@ -93,7 +116,13 @@ def make_mesh(
         grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices)
     else:
         grid = _hybrid_grid_by_order(devices, ici_sizes, dcn_sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(grid, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    """Whether the mesh's axes are ``Explicit`` (sharding in types) rather than ``Auto``."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _hybrid_grid_by_order(

@@ -10,6 +10,8 @@ carry the extra leading name too.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,41 +20,25 @@ from flax import nnx
 from flax.core import meta as linen_meta
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.annotate import annotate, key_str, logical_names, path_str
 from jaxpar.plan import Plan
 
 M = TypeVar("M", bound=nnx.Module)
 
-_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
+__all__ = ["ReplicationWarning", "init_sharded", "key_str", "linen_shardings",
+           "logical_names", "param_table", "path_str", "prepare_model", "replication_report",
+           "state_shardings", "variable_spec", "warn_if_replicated"]
 
 
-def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-    """The logical names a variable was annotated with, or None if it has none."""
-    metadata = variable.get_metadata()
-    for key in _NAME_KEYS:
-        names = metadata.get(key)
-        if names:
-            return tuple(names)
-    return None
-
-
-def key_str(key: Any) -> str:
-    """One path entry as text: an NNX path's name or index, or a JAX key path's dict key,
-    sequence index or attribute name."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(path: tuple) -> str:
-    """``('layers', 'mlp', 'w_up')`` (or the JAX key path of the same) -> ``'layers/mlp/w_up'``."""
-    return "/".join(key_str(p) for p in path)
+class ReplicationWarning(UserWarning):
+    """Most parameter bytes are replicated although the plan could shard them."""
 
 
 def variable_spec(plan: Plan, variable: nnx.Variable, path: str = "") -> PartitionSpec:
     """PartitionSpec of one variable under the plan's parameter rules.
 
-    A variable without logical names (and scalars) is replicated.
+    A variable without logical names (and scalars) is replicated. Names may be shorter
+    than the array, and may name mesh axes directly.
     """
     names = logical_names(variable)
     shape = variable.get_value().shape
@@ -75,22 +61,93 @@ def state_shardings(plan: Plan, state: nnx.State) -> nnx.State:
     )
 
 
+def prepare_model(model: M, plan: Plan) -> M:
+    """Apply the plan's ``annotations`` (logical names by path) and ``layouts`` (pinned
+    module outputs) to ``model``, in place; returns it."""
+    if plan.annotations:
+        annotate(model, plan.annotations, warn=False)
+    if plan.layouts:
+        from jaxpar.layouts import constrain_outputs
+
+        constrain_outputs(model, plan.layouts)
+    return model
+
+
 def init_sharded(model_factory: Callable[[], M], plan: Plan) -> M:
     """Create a model straight into sharded device arrays.
 
     ``model_factory`` builds the model (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``).
     Its shapes are found by abstract evaluation, then it runs once under ``jax.jit`` with
     the parameter shardings as ``out_shardings``, so no device or host ever holds a full
-    copy of a sharded weight.
+    copy of a sharded weight. The plan's ``annotations`` and ``layouts`` are applied to
+    the model first; if the plan could shard parameters but most of their bytes stay
+    replicated, a :class:`ReplicationWarning` says which and how to fix it.
     """
+    build_model = lambda: prepare_model(model_factory(), plan)
     with plan.activate():
-        abstract = nnx.eval_shape(model_factory)
+        abstract = nnx.eval_shape(build_model)
         graphdef, abstract_state = nnx.split(abstract)
         shardings = state_shardings(plan, abstract_state)
-
-        build = jax.jit(lambda: nnx.state(model_factory()), out_shardings=shardings)
+    with plan.activate(mesh_context=True):
+        build = jax.jit(lambda: nnx.state(build_model()), out_shardings=shardings)
         state = build()
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    warn_if_replicated(plan, abstract_state)
+    return model
+
+
+def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[str, Any]:
+    """How much of the parameter bytes the plan's parameter rules leave replicated.
+
+    Returns ``{"replicated_share", "replicated_bytes", "total_bytes", "largest"}``, with
+    ``largest`` the ``top`` biggest replicated parameters as ``(path, shape)``, and
+    ``"could_shard"``: whether some rule targets a mesh axis of size > 1 (under the ``dp``
+    preset nothing is meant to be sharded).
+    """
+    total = replicated = 0
+    largest: list[tuple[int, str, tuple[int, ...]]] = []
+    for path, variable in nnx.to_flat_state(state):
+        if not isinstance(variable, nnx.Param):
+            continue
+        value = variable.get_value()
+        shape = tuple(getattr(value, "shape", ()))
+        nbytes = math.prod(shape) * getattr(getattr(value, "dtype", None), "itemsize", 4)
+        total += nbytes
+        if all(e is None for e in variable_spec(plan, variable, path_str(path))):
+            replicated += nbytes
+            largest.append((nbytes, path_str(path), shape))
+    largest.sort(key=lambda x: -x[0])
+    targets = {a for _, t in plan.param_rules.rules for a in t}
+    return {
+        "replicated_share": replicated / total if total else 0.0,
+        "replicated_bytes": replicated,
+        "total_bytes": total,
+        "largest": [(p, s) for _, p, s in largest[:top]],
+        "could_shard": any(plan.mesh.shape.get(a, 1) > 1 for a in targets),
+    }
+
+
+_WARNED: set[tuple] = set()
+REPLICATED_WARN_SHARE = 0.5
+"""Warn when more than this share of parameter bytes is replicated under a sharding plan."""
+
+
+def warn_if_replicated(plan: Plan, state: nnx.State) -> dict[str, Any]:
+    """Warn once (per mesh and set of arrays) when a plan that could shard parameters leaves
+    most of their bytes replicated: the usual sign of a model without logical names."""
+    report = replication_report(plan, state)
+    if report["could_shard"] and report["replicated_share"] > REPLICATED_WARN_SHARE:
+        key = (tuple(plan.mesh.shape.items()), tuple(p for p, _ in report["largest"]))
+        if key not in _WARNED:
+            _WARNED.add(key)
+            arrays = ", ".join(f"{p} {s}" for p, s in report["largest"])
+            warnings.warn(
+                f"jaxpar: {100 * report['replicated_share']:.0f}% of parameter bytes are "
+                f"replicated on mesh {dict(plan.mesh.shape)} although the plan shards "
+                f"weights; largest: {arrays}. Give them logical names with "
+                "jaxpar.annotate(model, [(path_regex, names), ...]) or plan.annotations.",
+                ReplicationWarning, stacklevel=3)
+    return report
 
 
 def linen_shardings(plan: Plan, boxed: Any) -> Any:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.annotate import _NAME_KEYS, logical_names
 from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain
 
@@ -43,7 +44,6 @@ LAYERS, REPEAT, STAGE = "layers", "repeat", "stage"
 DEFAULT_ACT_NAMES: tuple[str, ...] = ("batch", "seq", "embed")
 """Logical names of one microbatch of the residual stream of jaxpar's reference model."""
 
-_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
 # --- Schedule and reporting ----------------------------------------------------------------
@@ -139,14 +139,6 @@ class Schedule:
 
 
 # --- Storage layout: ("layers", ...) <-> ("repeat", "stage", ...) --------------------------
-def _names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-    metadata = variable.get_metadata()
-    for key in _NAME_KEYS:
-        if metadata.get(key):
-            return tuple(metadata[key])
-    return None
-
-
 def _renamed(variable: nnx.Variable, value: Any, names: tuple[str | None, ...]) -> nnx.Variable:
     new = variable.replace(value)
     metadata = variable.get_metadata()
@@ -178,7 +170,7 @@ def to_pipeline_layout(tree: Any, stages: int) -> Any:
     def one(path, variable):
         if not _is_variable(variable):
             return variable
-        names = _names(variable)
+        names = logical_names(variable)
         if not names or names[0] != LAYERS:
             return variable
         value = variable.get_value()
@@ -202,7 +194,7 @@ def from_pipeline_layout(tree: Any) -> Any:
     def one(variable):
         if not _is_variable(variable):
             return variable
-        names = _names(variable)
+        names = logical_names(variable)
         if not names or tuple(names[:2]) != (REPEAT, STAGE):
             return variable
         value = variable.get_value()

@@ -6,8 +6,16 @@ are two mappings: weights are stored split on ``embed`` over ``fsdp``, while the
 batch is split over ``(data, fsdp)``, so each layer all-gathers its weights just in time.
 
 ``plan.activate()`` is the one context under which models are built and run: inside it,
-:func:`constrain` applies the activation rules, and Flax variables are not sharded
+:func:`constrain` applies the activation rules, the plan's mesh is JAX's current mesh
+(with ``mesh_context=True``, as the Trainer runs its steps: model code may then call
+``with_sharding_constraint`` with a bare ``PartitionSpec``, or ``reshard`` on an explicit
+mesh), and Flax variables are not sharded
 eagerly (jaxpar places them itself, through the parameter rules).
+
+Two knobs adapt models jaxpar did not write: ``annotations`` (logical names for variables
+by path, for models that carry none; see :func:`jaxpar.annotate`) and ``layouts`` (logical
+names for the outputs of modules matched by path or type, for models without
+``constrain`` calls inside; see :func:`jaxpar.constrain_outputs`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 from flax import nnx
@@ -24,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import remat as remat_lib
 from jaxpar import rules as rules_lib
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import describe
+from jaxpar.mesh import describe, is_explicit
 from jaxpar.precision import Policy
 from jaxpar.rules import LogicalNames, Rules
 
@@ -45,6 +54,10 @@ class Plan:
       remat: rematerialization policy name per block (see :mod:`jaxpar.remat`).
       microbatches: gradient accumulation: split each batch into this many microbatches and
         apply one update.
+      annotations: ``(path regex, logical names)`` pairs applied to the model's variables
+        before they are placed (first matching pattern wins; see :func:`jaxpar.annotate`).
+      layouts: ``(path regex or module type, logical names)`` pairs pinning module outputs
+        (see :func:`jaxpar.constrain_outputs`).
     """
 
     mesh: Mesh
@@ -54,6 +67,8 @@ class Plan:
     zero_stage: int = 0
     remat: str = "none"
     microbatches: int = 1
+    annotations: tuple = ()
+    layouts: tuple = ()
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -61,11 +76,15 @@ class Plan:
         remat_lib.check(self.remat)
         if self.microbatches < 1:
             raise JaxparError(f"microbatches must be >= 1, got {self.microbatches}")
+        object.__setattr__(self, "annotations", _pairs(self.annotations, "annotations"))
+        object.__setattr__(self, "layouts", _pairs(self.layouts, "layouts"))
 
     @classmethod
-    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", **knobs) -> Plan:
-        """A plan with one of the named rule presets (see :func:`jaxpar.rules.preset`)."""
-        params, acts = rules_lib.preset(name)
+    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", *, strict: bool = False,
+                    **knobs) -> Plan:
+        """A plan with one of the named rule presets (see :func:`jaxpar.rules.preset`);
+        ``strict`` makes an indivisible dimension an error instead of a fallthrough."""
+        params, acts = rules_lib.preset(name, strict=strict)
         return cls(mesh=mesh, param_rules=params, act_rules=acts, **knobs)
 
     def replace(self, **changes) -> Plan:
@@ -84,6 +103,18 @@ class Plan:
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """A NamedSharding on this plan's mesh."""
         return NamedSharding(self.mesh, spec)
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the mesh uses explicit sharding (``AxisType.Explicit``)."""
+        return is_explicit(self.mesh)
+
+    def place(self, x: Any, sharding: Any) -> Any:
+        """Put ``x`` (an array or pytree) in ``sharding`` inside traced code:
+        ``with_sharding_constraint`` on an ``Auto`` mesh, ``reshard`` on an explicit one."""
+        if self.explicit:
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -111,19 +142,26 @@ class Plan:
 
     # --- context --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def activate(self) -> Iterator[Plan]:
+    def activate(self, *, mesh_context: bool = False) -> Iterator[Plan]:
         """Make this the current plan: :func:`constrain` uses it, and variables are created
-        unsharded so jaxpar can place them by the parameter rules."""
+        unsharded so jaxpar can place them by the parameter rules.
+
+        With ``mesh_context`` the mesh is also JAX's current mesh (``jax.set_mesh``), which
+        model code that calls ``reshard`` or ``with_sharding_constraint`` with a bare
+        ``PartitionSpec`` needs; the Trainer runs every step so. It is off by default
+        because ``nnx.eval_shape`` under a mesh reads logical names as mesh axes."""
         token = _ACTIVE.set(self)
         try:
-            with nnx.use_eager_sharding(False):
+            with (nnx.use_eager_sharding(False),
+                  jax.set_mesh(self.mesh) if mesh_context else contextlib.nullcontext()):
                 yield self
         finally:
             _ACTIVE.reset(token)
 
     def describe(self) -> str:
         """A one-line summary for logs."""
-        return (f"mesh {describe(self.mesh)}, zero {self.zero_stage}, precision {self.precision}"
+        return (f"mesh {describe(self.mesh)}{' (explicit)' if self.explicit else ''}, "
+                f"zero {self.zero_stage}, precision {self.precision}"
                 f", remat {self.remat}, microbatches {self.microbatches}")
 
 
@@ -142,4 +180,18 @@ def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
     if plan is None:
         return x
     spec = plan.act_spec(names, shape=x.shape, path="activation")
-    return jax.lax.with_sharding_constraint(x, plan.sharding(spec))
+    return plan.place(x, plan.sharding(spec))
+
+
+def _pairs(items: Any, what: str) -> tuple:
+    """``[[pattern, names], ...]`` (from YAML or code) as a hashable tuple of pairs."""
+    out = []
+    for item in items or ():
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise JaxparError(f"plan.{what} entries must be (pattern, logical names) pairs, "
+                              f"got {item!r}")
+        pattern, names = item
+        if names is not None and not isinstance(names, str):
+            names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
+        out.append((pattern, names))
+    return tuple(out)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import TokenLoader, load_tokens, split_holdout
@@ -125,7 +126,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
             raise JaxparError(
                 f"{ckpt.directory} already holds checkpoints (steps {saved}); "
                 "pass --resume to continue that run, or choose another --out")
-        trainer = Trainer.from_config(config)
+        trainer = build_trainer(config)
         resumed = False
         if saved:
             meta = ckpt.restore(trainer)

@@ -4,10 +4,19 @@ State is a plain pytree of ``jax.Array``s (trainable parameters, the rest of the
 state, optimizer state, step counter). The step takes state and batch in and returns the
 new state, with the old state's buffers donated; nothing is updated in place, so nothing is
 lost under ``jax.jit``. Optimizer state is sharded like the parameters it belongs to.
+
+Variables that are not parameters (RNG stream counters that dropout advances, batch
+statistics, adapter dropout counters) may change inside ``loss_fn``: the step returns their
+new values, so the next step sees them (a new dropout mask each step). A batch is any
+pytree of arrays, split over the data-parallel axes on its leading dimension.
+
+The Trainer knows nothing of configs, checkpoints or the built-in model: assembling a run
+from a config is :mod:`jaxpar.assembly`'s job.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,49 +26,69 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import lora as lora_lib
-from jaxpar import pipeline as pipeline_lib
-from jaxpar.config import Config, TrainConfig
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import make_mesh
-from jaxpar.models.transformer import Transformer
-from jaxpar.partitioning import init_sharded, state_shardings
+from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
 from jaxpar.plan import Plan, current_plan
-from jaxpar.precision import DynamicLossScale, Policy
+from jaxpar.precision import DynamicLossScale
 from jaxpar.zero import formula_bytes, per_device_bytes, zero_shardings
 
-LossFn = Callable[[nnx.Module, jax.Array], jax.Array]
+Batch = Any
+"""A pytree of arrays whose leaves share a leading batch dimension."""
+
+LossFn = Callable[[nnx.Module, Batch], jax.Array]
+
+_CUSTOM_LOSS = ("pass your own loss: Trainer(..., loss_fn=fn) or train.loss: "
+                "package.module:function in a run config, with fn(model, batch) -> scalar")
 
 
 def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``."""
+    """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``.
+
+    The model is called as ``model(tokens[:, :-1])`` and must return logits
+    ``(batch, seq, vocab)``, one row per input position.
+
+    Raises:
+      JaxparError: when the batch is not a 2-D array of token ids, the model's ``__call__``
+        needs other arguments, or its output is not shaped like next-token logits (a
+        model that shifts its inputs itself, say): each message says what to pass instead.
+    """
+    name = type(model).__name__
+    if (not hasattr(tokens, "ndim") or tokens.ndim != 2
+            or not jnp.issubdtype(tokens.dtype, jnp.integer)):
+        what = (f"{tokens.dtype}{list(tokens.shape)}" if hasattr(tokens, "shape")
+                else type(tokens).__name__)
+        raise JaxparError(f"the default loss (next-token cross-entropy) takes token ids shaped "
+                          f"(batch, seq + 1), got a batch of {what}; {_CUSTOM_LOSS}")
+    inputs = tokens[:, :-1]
+    try:
+        inspect.signature(model.__call__).bind(inputs)
+    except TypeError as err:
+        raise JaxparError(f"the default loss calls model(tokens), but {name}.__call__ cannot "
+                          f"be called that way ({err}); {_CUSTOM_LOSS}") from None
+    except ValueError:  # no signature to read: just call it
+        pass
+    logits = model(inputs)
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(inputs.shape):
+        got = tuple(shape) if shape is not None else type(logits).__name__
+        raise JaxparError(
+            f"the default loss expects {name}(tokens of shape {tuple(inputs.shape)}) to return "
+            f"next-token logits shaped (batch, seq, vocab) = {tuple(inputs.shape)} + (vocab,), "
+            f"got {got}; a model that shifts its inputs itself or returns something else "
+            f"needs its own loss: {_CUSTOM_LOSS}")
     plan = current_plan()
     out_dtype = plan.precision.output if plan is not None else jnp.float32
-    logits = model(tokens[:, :-1]).astype(out_dtype)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(out_dtype), tokens[:, 1:]).mean()
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Optimizer from the config: warmup + cosine schedule, global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1),
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1,
-    )
-    # Weight decay on matrices only, not on norm scales.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    makers: dict[str, Callable[[], optax.GradientTransformation]] = {
-        "adamw": lambda: optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask),
-        "adam": lambda: optax.adam(schedule),
-        "sgd": lambda: optax.sgd(schedule, momentum=0.9),
-        "lion": lambda: optax.lion(schedule, weight_decay=cfg.weight_decay, mask=decay_mask),
-        "adafactor": lambda: optax.adafactor(schedule),
-    }
-    if cfg.optimizer not in makers:
-        raise JaxparError(
-            f"unknown train.optimizer {cfg.optimizer!r}; choose from {sorted(makers)}"
-        )
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    return optax.chain(*parts, makers[cfg.optimizer]())
+def batch_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of a batch leaf: ``batch`` on the leading axis, ``seq`` on the second."""
+    return ("batch", "seq", *(None,) * max(ndim - 2, 0))[:ndim]
+
+
+_MUTABLE = nnx.Not(nnx.Param)
+"""Variables a forward pass may change (RNG counters, batch statistics): all but Params."""
 
 
 class Trainer:
@@ -76,9 +105,11 @@ class Trainer:
         moved to the plan's shardings if they are not there already.
       optimizer: any optax ``GradientTransformation``.
       plan: mesh, rules and knobs.
-      loss_fn: ``loss_fn(model, batch) -> scalar``; defaults to next-token cross-entropy.
+      loss_fn: ``loss_fn(model, batch) -> scalar``; defaults to next-token cross-entropy
+        (:func:`lm_loss`). It may advance RNG streams and change other non-parameter
+        state; the step keeps those changes.
       trainable: an ``nnx`` filter selecting the variables to train (default ``nnx.Param``);
-        everything else is carried along unchanged and receives no gradient.
+        everything else receives no gradient.
     """
 
     def __init__(
@@ -95,7 +126,9 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.loss_scale = DynamicLossScale() if self.policy.needs_loss_scaling else None
+        prepare_model(model, plan)
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
+        self.replication = warn_if_replicated(plan, nnx.state(model))
         dp_axes = plan.data_parallel_axes
         with plan.activate():
             base_sh = state_shardings(plan, params)
@@ -124,56 +157,29 @@ class Trainer:
         if self.loss_scale is not None:
             self.state["loss_scale"] = jax.device_put(self.loss_scale.init(), plan.replicated)
             self.state_shardings["loss_scale"] = plan.replicated
-        self._batch_sharding = plan.batch_sharding()
-        self._train_step = jax.jit(
-            self._step_impl,
-            in_shardings=(self.state_shardings, self._batch_sharding),
-            out_shardings=(self.state_shardings, plan.replicated),
-            donate_argnums=0,
-        )
-        self._eval_step = jax.jit(
-            self._eval_impl, in_shardings=(self.state_shardings, self._batch_sharding),
-            out_shardings=plan.replicated,
-        )
-        self._grad_fn = jax.jit(
-            lambda state, batch: self._gradients(state, batch)[1],
-            in_shardings=(self.state_shardings, self._batch_sharding),
-            out_shardings=self.grad_shardings,
-        )
+        self._compiled: dict[Any, tuple[Callable, Callable, Callable]] = {}
+
+    def batch_shardings(self, batch: Batch) -> Any:
+        """The sharding of each leaf of a (global) batch like ``batch``."""
+        return jax.tree.map(lambda x: self.plan.sharding(self.plan.act_spec(
+            batch_names(np.ndim(x)), shape=np.shape(x), path="batch")), batch)
+
+    def _steps(self, batch: Batch) -> tuple[Callable, Callable, Callable]:
+        """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
+        key = jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch))
+        if key not in self._compiled:
+            batch_sh = self.batch_shardings(batch)
+            state_sh, rep = self.state_shardings, self.plan.replicated
+            self._compiled[key] = (
+                jax.jit(self._step_impl, in_shardings=(state_sh, batch_sh),
+                        out_shardings=(state_sh, rep), donate_argnums=0),
+                jax.jit(self._eval_impl, in_shardings=(state_sh, batch_sh), out_shardings=rep),
+                jax.jit(lambda state, b: self._gradients(state, b)[1],
+                        in_shardings=(state_sh, batch_sh), out_shardings=self.grad_shardings),
+            )
+        return self._compiled[key]
 
     # --- construction ---------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, config: Config) -> Trainer:
-        """Mesh, plan, sharded model and optimizer from a loaded config, as the CLI builds them.
-
-        With ``config.init_from``, the model's weights come from that run's newest
-        checkpoint (see :func:`jaxpar.checkpoint.load_weights`); the optimizer starts fresh.
-        """
-        mesh = make_mesh(config.mesh.ici(), dcn=config.mesh.dcn())
-        p = config.plan
-        plan = Plan.from_preset(mesh, p.rules, precision=Policy.parse(p.precision),
-                                zero_stage=p.zero_stage, remat=p.remat,
-                                microbatches=p.microbatches)
-        seed = config.train.seed
-        stages = mesh.shape["stage"]
-        schedule = (pipeline_lib.Schedule.for_model(config.model.n_layers, stages,
-                                                    config.pipeline.microbatches,
-                                                    config.pipeline.repeats)
-                    if stages > 1 else None)
-        model = init_sharded(
-            lambda: Transformer(config.model, rngs=nnx.Rngs(seed), pipeline=schedule), plan)
-        if config.init_from:  # weights of an earlier run, before LoRA wraps them
-            from jaxpar.checkpoint import load_weights
-
-            load_weights(model, config.init_from, stages=stages)
-        with plan.activate():
-            lora_lib.apply_config(model, config.lora, rngs=seed, plan=plan)
-        trainable = lora_lib.select_trainable(model, config.train.trainable)
-        trainer = cls(model, make_optimizer(config.train), plan, trainable=trainable)
-        trainer.config = config
-        trainer.schedule = schedule
-        return trainer
-
     def _opt_shardings(self, params: nnx.State, param_sh: nnx.State) -> Any:
         shapes = jax.eval_shape(self.optimizer.init, params)
         return optax.tree_map_params(
@@ -183,49 +189,76 @@ class Trainer:
         )
 
     # --- the step -------------------------------------------------------------------------
-    def _loss(self, params: nnx.State, frozen: nnx.State, batch: jax.Array) -> jax.Array:
+    def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch
+              ) -> tuple[jax.Array, nnx.State]:
+        """Loss of the model with these weights, and its non-parameter state afterwards."""
         model = nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
                           self.policy.narrow_to_compute(frozen))
-        return self.loss_fn(model, batch).astype(jnp.float32)
+        loss = self.loss_fn(model, batch).astype(jnp.float32)
+        return loss, nnx.state(model, _MUTABLE)
 
-    def _gradients(self, state: dict[str, Any], batch: jax.Array) -> tuple[jax.Array, Any]:
-        """Mean loss and gradients over the plan's microbatches (scaled if loss scaling)."""
+    @staticmethod
+    def _keep_mutated(frozen: nnx.State, mutated: nnx.State) -> nnx.State:
+        """``frozen`` with its non-parameter variables replaced by their new values (in
+        their stored dtypes: a compute-dtype pass must not narrow batch statistics)."""
+        if not jax.tree.leaves(mutated):
+            return frozen
+        flat_old = dict(nnx.to_flat_state(frozen))
+        updated = []
+        for path, var in nnx.to_flat_state(mutated):
+            before = flat_old.get(path)
+            value = var.get_value()
+            if before is not None and hasattr(value, "astype"):
+                value = value.astype(before.get_value().dtype)
+            updated.append((path, var.replace(value)))
+        return nnx.merge_state(frozen, nnx.from_flat_state(updated))
+
+    def _gradients(self, state: dict[str, Any], batch: Batch
+                   ) -> tuple[jax.Array, Any, nnx.State]:
+        """Mean loss, gradients (scaled if loss scaling) and the non-parameter state after
+        the plan's microbatches."""
         scale = state["loss_scale"]["scale"] if self.loss_scale is not None else 1.0
 
-        def loss_and_grads(tokens):
-            scaled = lambda p: self._loss(p, state["frozen"], tokens) * scale
-            loss, grads = jax.value_and_grad(scaled)(state["params"])
-            return loss / scale, grads
+        def loss_and_grads(frozen, micro):
+            scaled = lambda p: tuple(
+                a * scale if i == 0 else a for i, a in enumerate(self._loss(p, frozen, micro)))
+            (loss, mutated), grads = jax.value_and_grad(scaled, has_aux=True)(state["params"])
+            return loss / scale, grads, self._keep_mutated(frozen, mutated)
 
         k = self.plan.microbatches
         if k == 1:
-            loss, grads = loss_and_grads(batch)
+            loss, grads, frozen = loss_and_grads(state["frozen"], batch)
         else:
-            if batch.shape[0] % (k * self.plan.data_parallel_size):
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            if rows % (k * self.plan.data_parallel_size):
                 raise JaxparError(
-                    f"global batch {batch.shape[0]} does not split into {k} microbatches "
+                    f"global batch {rows} does not split into {k} microbatches "
                     f"over {self.plan.data_parallel_size} data-parallel devices"
                 )
-            micro = batch.reshape(k, batch.shape[0] // k, *batch.shape[1:])
-            micro = jax.lax.with_sharding_constraint(
-                micro, self.plan.sharding(self.plan.act_spec((None, "batch", "seq"))))
+
+            def split(x):
+                micro = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                names = (None, *batch_names(x.ndim))
+                return self.plan.place(micro, self.plan.sharding(self.plan.act_spec(names)))
+
+            micro = jax.tree.map(split, batch)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
 
-            def accumulate(carry, tokens):
-                loss, grads = loss_and_grads(tokens)
-                total_loss, total = carry
+            def accumulate(carry, one):
+                total_loss, total, frozen = carry
+                loss, grads, frozen = loss_and_grads(frozen, one)
                 total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
-                return (total_loss + loss, total), None
+                return (total_loss + loss, total, frozen), None
 
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                            micro)
+            (loss, grads, frozen), _ = jax.lax.scan(
+                accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]), micro)
             loss = loss / k
             grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
-        grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
-        return loss, grads
+        grads = self.plan.place(grads, self.grad_shardings)
+        return loss, grads, frozen
 
-    def _step_impl(self, state: dict[str, Any], batch: jax.Array):
-        loss, grads = self._gradients(state, batch)
+    def _step_impl(self, state: dict[str, Any], batch: Batch):
+        loss, grads, frozen = self._gradients(state, batch)
         master = state["master"] if self.policy.mixed else state["params"]
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         metrics: dict[str, jax.Array] = {"loss": loss}
@@ -237,7 +270,7 @@ class Trainer:
         metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], master)
         new_master = optax.apply_updates(master, updates)
-        new_state = dict(state, step=state["step"] + 1)
+        new_state = dict(state, step=state["step"] + 1, frozen=frozen)
         if self.loss_scale is not None:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             new_master = keep(new_master, master)
@@ -251,17 +284,19 @@ class Trainer:
             new_state["params"] = new_master
         return new_state, metrics
 
-    def _eval_impl(self, state: dict[str, Any], batch: jax.Array) -> jax.Array:
-        return self._loss(state["params"], state["frozen"], batch)
+    def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
+        model = nnx.merge(self._graphdef, self.policy.cast_to_compute(state["params"]),
+                          self.policy.narrow_to_compute(state["frozen"]))
+        model.eval()  # dropout off, running statistics used
+        return self.loss_fn(model, batch).astype(jnp.float32)
 
-    def gradients(self, batch: np.ndarray | jax.Array) -> Any:
+    def gradients(self, batch: Batch) -> Any:
         """The gradients one step would apply, laid out as the ZeRO stage stores them."""
-        if not isinstance(batch, jax.Array):
-            batch = self.global_batch(batch)
-        with self.plan.activate():
-            return self._grad_fn(self.state, batch)
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            return self._steps(batch)[2](self.state, batch)
 
-    def memory_report(self, batch: np.ndarray | jax.Array) -> dict[str, Any]:
+    def memory_report(self, batch: Batch) -> dict[str, Any]:
         """Per-device bytes of parameters, gradients and optimizer state (master weights
         included), measured from the sharded arrays, beside the ZeRO formula."""
         grads = self.gradients(batch)
@@ -280,33 +315,46 @@ class Trainer:
             "left_whole": list(self.zero_left_whole),
         }
 
-    def global_batch(self, local_rows: np.ndarray) -> jax.Array:
-        """Assemble the global batch from this process's rows (multi-host ready)."""
-        rows = np.asarray(local_rows)
-        global_shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
-        return jax.make_array_from_process_local_data(self._batch_sharding, rows, global_shape)
+    def global_batch(self, local_rows: Batch) -> Batch:
+        """Assemble the global batch from this process's rows (multi-host ready): every
+        leaf of the pytree ``local_rows`` becomes one global array."""
+        def one(rows):
+            rows = np.asarray(rows)
+            shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
+            sharding = self.plan.sharding(self.plan.act_spec(
+                batch_names(rows.ndim), shape=shape, path="batch"))
+            return jax.make_array_from_process_local_data(sharding, rows, shape)
 
-    def lower(self, batch: np.ndarray):
+        return jax.tree.map(one, local_rows)
+
+    def _as_global(self, batch: Batch) -> Batch:
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise JaxparError("the batch is empty: it has no arrays")
+        if all(isinstance(x, jax.Array) for x in leaves):
+            return batch
+        return self.global_batch(batch)
+
+    def lower(self, batch: Batch):
         """``jax.stages.Lowered`` of one train step on a batch like ``batch`` (for inspection)."""
-        with self.plan.activate():
-            return self._train_step.lower(self.state, self.global_batch(batch))
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            return self._steps(batch)[0].lower(self.state, batch)
 
-    def step(self, batch: np.ndarray | jax.Array) -> dict[str, float]:
+    def step(self, batch: Batch) -> dict[str, float]:
         """One optimisation step on this process's rows of the batch; returns its metrics."""
-        if not isinstance(batch, jax.Array):
-            batch = self.global_batch(batch)
-        with self.plan.activate():
-            self.state, metrics = self._train_step(self.state, batch)
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            self.state, metrics = self._steps(batch)[0](self.state, batch)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["step"] = int(self.state["step"])
         return out
 
-    def eval_loss(self, batch: np.ndarray | jax.Array) -> float:
-        """Loss on a batch without updating anything."""
-        if not isinstance(batch, jax.Array):
-            batch = self.global_batch(batch)
-        with self.plan.activate():
-            return float(self._eval_step(self.state, batch))
+    def eval_loss(self, batch: Batch) -> float:
+        """Loss on a batch without updating anything (the model in eval mode)."""
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            return float(self._steps(batch)[1](self.state, batch))
 
     @property
     def model(self) -> nnx.Module:

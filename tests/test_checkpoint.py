@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.assembly import build_trainer, make_optimizer
 from jaxpar.checkpoint import (
     SAVE_DELAY_ENV,
     Checkpointer,
@@ -29,7 +30,7 @@ from jaxpar.checkpoint import (
 from jaxpar.models import Transformer
 from jaxpar.pipeline import Schedule
 from jaxpar.run import train
-from jaxpar.train import Trainer, make_optimizer
+from jaxpar.train import Trainer
 from tests.helpers import SMALL, loader, small_config
 
 # The run the CLI tests use: the small model on the tiny config's 2 x 2 x 2 mesh.
@@ -227,4 +228,4 @@ def test_init_from_finetunes_lora_only(reference, tmp_path):
         *RUN, "model.d_model=32", f"init_from={base_dir / 'checkpoints'}"])
     with pytest.raises(jaxpar.JaxparError, match="init_from checkpoint .* does not match "
                        "the config: shape mismatch at .*embed: checkpoint"):
-        Trainer.from_config(bad)
+        build_trainer(bad)

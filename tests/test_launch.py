@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer, flat_paths
 from jaxpar.launch import command, initialize, run_all
 from jaxpar.run import train
-from jaxpar.train import Trainer
 from tests.helpers import SMALL
 
 RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), "train.seq_len=32",
@@ -47,7 +47,7 @@ def test_two_processes_match_one(tmp_path):
     # The checkpoints were written collectively and load into one process with 8 devices.
     with Checkpointer(out / "checkpoints") as ckpt:
         assert ckpt.steps() == [3, 6]
-        restored = Trainer.from_config(config)
+        restored = build_trainer(config)
         meta = ckpt.restore(restored)
     assert meta["processes"] == 2 and restored.step_count == 6
     want = flat_paths(single.state)

@@ -1,5 +1,6 @@
 import jax
 import pytest
+from jax.sharding import AxisType
 
 from jaxpar import JaxparError, make_mesh
 from jaxpar.mesh import MESH_AXES, describe
@@ -43,3 +44,14 @@ def test_hybrid_mesh_slices_are_outer(devices):
     grid = mesh.devices.reshape(2, 4)
     ids = [[d.id for d in row] for row in grid]
     assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each row (one data index) is one slice
+
+
+def test_aliases_and_explicit_axes(devices):
+    mesh = make_mesh({"fsdp": 4, "tp": 2})
+    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 2}
+    assert dict(make_mesh({"dp": 2, "pp": 2, "mp": 2}).shape) == {
+        "data": 2, "stage": 2, "fsdp": 1, "tensor": 2}
+    with pytest.raises(JaxparError, match="'tensor' is given twice"):
+        make_mesh({"tp": 2, "tensor": 4})
+    explicit = make_mesh({"data": 8}, explicit=True)
+    assert all(t == AxisType.Explicit for t in explicit.axis_types)

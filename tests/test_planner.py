@@ -8,6 +8,7 @@ import time
 import pytest
 
 import jaxpar
+from jaxpar.assembly import build_trainer
 from jaxpar.cli import main
 from jaxpar.inspect import collective_table, memory_stats
 from jaxpar.planner import parse_chips, plan, predict
@@ -48,7 +49,7 @@ def _config(name: str) -> jaxpar.Config:
 
 def measured(name: str) -> dict:
     """Compile (never run) the train step of plan ``name``; XLA's memory and collectives."""
-    trainer = jaxpar.Trainer.from_config(_config(name))
+    trainer = build_trainer(_config(name))
     compiled = trainer.lower(loader(BATCH, SEQ).batch(0)).compile()
     return {"memory": memory_stats(compiled),
             "collectives": collective_table(compiled.as_text(), trainer.plan.mesh)}

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.assembly import build_trainer
 from jaxpar.precision import DynamicLossScale, Policy
 from tests.helpers import loader, small_config
 
@@ -23,7 +24,7 @@ def test_policy_strings():
 
 def test_bf16_training_tracks_f32():
     def run(policy):
-        t = jaxpar.Trainer.from_config(small_config("mesh.data=8", f"plan.precision={policy}",
+        t = build_trainer(small_config("mesh.data=8", f"plan.precision={policy}",
                                                     "train.lr=1e-2"))
         return t, [t.step(loader().batch(i))["loss"] for i in range(8)]
 

@@ -38,11 +38,56 @@ def test_unknown_logical_name_names_it_and_path(mesh):
         rules.spec(("embed", "hiddn"), mesh, path="blocks/w")
 
 
-def test_indivisible_dimension(mesh):
-    rules = Rules([("heads", "tensor")])
+def test_indivisible_dimension_falls_through_unless_strict(mesh):
+    rules = Rules([("heads", "tensor"), ("heads", "fsdp")])
+    # 3 heads do not split over tensor=2, nor over fsdp=2: both rules are passed over.
+    assert rules.spec(("heads",), mesh, shape=(3,)) == P(None)
+    assert rules.spec(("heads",), mesh, shape=(4,)) == P("tensor")
+    # The fallthrough is recorded where explain() can show it.
+    text = rules.explain(("heads",), mesh, shape=(3,))
+    assert "rule 0 skipped: 3 not divisible by tensor=2" in text
+    assert "rule 1 skipped" in text and "replicated" in text
     with pytest.raises(JaxparError, match=r"dimension 0 \('heads', size 3\) of attn/wq is not "
                                           r"divisible by mesh axes \('tensor',\)"):
-        rules.spec(("heads",), mesh, shape=(3,), path="attn/wq")
+        rules.with_strict().spec(("heads",), mesh, shape=(3,), path="attn/wq")
+
+
+def test_gqa_kv_heads_fewer_than_tensor_axis_are_replicated(devices):
+    mesh = make_mesh({"tensor": 8})
+    params, _ = preset("tp")
+    # Megatron's answer: KV projections replicated, query heads still split.
+    assert params.spec(("embed", "kv_heads", "head_dim"), mesh, shape=(64, 4, 8)) == P(
+        None, None, None)
+    assert params.spec(("embed", "heads", "head_dim"), mesh, shape=(64, 8, 8)) == P(
+        None, "tensor", None)
+    with pytest.raises(JaxparError, match="not divisible"):
+        preset("tp", strict=True)[0].spec(("embed", "kv_heads"), mesh, shape=(64, 4))
+
+
+def test_short_specs_leave_trailing_dimensions_unnamed(mesh):
+    params, _ = preset("fsdp_tp")
+    # nnx.MultiHeadAttention gives its 3-D kernels two names.
+    assert params.spec(("embed", "heads"), mesh, shape=(64, 8, 8)) == P("fsdp", "tensor", None)
+    with pytest.raises(JaxparError, match="2 dimensions"):
+        params.spec(("embed", "mlp", "heads"), mesh, shape=(4, 4))
+
+
+def test_mesh_axis_names_and_aliases_are_direct_targets(mesh):
+    params, _ = preset("fsdp_tp")
+    # A model annotated with mesh-axis names or PartitionSpec entries, as in Flax's guides.
+    assert params.spec(("fsdp", "tp"), mesh, shape=(8, 8)) == P("fsdp", "tensor")
+    assert params.spec((("dp", "fsdp"), None), mesh, shape=(8, 8)) == P(("data", "fsdp"), None)
+    assert params.spec(P(None, "mp"), mesh, shape=(8, 8)) == P(None, "tensor")
+    # A direct axis is placed first; a logical name that wants it falls back.
+    assert Rules([("mlp", "tensor"), ("mlp", None)]).spec(("mlp", "tp"), mesh, shape=(8, 8)) == \
+        P(None, "tensor")
+    assert "mesh axes named directly" in params.explain(("tp",), mesh)
+    with pytest.raises(JaxparError, match="used twice"):
+        params.spec(("tp", "tensor"), mesh, shape=(8, 8))
+    with pytest.raises(JaxparError, match=r"mesh axis 'expert' in \('expert',\)"):
+        params.spec((("expert",),), mesh, shape=(8,))
+    with pytest.raises(JaxparError, match="not divisible by mesh axes"):
+        params.spec(("tp",), mesh, shape=(3,))
 
 
 def test_rules_may_not_name_missing_mesh_axes(mesh):

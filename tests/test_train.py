@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.assembly import build_trainer
 from jaxpar.inspect import collective_table, count_collectives
 from jaxpar.models.transformer import rotary_tables
 from tests.helpers import SMALL, loader, make_trainer, one_device, small_config
@@ -124,7 +125,7 @@ def test_megatron_block_has_one_all_reduce_per_sublayer(capfd):
 
 def test_from_config_builds_what_the_config_says(devices):
     cfg = small_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    trainer = jaxpar.Trainer.from_config(cfg)
+    trainer = build_trainer(cfg)
     assert dict(trainer.plan.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
     m = trainer.step(loader().batch(0))
     assert np.isfinite(m["loss"]) and m["step"] == 1

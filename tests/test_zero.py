@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.assembly import build_trainer
 from jaxpar.inspect import memory_stats
 from jaxpar.zero import formula_bytes, zero_spec
 from tests.helpers import loader, small_config
@@ -12,7 +13,7 @@ MIXED = "plan.precision=params=float32,compute=bfloat16,output=float32"
 
 
 def trainer(*overrides):
-    return jaxpar.Trainer.from_config(small_config(*overrides))
+    return build_trainer(small_config(*overrides))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -195,6 +195,13 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
                  pipeline: pipeline_lib.Schedule | None = None):
+        # Created unsharded even under a mesh: jaxpar places variables by its rules, and
+        # outside any plan the model is an ordinary single-device one.
+        with nnx.use_eager_sharding(False):
+            self._build(config, rngs, pipeline)
+
+    def _build(self, config: TransformerConfig, rngs: nnx.Rngs,
+               pipeline: pipeline_lib.Schedule | None) -> None:
         self.config = cfg = config
         if pipeline is not None and pipeline.layers != cfg.n_layers:
             raise JaxparError(

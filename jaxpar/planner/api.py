@@ -44,6 +44,8 @@ def resolve_model(model: ModelLike, overrides: Iterable[str] = ()) -> Resolved:
             from jaxpar.config import _build, apply_overrides
 
             model = _build(Config, apply_overrides(model.to_dict(), overrides))
+        if model.model.factory:
+            return _resolve_factory(model)
         cfg = model.model
         return Resolved(lambda s: from_transformer(cfg, stages=s), model,
                         f"d{cfg.d_model} L{cfg.n_layers}")
@@ -55,15 +57,31 @@ def resolve_model(model: ModelLike, overrides: Iterable[str] = ()) -> Resolved:
                         f"d{cfg.d_model} L{cfg.n_layers}")
     if callable(model):
         spec = from_nnx(model)
-
-        def spec_for(stages: int) -> ModelSpec:
-            if stages > 1:
-                raise JaxparError("pipeline stages need the reference transformer")
-            return spec
-
-        return Resolved(spec_for, None, spec.name, pipeline=False)
+        return Resolved(_no_stages(spec), None, spec.name, pipeline=False)
     raise JaxparError(f"cannot plan for a {type(model).__name__}; pass a TransformerConfig, "
                       "a jaxpar.Config, a YAML path or an NNX model factory")
+
+
+def _no_stages(spec: ModelSpec) -> Callable[[int], ModelSpec]:
+    def spec_for(stages: int) -> ModelSpec:
+        if stages > 1:
+            raise JaxparError("pipeline stages need the reference transformer")
+        return spec
+
+    return spec_for
+
+
+def _resolve_factory(config: Config) -> Resolved:
+    """A run config whose ``model.factory`` names a user's model: read its parameter shapes
+    abstractly, with the config's ``plan.annotations`` applied."""
+    from jaxpar.annotate import annotate
+    from jaxpar.assembly import model_factory
+
+    build = model_factory(config)
+    annotations = config.plan.annotations
+    spec = from_nnx(lambda: annotate(build(), annotations, warn=False) if annotations
+                    else build(), name=config.model.factory)
+    return Resolved(_no_stages(spec), config, spec.name, pipeline=False)
 
 
 def _machine(chips: str | Machine, slices: int,
@@ -160,10 +178,11 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
     if model_cfg is not None:
         data["model"] = dataclasses.asdict(model_cfg)
     data["model"]["max_seq_len"] = max(int(data["model"]["max_seq_len"]), seq)
-    data["mesh"] = {**{a: ici[a] for a in ("data", "stage", "fsdp", "tensor")},
+    data["mesh"] = {"explicit": bool(data["mesh"].get("explicit", False)),
+                    **{a: ici[a] for a in ("data", "stage", "fsdp", "tensor")},
                     **{f"dcn_{a}": dcn[a] for a in ("data", "stage", "fsdp", "tensor")}}
     compute = "bfloat16" if c.precision in ("bfloat16", "bf16") else c.precision
-    data["plan"] = {"rules": c.rules, "zero_stage": c.zero_stage,
+    data["plan"] = {**data["plan"], "rules": c.rules, "zero_stage": c.zero_stage,
                     "precision": f"params=float32,compute={compute},output=float32",
                     "remat": c.remat, "microbatches": c.microbatches}
     data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}

@@ -56,8 +56,8 @@ def command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        cfg = resolved.config.model
-        header = (f"plan: {cfg.param_count() / 1e9:.2f}B params on {machine.describe()}, "
+        n_params = resolved.spec_for(1).n_params
+        header = (f"plan: {n_params / 1e9:.2f}B params ({resolved.name}) on {machine.describe()}, "
                   f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
                   f"f32 master + Adam")
         print(table(rows, header))

@@ -118,7 +118,7 @@ def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
     import jax
     from flax import nnx
 
-    from jaxpar.pipeline import _names
+    from jaxpar.annotate import logical_names
 
     try:
         with nnx.use_eager_sharding(False):
@@ -132,7 +132,8 @@ def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
     for path, var in jax.tree_util.tree_leaves_with_path(
             params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         shape = tuple(var.get_value().shape)
-        names = _names(var) or (None,) * len(shape)
+        names = tuple(logical_names(var) or ())
+        names = names + (None,) * (len(shape) - len(names))
         tensors.append(Tensor(path_str(path), shape, tuple(names)))
     cfg = getattr(abstract, "config", None)
     if isinstance(cfg, TransformerConfig):

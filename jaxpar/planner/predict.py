@@ -54,7 +54,12 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
 
 
 def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:
-    """The reference transformer of ``config.model`` (pipeline layout when staged)."""
+    """The model of ``config``: the reference transformer (pipeline layout when staged),
+    or the parameters of a ``model.factory`` model read abstractly."""
+    if config.model.factory:
+        from jaxpar.planner.api import resolve_model
+
+        return resolve_model(config).spec_for(stages)
     return from_transformer(config.model, stages=stages)
 
 

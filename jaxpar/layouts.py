@@ -1,0 +1,112 @@
+"""Activation layouts for models without ``constrain`` calls inside.
+
+GSPMD propagates shardings from the weights and the batch, and between them it guesses.
+In a model written without sharding in mind the guesses can be poor: an FSDP step of such
+a model was seen to hold all-to-alls and twice the temporaries of the same model with
+its block outputs pinned. :func:`constrain_outputs` pins the outputs of chosen modules
+(every decoder layer, say) to logical names resolved by the active plan's activation
+rules, without editing the model::
+
+    jaxpar.constrain_outputs(model, [(DecoderLayer, ("batch", "seq", "embed")),
+                                     (r"lm_head$", ("batch", "seq", "vocab"))])
+
+Modules are matched by type (a class, or ``"type:ClassName"``) or by a regex searched in
+their path. A matched module keeps its class's behaviour, attributes and path; only its
+class is swapped for a subclass whose ``__call__`` constrains the result (array leaves of
+rank at least the number of names; trailing dimensions unnamed). Outside an active plan
+the constraint does nothing, so the model still runs on one device as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxpar.annotate import path_str
+from jaxpar.errors import JaxparError
+from jaxpar.plan import constrain
+
+LayoutRules = Sequence[tuple[Any, Sequence[Any]]]
+"""``(module type, "type:ClassName" or path regex, logical names)`` pairs."""
+
+_BASE = "_jaxpar_unpinned_class"
+
+
+def _constrain_leaf(x: Any, names: tuple) -> Any:
+    if not isinstance(x, jax.Array) or x.ndim < len(names):
+        return x
+    return constrain(x, names + (None,) * (x.ndim - len(names)))
+
+
+@functools.cache
+def _pinned_class(cls: type, names: tuple) -> type:
+    """A subclass of ``cls`` whose ``__call__`` pins its outputs to ``names``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = cls.__call__(self, *args, **kwargs)
+        return jax.tree.map(lambda x: _constrain_leaf(x, names), out)
+
+    return type(cls.__name__, (cls,), {
+        "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__, _BASE: cls, "_jaxpar_output_names": names,
+    })
+
+
+def _matcher(target: Any) -> Any:
+    if isinstance(target, type):
+        return lambda path, m: isinstance(m, target)
+    if not isinstance(target, str):
+        raise JaxparError(f"layout target {target!r} must be a module class, 'type:Name' or a "
+                          "path regex")
+    if target.startswith("type:"):
+        name = target[5:]
+        return lambda path, m: any(c.__name__ == name for c in type(m).__mro__)
+    try:
+        rx = re.compile(target)
+    except re.error as e:
+        raise JaxparError(f"layout pattern {target!r} is not a valid regex: {e}") from None
+    return lambda path, m: rx.search(path) is not None
+
+
+def constrain_outputs(model: nnx.Module, layouts: LayoutRules) -> nnx.Module:
+    """Pin the outputs of the modules of ``model`` that each target matches (in place).
+
+    The first target that matches a module decides its names. Returns ``model``.
+
+    Raises:
+      JaxparError: for a target that matches no module (the message lists module types),
+        or a bad regex.
+    """
+    rules = []
+    for item in layouts:
+        try:
+            target, names = item
+        except (TypeError, ValueError):
+            raise JaxparError(f"layout {item!r} is not a (module, names) pair") from None
+        rules.append((target, _matcher(target), tuple(names)))
+    used = [False] * len(rules)
+    modules = [(path_str(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    for path, module in modules:
+        for i, (_, match, names) in enumerate(rules):
+            if match(path, module):
+                used[i] = True
+                base = getattr(type(module), _BASE, type(module))
+                object.__setattr__(module, "__class__", _pinned_class(base, names))
+                break
+    missing = [target for (target, _, _), u in zip(rules, used, strict=True) if not u]
+    if missing:
+        kinds = sorted({type(m).__name__ for _, m in modules})
+        raise JaxparError(f"layout target {missing[0]!r} matches no module; module types: "
+                          f"{kinds}")
+    return model
+
+
+def pinned(model: nnx.Module) -> list[tuple[str, tuple]]:
+    """``(path, names)`` of every module whose outputs are pinned."""
+    return [(path_str(p), type(m)._jaxpar_output_names) for p, m in nnx.iter_graph(model)
+            if isinstance(m, nnx.Module) and hasattr(type(m), _BASE)]
