@@ -15,6 +15,11 @@ their path. A matched module keeps its class's behaviour, attributes and path; o
 class is swapped for a subclass whose ``__call__`` constrains the result (array leaves of
 rank at least the number of names; trailing dimensions unnamed). Outside an active plan
 the constraint does nothing, so the model still runs on one device as before.
+
+A regex that matches a *variable's* path (``r"embed_tokens/embedding$"``) pins that weight's
+compute layout instead: while its module runs, the weight is constrained to its names
+under the activation rules, as jaxpar's own embedding does, so FSDP gathers the table
+whole before a lookup rather than exchanging the looked-up rows with all-to-alls.
 """
 
 from __future__ import annotations
@@ -44,16 +49,30 @@ def _constrain_leaf(x: Any, names: tuple) -> Any:
 
 
 @functools.cache
-def _pinned_class(cls: type, names: tuple) -> type:
-    """A subclass of ``cls`` whose ``__call__`` pins its outputs to ``names``."""
+def _pinned_class(cls: type, names: tuple | None, weights: tuple = ()) -> type:
+    """A subclass of ``cls`` whose ``__call__`` pins its outputs to ``names`` (if any) and
+    the weights named in ``weights`` (``(attribute, names)`` pairs) while it runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = cls.__call__(self, *args, **kwargs)
+        saved = []
+        for attr, w_names in weights:
+            var = getattr(self, attr)
+            value = var.get_value()
+            saved.append((var, value))
+            var.set_value(_constrain_leaf(value, w_names))
+        try:
+            out = cls.__call__(self, *args, **kwargs)
+        finally:
+            for var, value in saved:
+                var.set_value(value)
+        if names is None:
+            return out
         return jax.tree.map(lambda x: _constrain_leaf(x, names), out)
 
     return type(cls.__name__, (cls,), {
         "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__, _BASE: cls, "_jaxpar_output_names": names,
+        "_jaxpar_weight_names": weights,
     })
 
 
@@ -90,14 +109,34 @@ def constrain_outputs(model: nnx.Module, layouts: LayoutRules) -> nnx.Module:
             raise JaxparError(f"layout {item!r} is not a (module, names) pair") from None
         rules.append((target, _matcher(target), tuple(names)))
     used = [False] * len(rules)
-    modules = [(path_str(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    graph = [(tuple(p), node) for p, node in nnx.iter_graph(model)]
+    modules = [(path_str(p), m) for p, m in graph if isinstance(m, nnx.Module)]
+    pins: dict[int, tuple[nnx.Module, tuple | None, dict[str, tuple]]] = {}
+    owners = {p: m for p, m in graph if isinstance(m, nnx.Module)}
+    for path, node in graph:
+        if not path or not isinstance(node, nnx.Variable):
+            continue
+        for i, (target, match, names) in enumerate(rules):
+            if isinstance(target, str) and not target.startswith("type:") and match(
+                    path_str(path), node):
+                owner = owners.get(path[:-1])
+                if owner is None or not isinstance(path[-1], str):
+                    raise JaxparError(f"layout {target!r} matches {path_str(path)}, which is "
+                                      "not an attribute of a module")
+                used[i] = True
+                pins.setdefault(id(owner), (owner, None, {}))[2][path[-1]] = names
+                break
     for path, module in modules:
         for i, (_, match, names) in enumerate(rules):
             if match(path, module):
                 used[i] = True
-                base = getattr(type(module), _BASE, type(module))
-                object.__setattr__(module, "__class__", _pinned_class(base, names))
+                entry = pins.setdefault(id(module), (module, None, {}))
+                pins[id(module)] = (module, names, entry[2])
                 break
+    for module, names, weights in pins.values():
+        base = getattr(type(module), _BASE, type(module))
+        cls = _pinned_class(base, names, tuple(sorted(weights.items())))
+        object.__setattr__(module, "__class__", cls)
     missing = [target for (target, _, _), u in zip(rules, used, strict=True) if not u]
     if missing:
         kinds = sorted({type(m).__name__ for _, m in modules})
@@ -106,7 +145,8 @@ def constrain_outputs(model: nnx.Module, layouts: LayoutRules) -> nnx.Module:
     return model
 
 
-def pinned(model: nnx.Module) -> list[tuple[str, tuple]]:
-    """``(path, names)`` of every module whose outputs are pinned."""
-    return [(path_str(p), type(m)._jaxpar_output_names) for p, m in nnx.iter_graph(model)
+def pinned(model: nnx.Module) -> list[tuple[str, tuple | None, tuple]]:
+    """``(path, output names, ((weight, names), ...))`` of every pinned module."""
+    return [(path_str(p), type(m)._jaxpar_output_names, type(m)._jaxpar_weight_names)
+            for p, m in nnx.iter_graph(model)
             if isinstance(m, nnx.Module) and hasattr(type(m), _BASE)]

@@ -1,11 +1,15 @@
 """LoRA the SPMD way: low-rank adapters placed by a path filter, sharded like their weights.
 
-:func:`apply` wraps every ``nnx.Linear``/``nnx.Einsum`` whose module path matches a regex
-in a :class:`LoraProjection`: ``y = base(x) + (dropout(x) @ A @ B) * alpha / rank``, with
-``A`` (input dims x rank) random and ``B`` (rank x output dims) zero, both
-``nnx.LoRAParam``. Which kernel dimensions are "input" and "output" is read from the
+:func:`apply` wraps every ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum`` whose module
+path matches a regex in a :class:`LoraProjection`: ``y = base(x) + (dropout(x) @ A @ B) *
+alpha / rank``, with ``A`` (input dims x rank) random and ``B`` (rank x output dims) zero,
+both ``nnx.LoRAParam``. Which kernel dimensions are "input" and "output" is read from the
 layer's einsum (``nnx.Linear`` is ``...i,io->...o``; ``enh`` in ``bse,enh->bsnh`` splits
-into input ``e`` and output ``nh``), so multi-dimensional projections work unchanged.
+into input ``e`` and output ``nh``; an ``nnx.LinearGeneral``'s comes from its ``axis``),
+so multi-dimensional projections, such as all four of ``nnx.MultiHeadAttention``, work
+unchanged. A matched module that holds parameters but is none of these (``nnx.Conv``,
+``nnx.Embed``, a norm) is an error, never skipped silently; model code reading the
+wrapped layer's attributes (``proj.kernel.shape``, ``proj.in_features``) keeps working.
 
 The adapters carry the base kernel's logical names (``A``: its input names plus
 ``"lora_rank"``; ``B``: ``"lora_rank"`` plus its output names, every rules preset maps
@@ -36,7 +40,7 @@ from flax import nnx
 
 from jaxpar import quant
 from jaxpar.errors import JaxparError
-from jaxpar.partitioning import logical_names, path_str, state_shardings
+from jaxpar.partitioning import path_str, state_shardings
 from jaxpar.plan import Plan, current_plan
 
 DEFAULT_TARGET = r"(attn/w[qkvo]|mlp/w_(gate|up|down))$"
@@ -98,8 +102,12 @@ def _strip(sub: str, letters: str) -> str:
 class LoraProjection(nnx.Module):
     """A projection plus a low-rank update: ``base(x) + dropout(x) @ A @ B * alpha / rank``.
 
+    Attribute reads it cannot answer itself (``kernel``, ``in_features``, ``use_bias``,
+    ...) are forwarded to ``base``, so model code written against the plain layer keeps
+    working after LoRA wraps it; assignments are not forwarded.
+
     Attributes:
-      base: the wrapped ``nnx.Linear``/``nnx.Einsum`` (or its int8
+      base: the wrapped ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum`` (or its int8
         :class:`~jaxpar.quant.QuantizedProjection`), unchanged.
       lora_a: ``nnx.LoRAParam`` of shape ``(*stack, *shared, *in_dims, rank)``.
       lora_b: ``nnx.LoRAParam`` of shape ``(*stack, *shared, rank, *out_dims)``, zero at init.
@@ -112,7 +120,7 @@ class LoraProjection(nnx.Module):
         kernel = base.kernel
         w = kernel.get_value()
         lead = quant.stack_depth(w.ndim, spec)
-        names = logical_names(kernel) or (None,) * w.ndim
+        names = quant.kernel_names(kernel, w.ndim) or (None,) * w.ndim
         sizes = dict(zip(spec.kernel, w.shape[lead:], strict=True))
         kname = dict(zip(spec.kernel, names[lead:], strict=True))
         stack_shape, stack_names = tuple(w.shape[:lead]), tuple(names[:lead])
@@ -155,12 +163,24 @@ class LoraProjection(nnx.Module):
         """``alpha / rank``."""
         return self.alpha / self.rank
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails. Private and dunder names are never
+        # forwarded (pickling, copying and NNX's graph machinery probe for those), and
+        # nothing is forwarded before ``base`` exists (e.g. while NNX rebuilds the node).
+        base = vars(self).get("base") if not name.startswith("_") else None
+        if base is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(base, name)
+
     def _dropout(self, x: jax.Array) -> jax.Array:
         if self.dropout <= 0 or self.deterministic:
             return x
         key = jax.random.wrap_key_data(self.dropout_key[...])
-        key = jax.random.fold_in(key, self.dropout_count[...])
+        count = self.dropout_count[...]
+        key = jax.random.fold_in(key, count)
         keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
+        # Each call draws a new mask, as nnx.Dropout does; the Trainer keeps the counter.
+        self.dropout_count.set_value(count + 1)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
 
     def delta(self, x: jax.Array) -> jax.Array:
@@ -194,10 +214,35 @@ def adapted(model: nnx.Module) -> list[tuple[str, LoraProjection]]:
     return [(path_str(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, LoraProjection)]
 
 
-def _candidates(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-    wrapped = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, LoraProjection)]
-    return [(p, m) for p, m in quant.projections(model)
-            if not any(p[:len(w)] == w for w in wrapped)]
+_ADAPTABLE = (*quant.PROJECTION_TYPES, quant.QuantizedProjection)
+
+
+def _shown(path: tuple) -> str:
+    return path_str(path) or "<root>"
+
+
+def _scan(model: nnx.Module) -> tuple[list[tuple[tuple, nnx.Module]],
+                                      list[tuple[tuple, nnx.Module]]]:
+    """``(adaptable, others)``: the projections not yet adapted, and every other module
+    that holds an ``nnx.Param`` itself (through plain attributes, lists or dicts, not
+    through a child module). Adapters and what they wrap are in neither list."""
+    nodes = [(tuple(p), n) for p, n in nnx.iter_graph(model)]
+    modules = {p: n for p, n in nodes if isinstance(n, nnx.Module)}
+    wrapped = [p for p, m in modules.items() if isinstance(m, LoraProjection)]
+
+    def inside(path: tuple) -> bool:
+        return any(path[:len(w)] == w for w in wrapped)
+
+    owners = set()
+    for path, node in nodes:
+        if isinstance(node, nnx.Param) and not inside(path):
+            owners.add(next((path[:k] for k in range(len(path) - 1, -1, -1)
+                             if path[:k] in modules), None))
+    adaptable = [(p, m) for p, m in modules.items()
+                 if isinstance(m, _ADAPTABLE) and not inside(p)]
+    others = [(p, m) for p, m in modules.items()
+              if p in owners and not isinstance(m, _ADAPTABLE)]
+    return adaptable, others
 
 
 def apply(
@@ -217,8 +262,12 @@ def apply(
     inside a factory given to :func:`jaxpar.init_sharded`, so adapters are born sharded.
 
     Args:
-      model: any Flax NNX model with ``nnx.Linear``/``nnx.Einsum`` projections.
+      model: any Flax NNX model with ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum``
+        projections.
       target: regex searched (``re.search``) in module paths like ``blocks/attn/wq``.
+        Container modules it matches (those holding no parameter themselves, such as an
+        ``nnx.MultiHeadAttention`` at ``attn``) are passed over; their projections are
+        matched by their own paths.
       rank: adapter rank ``r``.
       alpha: the update is scaled by ``alpha / rank``.
       dropout: dropout rate on the adapter input (0 disables it).
@@ -229,28 +278,44 @@ def apply(
         any; skipped while tracing).
 
     Raises:
-      JaxparError: if ``target`` matches no projection (the message lists them all), or
-        for a bad rank, dropout, regex or base_dtype.
+      JaxparError: if ``target`` matches no projection (the message lists them all), if
+        it matches a module that holds parameters but cannot be adapted (``nnx.Conv``,
+        ``nnx.Embed``, a norm; the message lists those and the adaptable paths), or for a
+        bad rank, dropout, regex or base_dtype; the model is left unchanged.
     """
     pattern = _check_args(target, rank, dropout)
     if base_dtype not in quant.BASE_DTYPES:
         raise JaxparError(f"unknown base_dtype {base_dtype!r}; choose one of "
                           f"{quant.BASE_DTYPES}")
-    candidates = _candidates(model)
+    candidates, others = _scan(model)
     chosen = [(p, m) for p, m in candidates if pattern.search(path_str(p))]
+    available = [_shown(p) for p, _ in candidates]
+    bad = [f"{_shown(p)} ({type(m).__module__}.{type(m).__qualname__})"
+           for p, m in others if pattern.search(path_str(p))]
+    if bad:
+        raise JaxparError(
+            f"LoRA target {target!r} matches modules that hold parameters but are not "
+            f"projections LoRA can adapt (nnx.Linear, nnx.LinearGeneral, nnx.Einsum): "
+            f"{', '.join(bad)}; narrow the regex (e.g. anchor it with '$'). Adaptable "
+            f"paths: {available}"
+        )
     if not chosen:
-        available = [path_str(p) for p, _ in candidates]
         done = [p for p, _ in adapted(model)]
         raise JaxparError(
             f"LoRA target {target!r} matches no projection; available paths: {available}"
             + (f"; already adapted: {done}" if done else "")
         )
-    for i, (path, module) in enumerate(chosen):
+    if any(not p for p, _ in chosen):
+        raise JaxparError("cannot adapt the root module itself; wrap it in a parent module")
+    wrappers = []  # all built before the model changes, so a layer that fails leaves it intact
+    for i, (_, module) in enumerate(chosen):
         if isinstance(rngs, nnx.Rngs):
             key = rngs.params()
         else:
             key = jax.random.fold_in(jax.random.key(rngs), i)
-        wrapper = LoraProjection(module, rank=rank, alpha=alpha, dropout=dropout, key=key)
+        wrappers.append(LoraProjection(module, rank=rank, alpha=alpha, dropout=dropout,
+                                       key=key))
+    for (path, _), wrapper in zip(chosen, wrappers, strict=True):
         quant.replace_module(model, path, wrapper)
     quant.convert_frozen(model, base_dtype)
     return place(model, plan)

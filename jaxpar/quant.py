@@ -1,6 +1,7 @@
 """Frozen-base storage: keep the weights LoRA does not train in bfloat16 or int8.
 
-``int8`` is QLoRA-style: every ``nnx.Linear`` / ``nnx.Einsum`` kernel is replaced by a
+``int8`` is QLoRA-style: every ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Einsum``
+kernel is replaced by a
 :class:`QuantizedProjection` holding the kernel as int8 with one float32 scale per output
 channel (symmetric absmax), dequantized on the fly in compute. The quantized kernel keeps
 the logical names of the weight it replaces, so it is sharded exactly like it; the scale's
@@ -11,8 +12,10 @@ Both are stored as non-``nnx.Param`` variables (int8) or as ``nnx.Param`` (bf16)
 trainer with ``trainable=nnx.LoRAParam`` leaves them out of the gradient and optimizer.
 
 Projections are described by a :class:`ProjectionSpec`, an einsum view of the layer
-(``nnx.Linear`` is ``"...i,io->...o"``), which tells which kernel dimensions contract with
-the input and which reach the output; LoRA uses the same description.
+(``nnx.Linear`` is ``"...i,io->...o"``; an ``nnx.LinearGeneral`` contracting its input's
+last two axes into one output feature is ``"...ab,abc->...c"``), which tells which kernel
+dimensions contract with the input and which reach the output; LoRA uses the same
+description.
 """
 
 from __future__ import annotations
@@ -106,10 +109,53 @@ def parse_einsum(equation: str) -> ProjectionSpec:
 
 LINEAR_SPEC = parse_einsum("...i,io->...o")
 
+PROJECTION_TYPES: tuple[type, ...] = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+"""Float layers that LoRA can adapt and int8 storage can quantize."""
+
+
+def linear_general_spec(
+    axis: tuple[int, ...],
+    n_out: int,
+    batch_axis: tuple[int, ...] = (),
+) -> ProjectionSpec:
+    """The einsum view of an ``nnx.LinearGeneral`` contracting input ``axis`` (kernel
+    ``(*batch, *in_features, *out_features)`` with ``n_out`` output dimensions).
+
+    ``lax.dot_general`` pairs the kernel's input dimensions with the *sorted* input axes
+    and lays out its result as (batch axes, the input's other axes in order, output
+    features); the einsum below does the same. Non-negative axes are counted from the
+    front of the input, negative ones from the back, so one equation serves every input
+    rank. ``batch_axis`` (the input axes Flax batches over, ``0 .. k-1``) become
+    dimensions shared by input, kernel and output.
+
+    Raises:
+      JaxparError: for repeated axes, or an axis that is also a batch axis.
+    """
+    axis, batch = tuple(int(a) for a in axis), tuple(sorted(int(b) for b in batch_axis))
+    if len(set(axis)) != len(axis) or set(axis) & set(batch) or not axis:
+        raise JaxparError(f"cannot describe nnx.LinearGeneral(axis={axis}, batch_axis="
+                          f"{batch}) as an einsum: axes must be distinct and not batch axes")
+    pos = sorted(a for a in axis if a >= 0)
+    neg = sorted(a for a in axis if a < 0)
+    n_prefix = max([*pos, *batch], default=-1) + 1
+    n_suffix = -min(neg, default=0)
+    need = n_prefix + n_suffix + n_out
+    if need > len(string.ascii_letters):
+        raise JaxparError(f"nnx.LinearGeneral(axis={axis}) needs too many einsum subscripts")
+    letters = string.ascii_letters[:need]
+    prefix, suffix = letters[:n_prefix], letters[n_prefix:n_prefix + n_suffix]
+    out_l = letters[n_prefix + n_suffix:]
+    in_l = "".join(prefix[a] for a in pos) + "".join(suffix[a] for a in neg)
+    batch_l = "".join(prefix[b] for b in batch)
+    kept_front = "".join(c for c in prefix if c not in in_l and c not in batch_l)
+    kept_back = "".join(c for c in suffix if c not in in_l)
+    return parse_einsum(f"{prefix}...{suffix},{batch_l}{in_l}{out_l}->"
+                        f"{batch_l}{kept_front}...{kept_back}{out_l}")
+
 
 def projection_spec(module: nnx.Module) -> ProjectionSpec:
-    """The :class:`ProjectionSpec` of an ``nnx.Linear``, ``nnx.Einsum`` or
-    :class:`QuantizedProjection`."""
+    """The :class:`ProjectionSpec` of an ``nnx.Linear``, ``nnx.LinearGeneral``,
+    ``nnx.Einsum`` or :class:`QuantizedProjection`."""
     if isinstance(module, QuantizedProjection):
         return parse_einsum(module.equation)
     if isinstance(module, nnx.Einsum):
@@ -118,7 +164,28 @@ def projection_spec(module: nnx.Module) -> ProjectionSpec:
         return parse_einsum(module.einsum_str)
     if isinstance(module, nnx.Linear):
         return LINEAR_SPEC
-    raise JaxparError(f"{type(module).__name__} is not a projection (nnx.Linear or nnx.Einsum)")
+    if isinstance(module, nnx.LinearGeneral):
+        return linear_general_spec(module.axis, len(module.out_features),
+                                   tuple(module.batch_axis))
+    raise JaxparError(f"{type(module).__name__} is not a projection (nnx.Linear, "
+                      "nnx.LinearGeneral or nnx.Einsum)")
+
+
+def kernel_names(variable: nnx.Variable, ndim: int) -> tuple[Any, ...] | None:
+    """The variable's logical names as a tuple of length ``ndim`` (None if it has none).
+
+    Flax lets annotations be shorter than the array (``nnx.with_partitioning(init,
+    ("embed", "heads"))`` on a 3-D ``LinearGeneral`` kernel): the missing trailing
+    dimensions are unnamed. A ``PartitionSpec`` given as metadata becomes a plain tuple.
+    """
+    names = logical_names(variable)
+    if names is None:
+        return None
+    names = tuple(names)
+    if len(names) > ndim:
+        raise JaxparError(f"logical names {names} have more entries than the variable's "
+                          f"{ndim} dimensions")
+    return names + (None,) * (ndim - len(names))
 
 
 def stack_depth(kernel_ndim: int, spec: ProjectionSpec) -> int:
@@ -150,21 +217,27 @@ def quantize_int8(w: jax.Array, in_axes: tuple[int, ...]) -> tuple[jax.Array, ja
 
 
 class QuantizedProjection(nnx.Module):
-    """A frozen ``nnx.Linear``/``nnx.Einsum`` whose kernel is stored in int8.
+    """A frozen ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum`` whose kernel is stored
+    in int8.
 
     The forward dequantizes (``q * scale``) in the compute dtype and runs the layer's own
     einsum; the bias (if any) is kept as it was. Works on stacked kernels (leading
     ``layers`` axis) because scales are stacked the same way.
+
+    Attributes:
+      kind: the layer it replaces: ``"linear"``, ``"linear_general"`` or ``"einsum"``.
+      layout: for ``"linear_general"``, ``(in_features, out_features, axis, batch_axis)``
+        (the batch axes as ``((axis, size), ...)``), to rebuild the float layer.
     """
 
-    def __init__(self, module: nnx.Linear | nnx.Einsum):
+    def __init__(self, module: nnx.Linear | nnx.LinearGeneral | nnx.Einsum):
         spec = projection_spec(module)
         kernel = module.kernel
         w = kernel.get_value()
         lead = stack_depth(w.ndim, spec)
         in_axes = tuple(lead + spec.kernel.index(c) for c in spec.in_letters)
         q, scale = quantize_int8(w, in_axes)
-        names = logical_names(kernel)
+        names = kernel_names(kernel, w.ndim)
         meta: dict[str, Any] = {}
         scale_meta: dict[str, Any] = {}
         if names is not None:
@@ -176,11 +249,23 @@ class QuantizedProjection(nnx.Module):
             self.scale = QuantScale(scale, **scale_meta)
         self.bias = module.bias
         self.equation = spec.equation
-        self.is_linear = not isinstance(module, nnx.Einsum)
+        if isinstance(module, nnx.Einsum):
+            self.kind, self.layout = "einsum", None
+        elif isinstance(module, nnx.LinearGeneral):
+            self.kind = "linear_general"
+            self.layout = (tuple(module.in_features), tuple(module.out_features),
+                           tuple(module.axis), tuple(sorted(module.batch_axis.items())))
+        else:
+            self.kind, self.layout = "linear", None
         self.orig_dtype = str(w.dtype)
         self.dtype = getattr(module, "dtype", None)
         self.precision = getattr(module, "precision", None)
         self.preferred_element_type = getattr(module, "preferred_element_type", None)
+
+    @property
+    def is_linear(self) -> bool:
+        """Whether it replaces an ``nnx.Linear``."""
+        return self.kind == "linear"
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """The kernel as floats (``q * scale``), stacked like the stored kernel."""
@@ -196,43 +281,53 @@ class QuantizedProjection(nnx.Module):
             kwargs["out_sharding"] = out_sharding
         y = jnp.einsum(self.equation, x.astype(dtype), w, precision=self.precision, **kwargs)
         if self.bias is not None:
-            y = y + _broadcast_bias(self.bias[...].astype(y.dtype), self.equation, w.shape)
+            y = y + _broadcast_bias(self.bias[...].astype(y.dtype), self.equation, w.shape,
+                                    y.ndim)
         return y
 
-    def to_float(self, dtype: Any = None) -> nnx.Linear | nnx.Einsum:
-        """An equivalent float ``nnx.Linear``/``nnx.Einsum`` (dequantized kernel)."""
+    def to_float(self, dtype: Any = None) -> nnx.Linear | nnx.LinearGeneral | nnx.Einsum:
+        """An equivalent float layer of the kind it replaced (dequantized kernel)."""
         return rebuild_projection(self, self.dequantize(dtype or self.orig_dtype))
 
 
-def _broadcast_bias(bias: jax.Array, equation: str, kernel_shape: tuple[int, ...]) -> jax.Array:
+def _broadcast_bias(bias: jax.Array, equation: str, kernel_shape: tuple[int, ...],
+                    out_ndim: int) -> jax.Array:
     spec = parse_einsum(equation)
     if spec.x.startswith("...") and spec.out.startswith("..."):
         return bias  # trailing output dims: plain broadcasting
     sizes = dict(zip(spec.kernel, kernel_shape, strict=True))
-    shape = [sizes.get(c, 1) for c in _letters(spec.out)]
+    n_ellipsis = out_ndim - len(_letters(spec.out))
+    shape = [sizes.get(c, 1) for c in spec.out.replace("...", "." * n_ellipsis)]
     return bias.reshape(shape)
 
 
-def rebuild_projection(q: QuantizedProjection, kernel: jax.Array) -> nnx.Linear | nnx.Einsum:
-    """A float ``nnx.Linear``/``nnx.Einsum`` equivalent to ``q`` with the given kernel."""
+def rebuild_projection(
+    q: QuantizedProjection, kernel: jax.Array
+) -> nnx.Linear | nnx.LinearGeneral | nnx.Einsum:
+    """A float layer of ``q``'s original kind, equivalent to ``q`` with the given kernel."""
     spec = parse_einsum(q.equation)
-    names = logical_names(q.kernel)
+    names = kernel_names(q.kernel, kernel.ndim)
     meta = {} if names is None else {"out_sharding": names}
+    common = dict(dtype=q.dtype, precision=q.precision,
+                  preferred_element_type=q.preferred_element_type)
     with nnx.use_eager_sharding(False):
-        if q.is_linear:
+        if q.kind == "linear":
             lead = kernel.ndim - 2
             mod = nnx.eval_shape(lambda: nnx.Linear(
-                kernel.shape[lead], kernel.shape[lead + 1], use_bias=False, dtype=q.dtype,
-                precision=q.precision, preferred_element_type=q.preferred_element_type,
-                rngs=nnx.Rngs(0)))
+                kernel.shape[lead], kernel.shape[lead + 1], use_bias=False, rngs=nnx.Rngs(0),
+                **common))
+        elif q.kind == "linear_general":
+            in_features, out_features, axis, batch_axis = q.layout
+            mod = nnx.eval_shape(lambda: nnx.LinearGeneral(
+                in_features, out_features, axis=axis, batch_axis=dict(batch_axis),
+                use_bias=False, rngs=nnx.Rngs(0), **common))
         else:
             lead = stack_depth(kernel.ndim, spec)
             mod = nnx.eval_shape(lambda: nnx.Einsum(
-                q.equation, kernel.shape[lead:], None, dtype=q.dtype, precision=q.precision,
-                preferred_element_type=q.preferred_element_type, rngs=nnx.Rngs(0)))
+                q.equation, kernel.shape[lead:], None, rngs=nnx.Rngs(0), **common))
         mod.kernel = nnx.Param(kernel, **meta)
     mod.bias = q.bias
-    if q.is_linear:
+    if q.kind != "einsum":
         mod.use_bias = q.bias is not None
     return mod
 
@@ -241,8 +336,9 @@ def rebuild_projection(q: QuantizedProjection, kernel: jax.Array) -> nnx.Linear 
 
 
 def projections(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-    """``(path, module)`` of every ``nnx.Linear``/``nnx.Einsum``/:class:`QuantizedProjection`."""
-    kinds = (nnx.Linear, nnx.Einsum, QuantizedProjection)
+    """``(path, module)`` of every ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum``/
+    :class:`QuantizedProjection`."""
+    kinds = (*PROJECTION_TYPES, QuantizedProjection)
     return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, kinds)]
 
 
@@ -308,7 +404,7 @@ def convert_frozen(
         if skip is not None and skip(tuple(path), var):
             continue
         value = var.get_value()
-        names = logical_names(var) or (None,) * value.ndim
+        names = kernel_names(var, value.ndim) or (None,) * value.ndim
         matrix_dims = sum(n not in STACK_AXES for n in names)
         if matrix_dims >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
             var.set_value(value.astype(jnp.bfloat16))
@@ -329,12 +425,15 @@ def describe_storage(model: nnx.Module) -> dict[str, int]:
 __all__ = [
     "BASE_DTYPES",
     "LINEAR_SPEC",
+    "PROJECTION_TYPES",
     "ProjectionSpec",
     "QuantScale",
     "QuantizedKernel",
     "QuantizedProjection",
     "convert_frozen",
     "describe_storage",
+    "kernel_names",
+    "linear_general_spec",
     "parse_einsum",
     "projection_spec",
     "projections",

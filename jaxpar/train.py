@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
-from jaxpar.plan import Plan, current_plan
+from jaxpar.plan import Plan, constrain, current_plan
 from jaxpar.precision import DynamicLossScale
 from jaxpar.zero import formula_bytes, per_device_bytes, zero_shardings
 
@@ -78,8 +78,14 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
             f"needs its own loss: {_CUSTOM_LOSS}")
     plan = current_plan()
     out_dtype = plan.precision.output if plan is not None else jnp.float32
+    targets = tokens[:, 1:]
+    if plan is not None and plan.explicit:
+        # Sharding in types: logits and labels must agree on the batch split for the
+        # label lookup (GSPMD works that out itself on an Auto mesh).
+        logits = constrain(logits, ("batch", "seq", None))
+        targets = constrain(targets, ("batch", "seq"))
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(out_dtype), tokens[:, 1:]).mean()
+        logits.astype(out_dtype), targets).mean()
 
 
 def batch_names(ndim: int) -> tuple[str | None, ...]:

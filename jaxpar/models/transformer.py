@@ -28,6 +28,8 @@ from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain, current_plan
 
 RESIDUAL = ("batch", "seq", "embed")
+_CARRIED = nnx.Any(nnx.RngCount, nnx.BatchStat, nnx.PathContains("dropout_count"))
+"""Per-layer state a forward pass advances (dropout counters), kept across the scan."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +257,14 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, layer_state):
-            return call(nnx.merge(graphdef, layer_state), h, sin, cos), None
+            layer = nnx.merge(graphdef, layer_state)
+            h = call(layer, h, sin, cos)
+            # Non-parameter state a layer changed (adapter dropout counters) leaves the scan.
+            return h, nnx.state(layer, _CARRIED)
 
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, mutated = jax.lax.scan(body, x, stacked)
+        if jax.tree.leaves(mutated):
+            nnx.update(self.blocks, mutated)
         return x
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,191 @@
+"""Models written the way users write them: plain Flax NNX, no jaxpar calls inside.
+
+Used by tests/test_user_models.py and by ``model.factory`` configs in tests
+(``tests.user_models:llama_like``). Each is a tiny language model: token ids
+``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+VOCAB = 64
+
+
+# --- (a) nnx.MultiHeadAttention + nnx.LinearGeneral + dropout, Flax-legal short specs -----
+
+
+class MhaBlock(nnx.Module):
+    def __init__(self, d: int, heads: int, ff: int, rate: float, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+        # One kernel_init with two names for 3-D (embed, heads, head_dim) kernels: legal in
+        # Flax and jax.sharding (trailing dimensions unnamed).
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=heads, in_features=d, qkv_features=d, decode=False, rngs=rngs,
+            kernel_init=nnx.with_partitioning(init, ("embed", "heads")),
+            out_kernel_init=nnx.with_partitioning(init, ("heads",)))
+        self.norm2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.LinearGeneral(d, ff, rngs=rngs,
+                                    kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))
+        self.down = nnx.LinearGeneral(ff, d, rngs=rngs,
+                                      kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.drop(self.attn(self.norm1(x), mask=mask))
+        return x + self.drop(self.down(jax.nn.gelu(self.up(self.norm2(x)))))
+
+
+class MhaLM(nnx.Module):
+    def __init__(self, d: int = 32, heads: int = 4, ff: int = 64, layers: int = 2,
+                 rate: float = 0.1, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.5)
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs,
+                               embedding_init=nnx.with_partitioning(init, ("vocab", "embed")))
+        self.blocks = nnx.List([MhaBlock(d, heads, ff, rate, rngs=rngs) for _ in range(layers)])
+        self.head = nnx.LinearGeneral(d, VOCAB, use_bias=False, rngs=rngs, kernel_init=
+                                      nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                            ("embed", "vocab")))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+# --- (b) unannotated, unscanned, Llama-like with grouped-query attention ------------------
+
+
+def _rms(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def _rope(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    freqs = 10000.0 ** (-jnp.arange(half) / half)
+    angles = jnp.arange(x.shape[1])[:, None] * freqs
+    sin, cos = jnp.sin(angles)[None, :, None], jnp.cos(angles)[None, :, None]
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int):
+        self.weight = nnx.Param(jnp.ones((d,)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _rms(x, self.weight[...])
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, *, rngs: nnx.Rngs):
+        hd = d // heads
+        self.heads, self.kv_heads = heads, kv_heads
+        self.q_proj = nnx.Einsum("bsd,dnh->bsnh", (d, heads, hd), rngs=rngs)
+        self.k_proj = nnx.Einsum("bsd,dnh->bsnh", (d, kv_heads, hd), rngs=rngs)
+        self.v_proj = nnx.Einsum("bsd,dnh->bsnh", (d, kv_heads, hd), rngs=rngs)
+        self.o_proj = nnx.Einsum("bsnh,nhd->bsd", (heads, hd, d), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = _rope(self.q_proj(x)), _rope(self.k_proj(x)), self.v_proj(x)
+        rep = self.heads // self.kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / jnp.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        return self.o_proj(jnp.einsum("bnqk,bknh->bqnh", probs, v))
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, d: int, ff: int, *, rngs: nnx.Rngs):
+        self.gate_proj = nnx.Linear(d, ff, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(d, ff, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(ff, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, ff: int, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = LlamaAttention(d, heads, kv_heads, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.mlp = LlamaMLP(d, ff, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLike(nnx.Module):
+    def __init__(self, d: int = 64, heads: int = 8, kv_heads: int = 2, ff: int = 128,
+                 layers: int = 2, *, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(VOCAB, d, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(1.0))
+        self.layers = nnx.List([LlamaDecoderLayer(d, heads, kv_heads, ff, rngs=rngs)
+                                for _ in range(layers)])
+        self.norm = RMSNorm(d)
+        self.lm_head = nnx.Linear(d, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def llama_like(rngs: nnx.Rngs, **sizes: int) -> LlamaLike:
+    """A factory as a user's package would export it (``model.factory``)."""
+    return LlamaLike(rngs=rngs, **sizes)
+
+
+LLAMA_ANNOTATIONS = [
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"self_attn/q_proj/kernel$", ("embed", "heads", "head_dim")),
+    (r"self_attn/(k|v)_proj/kernel$", ("embed", "kv_heads", "head_dim")),
+    (r"self_attn/o_proj/kernel$", ("heads", "head_dim", "embed")),
+    (r"mlp/(gate|up)_proj/kernel$", ("embed", "mlp")),
+    (r"mlp/down_proj/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+]
+"""The path rules a user writes for :class:`LlamaLike` (``jaxpar.annotate``)."""
+
+
+def next_token_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    """A user's loss on a dict batch: masked next-token cross-entropy."""
+    logits = model(batch["inputs"])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    return (nll * batch["mask"]).sum() / batch["mask"].sum()
+
+
+# --- (c) annotated with mesh-axis names (``tp``), explicit sharding with reshard ----------
+
+
+class ExplicitLM(nnx.Module):
+    """Written for JAX's explicit sharding mode, as Flax's sharding guide does it."""
+
+    def __init__(self, d: int = 32, ff: int = 128, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.3)
+        self.embed = nnx.Param(init(rngs.params(), (VOCAB, d)), out_sharding=P(None, "fsdp"))
+        self.w_in = nnx.Param(init(rngs.params(), (d, ff)), out_sharding=P("fsdp", "tp"))
+        self.w_out = nnx.Param(init(rngs.params(), (ff, d)), out_sharding=P("tp", "fsdp"))
+        self.head = nnx.Param(init(rngs.params(), (d, VOCAB)), out_sharding=P("fsdp", None))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        rows = P(("data", "fsdp"), None, None)
+        table = jax.sharding.reshard(self.embed[...], P(None, None))
+        x = table.at[tokens].get(out_sharding=rows)
+        w_in = jax.sharding.reshard(self.w_in[...], P(None, "tensor"))
+        h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x, w_in))
+        w_out = jax.sharding.reshard(self.w_out[...], P("tensor", None))
+        x = x + jnp.einsum("bsf,fd->bsd", h, w_out, out_sharding=rows)
+        head = jax.sharding.reshard(self.head[...], P(None, None))
+        return jnp.einsum("bsd,dv->bsv", x, head)
