@@ -88,6 +88,11 @@ def render_inspection(report: dict[str, Any]) -> str:
     total = sum(p["bytes_per_device"] for p in params)
     out.append(f"\nParameters: {len(params)} arrays, {report['param_count']:,} values, "
                f"{fmt_bytes(total)} per device")
+    rep = report.get("replication")
+    if rep:
+        largest = ", ".join(p for p, _ in rep["largest"][:3]) or "none"
+        out.append(f"  replicated by the rules: {100 * rep['replicated_share']:.1f}% of "
+                   f"parameter bytes (largest: {largest})")
     rows = [(p["path"], str(tuple(p["shape"])), p["dtype"], fmt_axes(p["logical_axes"]),
              fmt_spec(p["spec"]), fmt_bytes(p["bytes_per_device"]),
              "" if p.get("trainable", True) else "frozen") for p in params]

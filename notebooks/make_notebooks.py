@@ -1,6 +1,7 @@
 """Write the tutorial notebooks in this folder (without outputs) from the cells below.
 
-Run ``python notebooks/make_notebooks.py`` after editing a cell here; the ``.ipynb`` files
+Run ``python notebooks/make_notebooks.py`` after editing a cell here (or in
+``make_byo_notebook.py``, which holds the fourth notebook's cells); the ``.ipynb`` files
 are generated, and ``tests/test_notebooks.py`` executes them on 8 simulated CPU devices.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+from make_byo_notebook import bring_your_own_model
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
@@ -557,6 +559,7 @@ NOTEBOOKS = {
     "01_rules_and_meshes.ipynb": RULES_AND_MESHES,
     "02_planning.ipynb": PLANNING,
     "03_pipeline_schedules.ipynb": PIPELINE_SCHEDULES,
+    "04_bring_your_own_model.ipynb": bring_your_own_model(SETUP),  # make_byo_notebook.py
 }
 
 

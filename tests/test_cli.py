@@ -42,8 +42,9 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "needs 8 devices, but 4 are available" in proc.stderr
 
+    # 2 KV heads on 8-way tensor parallelism fall through to replicated; strict rules refuse.
     proc = jaxpar_cli("train", "--devices", "8", "mesh.tensor=8", "model.n_kv_heads=2",
-                      *SMALL_RUN)
+                      "plan.strict=true", *SMALL_RUN)
     assert proc.returncode == 2 and "not divisible by mesh axes ('tensor',)" in proc.stderr
     assert "Traceback" not in proc.stderr
 

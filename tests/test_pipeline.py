@@ -127,7 +127,7 @@ def test_layout_round_trip_is_a_reshape():
     flat = dict(nnx.to_flat_state(staged))
     wq = flat[("blocks", "attn", "wq", "kernel")]
     assert wq.get_value().shape == (2, 2, 32, 4, 8)
-    assert pl._names(wq) == ("repeat", "stage", "embed", "heads", "head_dim")
+    assert jaxpar.logical_names(wq) == ("repeat", "stage", "embed", "heads", "head_dim")
     layers = dict(nnx.to_flat_state(state))[("blocks", "attn", "wq", "kernel")].get_value()
     np.testing.assert_array_equal(wq.get_value()[1, 0], layers[2])  # layer r*S + s
     np.testing.assert_array_equal(wq.get_value()[0, 1], layers[1])
@@ -136,7 +136,7 @@ def test_layout_round_trip_is_a_reshape():
     back = dict(nnx.to_flat_state(pl.from_pipeline_layout(staged)))
     for path, var in nnx.to_flat_state(state):
         np.testing.assert_array_equal(back[path].get_value(), var.get_value())
-        assert pl._names(back[path]) == pl._names(var)
+        assert jaxpar.logical_names(back[path]) == jaxpar.logical_names(var)
     with pytest.raises(JaxparError, match="not a multiple"):
         pl.to_pipeline_layout(state, stages=3)
 

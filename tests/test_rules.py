@@ -82,6 +82,8 @@ def test_mesh_axis_names_and_aliases_are_direct_targets(mesh):
     assert Rules([("mlp", "tensor"), ("mlp", None)]).spec(("mlp", "tp"), mesh, shape=(8, 8)) == \
         P(None, "tensor")
     assert "mesh axes named directly" in params.explain(("tp",), mesh)
+    assert Rules([("mlp", "tp"), ("batch", ("dp", "fsdp"))]).spec(("batch", "mlp"), mesh) == P(
+        ("data", "fsdp"), "tensor")
     with pytest.raises(JaxparError, match="used twice"):
         params.spec(("tp", "tensor"), mesh, shape=(8, 8))
     with pytest.raises(JaxparError, match=r"mesh axis 'expert' in \('expert',\)"):
