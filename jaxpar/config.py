@@ -174,29 +174,26 @@ class Config:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-def _valid_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
+def _leaf_types(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every dotted leaf key of a config dataclass with its type (sections recursed)."""
+    out: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):
-            keys += _valid_keys(t, f"{prefix}{f.name}.")
+            out.update(_leaf_types(t, f"{prefix}{f.name}."))
         else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
+            out[f"{prefix}{f.name}"] = t
+    return out
 
 
-def _mapping_keys(cls: type, prefix: str = "") -> list[str]:
+def _valid_keys(cls: type) -> list[str]:
+    return list(_leaf_types(cls))
+
+
+def _mapping_keys(cls: type) -> list[str]:
     """Keys of free-form mapping fields (``model.kwargs``), whose sub-keys are the user's."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            keys += _mapping_keys(t, f"{prefix}{f.name}.")
-        elif t is dict:
-            keys.append(f"{prefix}{f.name}")
-    return keys
+    return [k for k, t in _leaf_types(cls).items() if t is dict]
 
 
 def _unknown_key(key: str) -> JaxparError:
