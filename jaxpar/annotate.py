@@ -62,26 +62,50 @@ def _entry(e: Any) -> str | tuple[str, ...] | None:
     return tuple(str(a) for a in e)
 
 
-def logical_names(variable: nnx.Variable) -> tuple[Any, ...] | None:
+def logical_names(variable: nnx.Variable, ndim: int | None = None
+                  ) -> tuple[Any, ...] | None:
     """The names a variable was annotated with (a ``PartitionSpec`` becomes a tuple of its
-    entries), or None if it has none. An empty annotation (``()``) means "replicated"."""
+    entries), or None if it has none. An empty annotation (``()``) means "replicated".
+
+    With ``ndim``, names shorter than the array are padded with ``None`` (Flax allows
+    ``nnx.with_partitioning(init, ("embed", "heads"))`` on a 3-D kernel).
+
+    Raises:
+      JaxparError: with ``ndim``, for more names than dimensions.
+    """
     metadata = variable.get_metadata()
     for key in _NAME_KEYS:
         names = metadata.get(key)
-        if names is None:
+        if names is None or not isinstance(names, PartitionSpec | list | tuple):
             continue
-        if isinstance(names, PartitionSpec | list | tuple):
-            return tuple(_entry(e) for e in names)
+        names = tuple(_entry(e) for e in names)
+        if ndim is None:
+            return names
+        if len(names) > ndim:
+            raise JaxparError(f"logical names {names} have more entries than the variable's "
+                              f"{ndim} dimensions")
+        return names + (None,) * (ndim - len(names))
     return None
+
+
+def pairs(items: Iterable[Any], what: str) -> tuple[tuple[Any, Any], ...]:
+    """``[[pattern, names], ...]`` (from YAML or code) checked and made hashable: each
+    entry a ``(pattern, names)`` pair, list-valued names (and list entries) as tuples."""
+    out = []
+    for item in items or ():
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise JaxparError(f"{what} entries must be (pattern, logical names) pairs, "
+                              f"got {item!r}")
+        pattern, names = item
+        if names is not None and not isinstance(names, str):
+            names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
+        out.append((pattern, names))
+    return tuple(out)
 
 
 def _compile(rules: AnnotationRules) -> list[tuple[re.Pattern, tuple | None]]:
     out = []
-    for item in rules:
-        try:
-            pattern, names = item
-        except (TypeError, ValueError):
-            raise JaxparError(f"annotation {item!r} is not a (path regex, names) pair") from None
+    for pattern, names in pairs(rules, "annotation"):
         try:
             rx = re.compile(pattern)
         except re.error as e:
@@ -153,6 +177,3 @@ def unnamed_parameters(model: nnx.Module, min_share: float = 0.01
     return sorted(left, key=lambda x: -math.prod(x[1]))
 
 
-def annotation_rules(pairs: Iterable[Any]) -> list[tuple[str, tuple | None]]:
-    """Check and normalise ``[[pattern, names], ...]`` from a config file."""
-    return [(rx.pattern, names) for rx, names in _compile(list(pairs))]

@@ -326,11 +326,10 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
     import time
 
     import jax
-    from flax import nnx
 
     from jaxpar.assembly import assemble
     from jaxpar.mesh import describe
-    from jaxpar.partitioning import replication_report
+    from jaxpar.partitioning import mostly_replicated
 
     run = assemble(config)
     trainer, plan = run.trainer, run.plan
@@ -357,8 +356,8 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
         notes.append(f"{matmuls['loops_without_trip_count']} loop(s) without a known trip "
                      "count: their bodies' FLOPs are counted once")
     schedule = run.schedule
-    replication = replication_report(plan, nnx.state(trainer.model))
-    if replication["could_shard"] and replication["replicated_share"] > 0.5:
+    replication = trainer.replication
+    if mostly_replicated(replication):
         notes.append(f"{100 * replication['replicated_share']:.0f}% of parameter bytes are "
                      "replicated; name them with plan.annotations (jaxpar.annotate)")
     return {

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpar.annotate import path_str
+from jaxpar.annotate import pairs, path_str
 from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain
 
@@ -45,7 +45,7 @@ _BASE = "_jaxpar_unpinned_class"
 def _constrain_leaf(x: Any, names: tuple) -> Any:
     if not isinstance(x, jax.Array) or x.ndim < len(names):
         return x
-    return constrain(x, names + (None,) * (x.ndim - len(names)))
+    return constrain(x, names)  # the rules leave trailing dimensions unnamed
 
 
 @functools.cache
@@ -101,13 +101,8 @@ def constrain_outputs(model: nnx.Module, layouts: LayoutRules) -> nnx.Module:
       JaxparError: for a target that matches no module (the message lists module types),
         or a bad regex.
     """
-    rules = []
-    for item in layouts:
-        try:
-            target, names = item
-        except (TypeError, ValueError):
-            raise JaxparError(f"layout {item!r} is not a (module, names) pair") from None
-        rules.append((target, _matcher(target), tuple(names)))
+    rules = [(target, _matcher(target), tuple(names))
+             for target, names in pairs(layouts, "layout")]
     used = [False] * len(rules)
     graph = [(tuple(p), node) for p, node in nnx.iter_graph(model)]
     modules = [(path_str(p), m) for p, m in graph if isinstance(m, nnx.Module)]

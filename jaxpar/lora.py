@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 
 from jaxpar import quant
+from jaxpar.annotate import logical_names
 from jaxpar.errors import JaxparError
 from jaxpar.partitioning import path_str, state_shardings
 from jaxpar.plan import Plan, current_plan
@@ -91,8 +92,9 @@ class LoraDropoutKey(nnx.Variable):
     """Raw key data of an adapter's dropout stream (stacked like the adapter)."""
 
 
-class LoraDropoutCount(nnx.Variable):
-    """Step counter folded into the dropout key; advance it with :func:`advance_dropout`."""
+class LoraDropoutCount(nnx.RngCount):
+    """Counter folded into the dropout key, advanced by each call (an RNG counter, so
+    whatever carries ``nnx.RngCount`` state across steps or scans carries it too)."""
 
 
 def _strip(sub: str, letters: str) -> str:
@@ -120,7 +122,7 @@ class LoraProjection(nnx.Module):
         kernel = base.kernel
         w = kernel.get_value()
         lead = quant.stack_depth(w.ndim, spec)
-        names = quant.kernel_names(kernel, w.ndim) or (None,) * w.ndim
+        names = logical_names(kernel, w.ndim) or (None,) * w.ndim
         sizes = dict(zip(spec.kernel, w.shape[lead:], strict=True))
         kname = dict(zip(spec.kernel, names[lead:], strict=True))
         stack_shape, stack_names = tuple(w.shape[:lead]), tuple(names[:lead])
@@ -214,9 +216,6 @@ def adapted(model: nnx.Module) -> list[tuple[str, LoraProjection]]:
     return [(path_str(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, LoraProjection)]
 
 
-_ADAPTABLE = (*quant.PROJECTION_TYPES, quant.QuantizedProjection)
-
-
 def _shown(path: tuple) -> str:
     return path_str(path) or "<root>"
 
@@ -239,9 +238,9 @@ def _scan(model: nnx.Module) -> tuple[list[tuple[tuple, nnx.Module]],
             owners.add(next((path[:k] for k in range(len(path) - 1, -1, -1)
                              if path[:k] in modules), None))
     adaptable = [(p, m) for p, m in modules.items()
-                 if isinstance(m, _ADAPTABLE) and not inside(p)]
+                 if isinstance(m, quant.ADAPTABLE_TYPES) and not inside(p)]
     others = [(p, m) for p, m in modules.items()
-              if p in owners and not isinstance(m, _ADAPTABLE)]
+              if p in owners and not isinstance(m, quant.ADAPTABLE_TYPES)]
     return adaptable, others
 
 

@@ -26,8 +26,8 @@ from jaxpar.plan import Plan
 M = TypeVar("M", bound=nnx.Module)
 
 __all__ = ["ReplicationWarning", "init_sharded", "key_str", "linen_shardings",
-           "logical_names", "param_table", "path_str", "prepare_model", "replication_report",
-           "state_shardings", "variable_spec", "warn_if_replicated"]
+           "logical_names", "mostly_replicated", "param_table", "path_str", "prepare_model",
+           "replication_report", "state_shardings", "variable_spec", "warn_if_replicated"]
 
 
 class ReplicationWarning(UserWarning):
@@ -132,11 +132,17 @@ REPLICATED_WARN_SHARE = 0.5
 """Warn when more than this share of parameter bytes is replicated under a sharding plan."""
 
 
+def mostly_replicated(report: dict[str, Any]) -> bool:
+    """Whether a :func:`replication_report` shows a plan that could shard parameters leaving
+    more than :data:`REPLICATED_WARN_SHARE` of their bytes replicated."""
+    return report["could_shard"] and report["replicated_share"] > REPLICATED_WARN_SHARE
+
+
 def warn_if_replicated(plan: Plan, state: nnx.State) -> dict[str, Any]:
     """Warn once (per mesh and set of arrays) when a plan that could shard parameters leaves
     most of their bytes replicated: the usual sign of a model without logical names."""
     report = replication_report(plan, state)
-    if report["could_shard"] and report["replicated_share"] > REPLICATED_WARN_SHARE:
+    if mostly_replicated(report):
         key = (tuple(plan.mesh.shape.items()), tuple(p for p, _ in report["largest"]))
         if key not in _WARNED:
             _WARNED.add(key)

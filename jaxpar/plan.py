@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import remat as remat_lib
 from jaxpar import rules as rules_lib
+from jaxpar.annotate import pairs
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import describe, is_explicit
 from jaxpar.precision import Policy
@@ -76,8 +77,8 @@ class Plan:
         remat_lib.check(self.remat)
         if self.microbatches < 1:
             raise JaxparError(f"microbatches must be >= 1, got {self.microbatches}")
-        object.__setattr__(self, "annotations", _pairs(self.annotations, "annotations"))
-        object.__setattr__(self, "layouts", _pairs(self.layouts, "layouts"))
+        object.__setattr__(self, "annotations", pairs(self.annotations, "plan.annotations"))
+        object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))
 
     @classmethod
     def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", *, strict: bool = False,
@@ -122,9 +123,9 @@ class Plan:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
-        """Sharding of an input batch of token ids, shaped ``(batch, seq, ...)``."""
-        names = ("batch", "seq") + (None,) * (ndim - 2)
-        return self.sharding(self.act_spec(names[:ndim]))
+        """Sharding of one leaf of an input batch, shaped ``(batch, seq, ...)`` (see
+        :func:`batch_names`)."""
+        return self.sharding(self.act_spec(batch_names(ndim)))
 
     @property
     def data_parallel_axes(self) -> tuple[str, ...]:
@@ -165,6 +166,11 @@ class Plan:
                 f", remat {self.remat}, microbatches {self.microbatches}")
 
 
+def batch_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of a batch leaf: ``batch`` on the leading axis, ``seq`` on the second."""
+    return ("batch", "seq", *(None,) * max(ndim - 2, 0))[:ndim]
+
+
 def current_plan() -> Plan | None:
     """The plan activated by the innermost ``plan.activate()``, or None."""
     return _ACTIVE.get()
@@ -182,16 +188,3 @@ def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
     spec = plan.act_spec(names, shape=x.shape, path="activation")
     return plan.place(x, plan.sharding(spec))
 
-
-def _pairs(items: Any, what: str) -> tuple:
-    """``[[pattern, names], ...]`` (from YAML or code) as a hashable tuple of pairs."""
-    out = []
-    for item in items or ():
-        if not isinstance(item, list | tuple) or len(item) != 2:
-            raise JaxparError(f"plan.{what} entries must be (pattern, logical names) pairs, "
-                              f"got {item!r}")
-        pattern, names = item
-        if names is not None and not isinstance(names, str):
-            names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
-        out.append((pattern, names))
-    return tuple(out)

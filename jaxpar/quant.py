@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.annotate import logical_names
 from jaxpar.errors import JaxparError
-from jaxpar.partitioning import logical_names
 
 BASE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "int8")
 _INT8_MAX = 127.0
@@ -171,23 +171,6 @@ def projection_spec(module: nnx.Module) -> ProjectionSpec:
                       "nnx.LinearGeneral or nnx.Einsum)")
 
 
-def kernel_names(variable: nnx.Variable, ndim: int) -> tuple[Any, ...] | None:
-    """The variable's logical names as a tuple of length ``ndim`` (None if it has none).
-
-    Flax lets annotations be shorter than the array (``nnx.with_partitioning(init,
-    ("embed", "heads"))`` on a 3-D ``LinearGeneral`` kernel): the missing trailing
-    dimensions are unnamed. A ``PartitionSpec`` given as metadata becomes a plain tuple.
-    """
-    names = logical_names(variable)
-    if names is None:
-        return None
-    names = tuple(names)
-    if len(names) > ndim:
-        raise JaxparError(f"logical names {names} have more entries than the variable's "
-                          f"{ndim} dimensions")
-    return names + (None,) * (ndim - len(names))
-
-
 def stack_depth(kernel_ndim: int, spec: ProjectionSpec) -> int:
     """Leading stacking dimensions of a kernel (e.g. 1 for layers made with ``nnx.vmap``)."""
     lead = kernel_ndim - len(spec.kernel)
@@ -237,7 +220,7 @@ class QuantizedProjection(nnx.Module):
         lead = stack_depth(w.ndim, spec)
         in_axes = tuple(lead + spec.kernel.index(c) for c in spec.in_letters)
         q, scale = quantize_int8(w, in_axes)
-        names = kernel_names(kernel, w.ndim)
+        names = logical_names(kernel, w.ndim)
         meta: dict[str, Any] = {}
         scale_meta: dict[str, Any] = {}
         if names is not None:
@@ -306,7 +289,7 @@ def rebuild_projection(
 ) -> nnx.Linear | nnx.LinearGeneral | nnx.Einsum:
     """A float layer of ``q``'s original kind, equivalent to ``q`` with the given kernel."""
     spec = parse_einsum(q.equation)
-    names = kernel_names(q.kernel, kernel.ndim)
+    names = logical_names(q.kernel, kernel.ndim)
     meta = {} if names is None else {"out_sharding": names}
     common = dict(dtype=q.dtype, precision=q.precision,
                   preferred_element_type=q.preferred_element_type)
@@ -335,11 +318,14 @@ def rebuild_projection(
 # --- converting a whole model -------------------------------------------------------------
 
 
+ADAPTABLE_TYPES: tuple[type, ...] = (*PROJECTION_TYPES, QuantizedProjection)
+"""Every layer LoRA can wrap: the float projections and their int8 form."""
+
+
 def projections(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
     """``(path, module)`` of every ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum``/
     :class:`QuantizedProjection`."""
-    kinds = (*PROJECTION_TYPES, QuantizedProjection)
-    return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, kinds)]
+    return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, ADAPTABLE_TYPES)]
 
 
 def get_child(parent: Any, key: Any) -> Any:
@@ -404,7 +390,7 @@ def convert_frozen(
         if skip is not None and skip(tuple(path), var):
             continue
         value = var.get_value()
-        names = kernel_names(var, value.ndim) or (None,) * value.ndim
+        names = logical_names(var, value.ndim) or (None,) * value.ndim
         matrix_dims = sum(n not in STACK_AXES for n in names)
         if matrix_dims >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
             var.set_value(value.astype(jnp.bfloat16))
@@ -423,6 +409,7 @@ def describe_storage(model: nnx.Module) -> dict[str, int]:
 
 
 __all__ = [
+    "ADAPTABLE_TYPES",
     "BASE_DTYPES",
     "LINEAR_SPEC",
     "PROJECTION_TYPES",
@@ -432,7 +419,6 @@ __all__ = [
     "QuantizedProjection",
     "convert_frozen",
     "describe_storage",
-    "kernel_names",
     "linear_general_spec",
     "parse_einsum",
     "projection_spec",

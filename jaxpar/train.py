@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
-from jaxpar.plan import Plan, constrain, current_plan
+from jaxpar.plan import Plan, batch_names, constrain, current_plan
 from jaxpar.precision import DynamicLossScale
 from jaxpar.zero import formula_bytes, per_device_bytes, zero_shardings
 
@@ -86,11 +86,6 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
         targets = constrain(targets, ("batch", "seq"))
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(out_dtype), targets).mean()
-
-
-def batch_names(ndim: int) -> tuple[str | None, ...]:
-    """Logical names of a batch leaf: ``batch`` on the leading axis, ``seq`` on the second."""
-    return ("batch", "seq", *(None,) * max(ndim - 2, 0))[:ndim]
 
 
 _MUTABLE = nnx.Not(nnx.Param)
@@ -167,8 +162,7 @@ class Trainer:
 
     def batch_shardings(self, batch: Batch) -> Any:
         """The sharding of each leaf of a (global) batch like ``batch``."""
-        return jax.tree.map(lambda x: self.plan.sharding(self.plan.act_spec(
-            batch_names(np.ndim(x)), shape=np.shape(x), path="batch")), batch)
+        return jax.tree.map(lambda x: self.plan.batch_sharding(np.ndim(x)), batch)
 
     def _steps(self, batch: Batch) -> tuple[Callable, Callable, Callable]:
         """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
@@ -195,11 +189,15 @@ class Trainer:
         )
 
     # --- the step -------------------------------------------------------------------------
+    def _merged(self, params: nnx.State, frozen: nnx.State) -> nnx.Module:
+        """The model with these weights, in the compute dtype."""
+        return nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
+                         self.policy.narrow_to_compute(frozen))
+
     def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch
               ) -> tuple[jax.Array, nnx.State]:
         """Loss of the model with these weights, and its non-parameter state afterwards."""
-        model = nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
-                          self.policy.narrow_to_compute(frozen))
+        model = self._merged(params, frozen)
         loss = self.loss_fn(model, batch).astype(jnp.float32)
         return loss, nnx.state(model, _MUTABLE)
 
@@ -226,8 +224,10 @@ class Trainer:
         scale = state["loss_scale"]["scale"] if self.loss_scale is not None else 1.0
 
         def loss_and_grads(frozen, micro):
-            scaled = lambda p: tuple(
-                a * scale if i == 0 else a for i, a in enumerate(self._loss(p, frozen, micro)))
+            def scaled(p):
+                loss, mutated = self._loss(p, frozen, micro)
+                return loss * scale, mutated
+
             (loss, mutated), grads = jax.value_and_grad(scaled, has_aux=True)(state["params"])
             return loss / scale, grads, self._keep_mutated(frozen, mutated)
 
@@ -291,8 +291,7 @@ class Trainer:
         return new_state, metrics
 
     def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
-        model = nnx.merge(self._graphdef, self.policy.cast_to_compute(state["params"]),
-                          self.policy.narrow_to_compute(state["frozen"]))
+        model = self._merged(state["params"], state["frozen"])
         model.eval()  # dropout off, running statistics used
         return self.loss_fn(model, batch).astype(jnp.float32)
 
@@ -327,9 +326,8 @@ class Trainer:
         def one(rows):
             rows = np.asarray(rows)
             shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
-            sharding = self.plan.sharding(self.plan.act_spec(
-                batch_names(rows.ndim), shape=shape, path="batch"))
-            return jax.make_array_from_process_local_data(sharding, rows, shape)
+            return jax.make_array_from_process_local_data(
+                self.plan.batch_sharding(rows.ndim), rows, shape)
 
         return jax.tree.map(one, local_rows)
 

@@ -299,7 +299,7 @@ def test_partition_spec_and_short_metadata():
                            rngs=nnx.Rngs(0))
         gen = nnx.LinearGeneral(8, (2, 4), kernel_metadata={
             "out_sharding": PartitionSpec(None, ("heads", "kv_heads"))}, rngs=nnx.Rngs(0))
-    assert quant.kernel_names(layer.kernel, 2) == ("embed", None)
+    assert jaxpar.logical_names(layer.kernel, 2) == ("embed", None)
     model = lora.apply(nnx.Sequential(layer, gen), target=".", rank=RANK)
     lp, lg = model.layers
     assert logical_names(lp.lora_a) == ("embed", "lora_rank")

@@ -28,7 +28,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain, current_plan
 
 RESIDUAL = ("batch", "seq", "embed")
-_CARRIED = nnx.Any(nnx.RngCount, nnx.BatchStat, nnx.PathContains("dropout_count"))
+_CARRIED = nnx.Any(nnx.RngCount, nnx.BatchStat)
 """Per-layer state a forward pass advances (dropout counters), kept across the scan."""
 
 
@@ -200,33 +200,29 @@ class Transformer(nnx.Module):
         # Created unsharded even under a mesh: jaxpar places variables by its rules, and
         # outside any plan the model is an ordinary single-device one.
         with nnx.use_eager_sharding(False):
-            self._build(config, rngs, pipeline)
+            self.config = cfg = config
+            if pipeline is not None and pipeline.layers != cfg.n_layers:
+                raise JaxparError(
+                    f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
+                    f"{pipeline.stages} x {pipeline.repeats}"
+                )
+            self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
+                                ("vocab", "embed"))
 
-    def _build(self, config: TransformerConfig, rngs: nnx.Rngs,
-               pipeline: pipeline_lib.Schedule | None) -> None:
-        self.config = cfg = config
-        if pipeline is not None and pipeline.layers != cfg.n_layers:
-            raise JaxparError(
-                f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
-                f"{pipeline.stages} x {pipeline.repeats}"
-            )
-        self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
-                            ("vocab", "embed"))
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.n_layers,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.n_layers,
-                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
-        if pipeline is not None:
-            self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
-            self.pipeline_schedule = pipeline
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
-        if not cfg.tie_embeddings:
-            self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
-                                   cfg.init_std)
+            self.blocks = make_blocks(rngs)
+            if pipeline is not None:
+                self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
+                self.pipeline_schedule = pipeline
+            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+            if not cfg.tie_embeddings:
+                self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
+                                       cfg.init_std)
 
     def embed_tokens(self, tokens: jax.Array, dtype=None) -> jax.Array:
         """Look up token embeddings: ``(batch, seq)`` -> ``(batch, seq, embed)``.

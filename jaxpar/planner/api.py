@@ -78,9 +78,8 @@ def _resolve_factory(config: Config) -> Resolved:
     from jaxpar.assembly import model_factory
 
     build = model_factory(config)
-    annotations = config.plan.annotations
-    spec = from_nnx(lambda: annotate(build(), annotations, warn=False) if annotations
-                    else build(), name=config.model.factory)
+    spec = from_nnx(lambda: annotate(build(), config.plan.annotations, warn=False),
+                    name=config.model.factory)
     return Resolved(_no_stages(spec), config, spec.name, pipeline=False)
 
 

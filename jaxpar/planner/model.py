@@ -132,8 +132,7 @@ def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
     for path, var in jax.tree_util.tree_leaves_with_path(
             params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         shape = tuple(var.get_value().shape)
-        names = tuple(logical_names(var) or ())
-        names = names + (None,) * (len(shape) - len(names))
+        names = logical_names(var, len(shape)) or (None,) * len(shape)
         tensors.append(Tensor(path_str(path), shape, tuple(names)))
     cfg = getattr(abstract, "config", None)
     if isinstance(cfg, TransformerConfig):
