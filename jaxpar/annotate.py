@@ -29,7 +29,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JaxparWarning
 
 _NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 
@@ -38,7 +38,7 @@ AnnotationRules = Sequence[tuple[str, Sequence[Any] | None]]
 deliberately unnamed (replicated)."""
 
 
-class AnnotationWarning(UserWarning):
+class AnnotationWarning(JaxparWarning):
     """An annotation pattern matched nothing, or a large array was left without names."""
 
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxpar import lora as lora_lib
 from jaxpar import pipeline as pipeline_lib
-from jaxpar.config import Config, TrainConfig
+from jaxpar.config import OPTIMIZERS, Config, TrainConfig
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import make_mesh
 from jaxpar.models.transformer import Transformer
@@ -30,6 +30,7 @@ from jaxpar.plan import Plan
 from jaxpar.precision import Policy
 from jaxpar.rules import preset
 from jaxpar.train import LossFn, Trainer, lm_loss
+from jaxpar.validate import check_config
 
 
 def import_object(spec: str, what: str) -> Any:
@@ -57,12 +58,17 @@ def import_object(spec: str, what: str) -> Any:
     return obj
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Optimizer from the config: warmup + cosine schedule, global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    """The learning-rate schedule: linear warmup to ``train.lr``, cosine decay to a tenth."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1),
         decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1,
     )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Optimizer from the config: warmup + cosine schedule, global-norm clipping."""
+    schedule = learning_rate(cfg)
     # Weight decay on matrices only, not on norm scales.
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     makers: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -72,9 +78,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         "lion": lambda: optax.lion(schedule, weight_decay=cfg.weight_decay, mask=decay_mask),
         "adafactor": lambda: optax.adafactor(schedule),
     }
+    assert set(makers) == set(OPTIMIZERS)
     if cfg.optimizer not in makers:
         raise JaxparError(
-            f"unknown train.optimizer {cfg.optimizer!r}; choose from {sorted(makers)}"
+            f"unknown train.optimizer {cfg.optimizer!r}; choose from {list(OPTIMIZERS)}"
         )
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*parts, makers[cfg.optimizer]())
@@ -157,11 +164,14 @@ class Assembly:
 
 def assemble(config: Config, devices: Any = None) -> Assembly:
     """Mesh, plan, sharded model (built-in or ``model.factory``), initial weights
-    (``init_from``), LoRA, trainable filter, optimizer and loss from a config.
+    (``init_from``), LoRA, trainable filter, optimizer and loss from a config, after
+    :func:`jaxpar.validate.check_config` has checked it for the devices given.
 
     With ``config.init_from``, the model's weights come from that run's newest checkpoint
     (see :func:`jaxpar.checkpoint.load_weights`); the optimizer starts fresh.
     """
+    n_devices = len(devices) if devices is not None else jax.device_count()
+    check_config(config, devices=n_devices, processes=jax.process_count())
     mesh = build_mesh(config, devices)
     plan = build_plan(config, mesh)
     schedule = pipeline_schedule(config, mesh)

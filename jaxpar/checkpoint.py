@@ -40,7 +40,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.reshard import flat_paths, flatten_dict, match, nest
 
 STATE, META, CONFIG = "state", "meta", "config"
@@ -52,7 +52,7 @@ class CorruptCheckpoint(JaxparError):
     """A checkpoint folder that exists but cannot be read back."""
 
 
-class CheckpointWarning(UserWarning):
+class CheckpointWarning(JaxparWarning):
     """A checkpoint was skipped (corrupt) and an older one used instead."""
 
 
@@ -184,6 +184,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on disk."""
         self._manager.wait_until_finished()
+
+    def in_flight(self) -> int | None:
+        """The step of the save still being written in the background, or None."""
+        if not self._manager.is_saving_in_progress():
+            return None
+        return self._manager.latest_step()
 
     def close(self) -> None:
         """Finish the save in flight and release the manager."""

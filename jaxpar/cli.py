@@ -7,14 +7,41 @@
 
 ``--devices N`` simulates N CPU devices; it must be handled before JAX starts a backend,
 which is why this module imports the heavy parts of jaxpar only inside the commands.
+Options and ``section.key=value`` overrides may come in any order.
+
+A mistake in the input (a config key, a value out of range, a file, a folder, a device
+count) is reported as one line, ``jaxpar: error: ...``, with exit status 2, before any
+heavy work; an interrupted run exits with 130 (Ctrl-C) or 143 (SIGTERM) after finishing
+its checkpoint. Anything else that goes wrong is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import warnings
 from collections.abc import Sequence
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump) with exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _devices(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: simulate at least 1 device")
+    return n
 
 
 def _simulate_devices(n: int | None) -> None:
@@ -27,18 +54,37 @@ def _simulate_devices(n: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """jaxpar's own warnings as one line, without the source line that raised them."""
+    from jaxpar.errors import JaxparWarning
+
+    if issubclass(category, JaxparWarning):
+        print(f"jaxpar: warning: {message}", file=file or sys.stderr)
+    else:
+        _DEFAULT_SHOW(message, category, filename, lineno, file, line)
+
+
+_DEFAULT_SHOW = warnings.showwarning
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    from jaxpar.config import load_config
+    from jaxpar.run import check_run_folder
+    from jaxpar.validate import check_config
+
+    config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
+    check_config(config)
+    check_run_folder(args.out, resume=args.resume)
     _simulate_devices(args.devices)
     from jaxpar.launch import initialize
 
     initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
 
-    from jaxpar.config import load_config
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.run import summarize, train
 
-    config = load_config(args.config, args.overrides)
+    check_config(config, devices=jax.device_count(), processes=jax.process_count())
     mesh = make_mesh(config.mesh.ici(), dcn=config.mesh.dcn())
     writer = jax.process_index() == 0
     if writer:
@@ -103,7 +149,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     inspect = sub.add_parser("inspect", help="compile one train step and report what XLA did")
     inspect.add_argument("--config", help="YAML config file")
-    inspect.add_argument("--devices", type=int, help="simulate N CPU devices")
+    inspect.add_argument("--devices", type=_devices, help="simulate N CPU devices")
+    inspect.add_argument("--keep-mesh", action="store_true",
+                         help="mesh overrides change only the axes given (default: they "
+                              "replace the config's mesh)")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     inspect.set_defaults(func=_cmd_inspect)
@@ -122,15 +171,18 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every jaxpar command."""
-    parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="jaxpar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a config")
     train.add_argument("--config", help="YAML config file (defaults apply without one)")
-    train.add_argument("--devices", type=int, help="simulate N CPU devices")
+    train.add_argument("--devices", type=_devices, help="simulate N CPU devices")
     train.add_argument("--out", help="run folder for config.yaml, metrics.jsonl, checkpoints/")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in OUT/checkpoints")
+    train.add_argument("--keep-mesh", action="store_true",
+                       help="mesh overrides change only the axes given (default: they "
+                            "replace the config's mesh)")
     train.add_argument("--coordinator", help="multi-process: coordinator host:port")
     train.add_argument("--num-processes", type=int, help="multi-process: process count")
     train.add_argument("--process-id", type=int, help="multi-process: this process's index")
@@ -143,19 +195,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line, options and ``key=value`` overrides in any order."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if not _OVERRIDE.match(a)]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` command; user errors print one line and exit 2."""
-    args = build_parser().parse_args(argv)
-    from jaxpar.errors import JaxparError
+    args = parse_args(argv)
+    from jaxpar.errors import JaxparError, RunStopped
 
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         return args.func(args)
     except JaxparError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as stop:
+        print(f"jaxpar: {stop}", file=sys.stderr)
+        return stop.status
     except KeyboardInterrupt:
         print("jaxpar: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

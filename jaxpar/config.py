@@ -111,7 +111,8 @@ class TrainConfig:
     ``eval_every``: every this many steps (and at the end) log ``eval_loss``, the mean loss
     on the first ``eval_batches`` batches of the held-out data; 0 turns it off.
     ``loss``: ``package.module:function`` with ``fn(model, batch) -> scalar``; empty means
-    next-token cross-entropy (:func:`jaxpar.train.lm_loss`)."""
+    next-token cross-entropy (:func:`jaxpar.train.lm_loss`). ``profile_steps``: ``[a, b]``
+    writes a ``jax.profiler`` trace of steps a..b to ``OUT/profile``."""
 
     steps: int = 200
     global_batch: int = 16
@@ -127,6 +128,11 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
     loss: str = ""
+    profile_steps: tuple = ()
+
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "lion", "adafactor")
+"""Values of ``train.optimizer``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +148,13 @@ class DataConfig:
 class CheckpointConfig:
     """Checkpoints under ``OUT/checkpoints`` (see :mod:`jaxpar.checkpoint`): a save every
     ``every`` steps (0: only at the end) and at the end, the newest ``keep`` kept, written
-    in the background while training goes on when ``async_save``."""
+    in the background while training goes on when ``async_save``. ``on_preempt``: on
+    SIGTERM (a preempted machine), save the current step before exiting."""
 
     every: int = 100
     keep: int = 3
     async_save: bool = True
+    on_preempt: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,22 +259,44 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+MESH_SIZE_KEYS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(MeshConfig) if f.name != "explicit")
+"""The ``mesh`` keys that size axes: overriding any of them replaces all of them."""
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as YAML."""
     if "=" not in text:
         raise JaxparError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or "not valid YAML"
+        raise JaxparError(f"override {text!r}: the value is not valid YAML ({problem})"
+                          ) from None
 
 
-def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Set each ``dotted.key=value`` in the nested dict ``data`` (in place) and return it."""
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str], *,
+                    keep_mesh: bool = False) -> dict[str, Any]:
+    """Set each ``dotted.key=value`` in the nested dict ``data`` (in place) and return it.
+
+    Overriding any mesh axis size (``mesh.data``, ``mesh.fsdp``, ``mesh.dcn_data``, ...)
+    replaces the config's whole mesh: the sizes ``data`` held are dropped first, so axes
+    not overridden take their defaults (``data: -1``, the others 1). ``keep_mesh`` keeps
+    them and changes only the axes given.
+    """
     valid = set(_valid_keys(Config))
     free = _mapping_keys(Config)
-    for text in overrides:
-        key, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    for key, _ in parsed:
         if key not in valid and not any(key.startswith(f + ".") for f in free):
             raise _unknown_key(key)
+    sizes = {f"mesh.{k}" for k in MESH_SIZE_KEYS}
+    if not keep_mesh and any(key in sizes for key, _ in parsed) and isinstance(
+            data.get("mesh"), dict):
+        data["mesh"] = {k: v for k, v in data["mesh"].items() if k not in MESH_SIZE_KEYS}
+    for key, value in parsed:
         *sections, leaf = key.split(".")
         node = data
         for s in sections:
@@ -277,20 +307,49 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides.
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The YAML document in ``path``.
+
+    Raises:
+      JaxparError: when the file is missing, unreadable or not valid YAML (with the
+        ``file:line:column`` of the problem).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise JaxparError(f"{what} {str(p)!r} does not exist")
+    if not p.is_file():
+        raise JaxparError(f"{what} {str(p)!r} is not a file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise JaxparError(f"{what} {str(p)!r} cannot be read: {err}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        raise JaxparError(f"{where}: invalid YAML: {problem}"
+                          + (f" ({context})" if context else "")) from None
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
+                keep_mesh: bool = False) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None) and apply overrides
+    (see :func:`apply_overrides` for the mesh rule and ``keep_mesh``).
+
+    Only types are checked here; ranges and cross-field rules are
+    :func:`jaxpar.validate.check_config`'s.
 
     Raises:
       JaxparError: for an unknown key (with the closest valid key), a value of the wrong
-        type, or a missing file.
+        type, a missing file or invalid YAML (with its line).
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise JaxparError(f"config file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
-            raise JaxparError(f"config file {str(p)!r} must hold a mapping of sections")
-    data = apply_overrides(data, overrides)
+            raise JaxparError(f"config file {str(path)!r} must hold a mapping of sections")
+    data = apply_overrides(data, overrides, keep_mesh=keep_mesh)
     return _build(Config, data)

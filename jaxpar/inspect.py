@@ -400,8 +400,10 @@ def command(args: Any) -> int:
 
     from jaxpar.config import load_config
     from jaxpar.report import render_inspection
+    from jaxpar.validate import check_config
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
+    check_config(config)
     report = inspect_config(config, source=args.config or "defaults")
     if args.json:
         print(json.dumps(report, indent=1))

@@ -48,7 +48,13 @@ def _canonical_sizes(axes: Mapping[str, int], what: str) -> dict[str, int]:
     return out
 
 
-def _resolve_sizes(axes: Mapping[str, int], n_devices: int, what: str) -> list[int]:
+def resolve_sizes(axes: Mapping[str, int], n_devices: int, what: str) -> list[int]:
+    """Sizes of :data:`MESH_AXES` in order, with a ``-1`` filled from ``n_devices``.
+
+    Raises:
+      JaxparError: for an unknown axis, a size below 1 (other than one -1), or devices the
+        fixed axes do not divide.
+    """
     axes = _canonical_sizes(axes, what)
     sizes = [int(axes.get(name, 1)) for name in MESH_AXES]
     free = [i for i, s in enumerate(sizes) if s == -1]
@@ -101,11 +107,11 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    dcn_sizes = _resolve_sizes(dcn or {}, 1, "dcn") if dcn else [1] * len(MESH_AXES)
+    dcn_sizes = resolve_sizes(dcn or {}, 1, "dcn") if dcn else [1] * len(MESH_AXES)
     n_slices = math.prod(dcn_sizes)
     if n % n_slices:
         raise JaxparError(f"{n} devices cannot form {n_slices} slices ({_arith(dcn_sizes)})")
-    ici_sizes = _resolve_sizes(axes, n // n_slices, "axes")
+    ici_sizes = resolve_sizes(axes, n // n_slices, "axes")
     total = math.prod(ici_sizes) * n_slices
     if total != n:
         shape = _arith([i * d for i, d in zip(ici_sizes, dcn_sizes, strict=True)])

@@ -21,6 +21,7 @@ from flax.core import meta as linen_meta
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.annotate import annotate, key_str, logical_names, path_str
+from jaxpar.errors import JaxparWarning
 from jaxpar.plan import Plan
 
 M = TypeVar("M", bound=nnx.Module)
@@ -30,7 +31,7 @@ __all__ = ["ReplicationWarning", "init_sharded", "key_str", "linen_shardings",
            "replication_report", "state_shardings", "variable_spec", "warn_if_replicated"]
 
 
-class ReplicationWarning(UserWarning):
+class ReplicationWarning(JaxparWarning):
     """Most parameter bytes are replicated although the plan could shard them."""
 
 

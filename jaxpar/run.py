@@ -1,15 +1,24 @@
 """The training run behind ``jaxpar train``: config in, a trained model and a run folder out.
 
-The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one JSON
-object per logged step: step, loss, step_time_s, tokens_per_s, grad_norm, eval_loss on
-steps that evaluated the held-out data (``train.eval_every``), and checkpoint_block_s on
-steps that started a save) and ``checkpoints/`` (see
-:mod:`jaxpar.checkpoint`).
+The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` and
+``tensorboard/`` (one row per logged step: step, loss, grad_norm, lr, step_time_s,
+tokens_per_s, eval_loss on steps that evaluated the held-out data (``train.eval_every``),
+checkpoint_block_s on steps that started a save, mfu and memory_bytes where known; see
+:mod:`jaxpar.runlog`), ``checkpoints/`` (see :mod:`jaxpar.checkpoint`) and, with
+``train.profile_steps``, ``profile/`` (a ``jax.profiler`` trace).
+
+A run stops early, and cleanly, in two cases. A non-finite loss or gradient norm (without
+fp16 loss scaling, which skips such steps itself) stops it before that step is saved: the
+newest checkpoint holds finite weights. Ctrl-C or SIGTERM stops it after the step in
+flight (see :mod:`jaxpar.interrupts`): the checkpoint being written is finished, and on
+SIGTERM (preemption) the current step is saved too when ``checkpoint.on_preempt``.
 """
 
 from __future__ import annotations
 
-import json
+import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -21,51 +30,59 @@ from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import TokenLoader, load_tokens, split_holdout
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, RunStopped
+from jaxpar.interrupts import StopOnSignal
+from jaxpar.monitor import ProfileWindow
+from jaxpar.runlog import RunLog
 from jaxpar.train import Trainer
+
+
+class NonFiniteLoss(JaxparError):
+    """The loss or gradient norm became NaN or infinite; the run stopped before saving it."""
 
 
 def make_loader(config: Config, *, holdout: bool = False) -> TokenLoader:
     """This process's loader over the training tokens (or, with ``holdout``, over the
     held-out tail of the corpus: ``data.holdout_fraction``)."""
-    tokens = load_tokens(config.data.source, config.data.max_bytes)
-    train_tokens, held_out = split_holdout(tokens, config.data.holdout_fraction)
+    data, train = config.data, config.train
+    tokens = load_tokens(data.source, data.max_bytes)
+    train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
     chosen = held_out if holdout else train_tokens
-    if len(chosen) < config.train.seq_len + 2:
-        part = "held-out" if holdout else "training"
+    # One batch of distinct windows; a window also needs one spare id to vary its start.
+    need = max(train.global_batch * (train.seq_len + 1), train.seq_len + 2)
+    if len(chosen) < need:
+        formula = (f"train.global_batch * (train.seq_len + 1) = {train.global_batch} * "
+                   f"{train.seq_len + 1} = {need}" if train.global_batch > 1
+                   else f"train.seq_len + 2 = {need}")
+        if holdout:
+            raise JaxparError(
+                f"data.source {data.source!r}: the held-out part has {len(chosen)} tokens "
+                f"(data.holdout_fraction={data.holdout_fraction} of {len(tokens)}), fewer "
+                f"than one batch needs ({formula}) for train.eval_every={train.eval_every}; "
+                f"raise data.holdout_fraction or set train.eval_every=0")
+        cut_short = (tokens.dtype == "uint8" and len(tokens) == data.max_bytes
+                     and Path(data.source).suffix != ".npy")
+        more = (f"more data (data.max_bytes={data.max_bytes} cut it short)" if cut_short
+                else "more data")
         raise JaxparError(
-            f"data.source {config.data.source!r}: the {part} part has {len(chosen)} tokens, "
-            f"fewer than one window of train.seq_len + 1 = {config.train.seq_len + 1}"
-            + ("; raise data.holdout_fraction or turn off train.eval_every" if holdout else ""))
+            f"data.source {data.source!r}: the training part has {len(chosen)} tokens "
+            f"(of {len(tokens)}, after data.holdout_fraction={data.holdout_fraction}), "
+            f"fewer than one batch needs ({formula}); lower train.global_batch or "
+            f"train.seq_len, or use {more}")
     loader = TokenLoader(
-        chosen, config.train.global_batch, config.train.seq_len,
-        seed=config.train.seed + (1 if holdout else 0),
+        chosen, train.global_batch, train.seq_len,
+        seed=train.seed + (1 if holdout else 0),
         process_index=jax.process_index(), process_count=jax.process_count(),
     )
-    loader.vocab_check(config.model.vocab_size)
+    # Every id is checked (streamed in chunks); positions count from the file's start.
+    loader.vocab_check(config.model.vocab_size, source=data.source,
+                       offset=len(train_tokens) if holdout else 0)
     return loader
 
 
 def evaluate(trainer: Trainer, holdout: TokenLoader, batches: int) -> float:
     """Mean loss over the first ``batches`` held-out batches (the same ones every time)."""
     return sum(trainer.eval_loss(holdout.batch(i)) for i in range(batches)) / batches
-
-
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop rows logged after ``last_step`` (steps that will be trained again on resume)."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = []
-    for line in rows:
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                keep.append(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
 
 
 def _changed_keys(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
@@ -90,6 +107,79 @@ def _say(text: str) -> None:
         tqdm.write(f"jaxpar: {text}")
 
 
+def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
+                     config: Config | None = None) -> None:
+    """Refuse a run folder that cannot work before anything is built or written.
+
+    Raises:
+      JaxparError: when ``--resume`` has no folder, the folder is a file or not writable,
+        a fresh run would go into a folder that holds checkpoints (nothing saved is ever
+        overwritten), or ``train.profile_steps`` has no folder to write the trace to.
+    """
+    if out_dir is None:
+        if resume:
+            raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
+        if config is not None and config.train.profile_steps:
+            raise JaxparError(f"train.profile_steps={list(config.train.profile_steps)} needs "
+                              "--out: the trace is written to OUT/profile")
+        return
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise JaxparError(f"--out {str(out)!r} is a file, not a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is not writable")
+    saved = out / "checkpoints"
+    steps = sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) if (
+        saved.is_dir()) else []
+    if steps and not resume:
+        raise JaxparError(f"{saved} already holds checkpoints (steps {steps}); pass --resume "
+                          "to continue that run, or choose another --out")
+
+
+def _non_finite(metrics: dict[str, Any], ckpt: Checkpointer | None) -> NonFiniteLoss:
+    step, loss = metrics["step"], metrics["loss"]
+    what = (f"the loss is {loss}" if not math.isfinite(loss)
+            else f"the gradient norm is {metrics.get('grad_norm')}")
+    message = f"{what} at step {step}; stopped without saving that step"
+    if ckpt is None:
+        return NonFiniteLoss(message + " (run with --out to keep checkpoints)")
+    ckpt.wait()
+    steps = ckpt.steps()
+    if not steps:
+        return NonFiniteLoss(message + f"; no checkpoint was saved before it in "
+                             f"{ckpt.directory}")
+    return NonFiniteLoss(
+        message + f"; the last good checkpoint is step {steps[-1]} ({ckpt.path(steps[-1])}): "
+        "continue from it with --resume after changing what diverged (a lower train.lr, "
+        "more train.warmup_steps, train.grad_clip)")
+
+
+def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
+             config: Config) -> RunStopped:
+    """Finish (and, on SIGTERM with checkpoint.on_preempt, make) the checkpoint; say so."""
+    step = trainer.step_count
+    if ckpt is None:
+        return RunStopped(f"{stop.name}: stopped after step {step} (no --out: nothing saved)",
+                          stop.status)
+    preempted = stop.signal == signal.SIGTERM and config.checkpoint.on_preempt
+    if preempted and ckpt.save(trainer, config=config, force=True) is not None:
+        _say(f"{stop.name}: saving checkpoint {step} (checkpoint.on_preempt)")
+    pending = ckpt.in_flight()
+    if pending is not None:
+        _say(f"{stop.name}: stopped after step {step}; finishing checkpoint {pending} "
+             "before exiting")
+    ckpt.wait()
+    steps = ckpt.steps()
+    saved = (f"the newest checkpoint is step {steps[-1]}; continue with --resume"
+             if steps else "no checkpoint was saved yet")
+    return RunStopped(f"{stop.name}: stopped after step {step}; {saved}", stop.status)
+
+
 def train(config: Config, out_dir: str | Path | None = None, *, progress: bool = True,
           resume: bool = False, max_steps: int | None = None
           ) -> tuple[Trainer, list[dict[str, Any]]]:
@@ -107,80 +197,92 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
         time-boxed session on preemptible machines would.
 
     Raises:
-      JaxparError: for ``resume`` without ``out_dir``, or a fresh run into a folder that
-        already holds checkpoints (nothing saved is ever overwritten).
+      JaxparError: for a bad run folder (see :func:`check_run_folder`) or config, or bad
+        data. :class:`NonFiniteLoss` (a JaxparError) when the loss diverged.
+      RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
-    if resume and out_dir is None:
-        raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
+    check_run_folder(out_dir, resume=resume, config=config)
     loader = make_loader(config)
     holdout = make_loader(config, holdout=True) if config.train.eval_every > 0 else None
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
+    trainer = build_trainer(config)
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
             if out is not None else None)
-    metrics_file = None
+    log: RunLog | None = None
     history: list[dict[str, Any]] = []
-    try:
-        saved = ckpt.steps() if ckpt is not None else []
-        if saved and not resume:
-            raise JaxparError(
-                f"{ckpt.directory} already holds checkpoints (steps {saved}); "
-                "pass --resume to continue that run, or choose another --out")
-        trainer = build_trainer(config)
-        resumed = False
-        if saved:
-            meta = ckpt.restore(trainer)
-            resumed = True
-            step = trainer.step_count
-            data_pos = (meta.get("data") or {}).get("position", step)
-            if data_pos != step:
-                raise JaxparError(f"checkpoint {ckpt.path(step)}: data position {data_pos} "
-                                  f"does not match step {step}")
-            _say(f"resumed from {ckpt.path(step)} (step {step} of {config.train.steps})")
-            changed = _changed_keys(ckpt.config(step), config.to_dict())
-            if changed:
-                _say("config differs from the checkpoint's (the run will not match an "
-                     "uninterrupted one): " + "; ".join(changed))
-        elif resume:
-            _say(f"no checkpoint in {out / 'checkpoints'}; starting from step 0")
-        if out is not None and is_writer:
-            out.mkdir(parents=True, exist_ok=True)
-            config.save(out / "config.yaml")
-            if resumed:
-                _trim_metrics(out / "metrics.jsonl", trainer.step_count)
-            metrics_file = (out / "metrics.jsonl").open("a" if resumed else "w")
-        tokens_per_step = config.train.global_batch * config.train.seq_len
-        end = config.train.steps
-        if max_steps is not None:
-            end = min(end, trainer.step_count + max_steps)
-        bar = tqdm(range(trainer.step_count, end), desc="train",
-                   disable=not (progress and is_writer), dynamic_ncols=True)
-        for step in bar:
-            start = time.perf_counter()
-            metrics = trainer.step(loader.batch(step))
-            elapsed = time.perf_counter() - start
-            metrics.update(step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+    profile = ProfileWindow(config.train.profile_steps or None,
+                            out / "profile" if out is not None else "profile")
+    pending = lambda: (f"checkpoint {ckpt.in_flight()}"
+                       if ckpt is not None and ckpt.in_flight() is not None else None)
+    with StopOnSignal(_say, pending) as stop:
+        try:
+            resumed_at = _restore(trainer, ckpt, config) if resume else None
+            if out is not None and is_writer:
+                out.mkdir(parents=True, exist_ok=True)
+                config.save(out / "config.yaml")
+            log = RunLog(config, out, resumed_at=resumed_at, writer=is_writer)
+            guard = trainer.loss_scale is None  # fp16 loss scaling skips such steps itself
+            end = config.train.steps
+            if max_steps is not None:
+                end = min(end, trainer.step_count + max_steps)
+            bar = tqdm(range(trainer.step_count, end), desc="train",
+                       disable=not (progress and is_writer), dynamic_ncols=True)
+            for step in bar:
+                profile.before_step(step)
+                start = time.perf_counter()
+                metrics = trainer.step(loader.batch(step))
+                profile.after_step(step, trainer.state)
+                metrics = log.enrich(metrics, time.perf_counter() - start)
+                if guard and not (math.isfinite(metrics["loss"])
+                                  and math.isfinite(metrics.get("grad_norm", 0.0))):
+                    raise _non_finite(metrics, ckpt)
+                if ckpt is not None:
+                    blocked = ckpt.save(trainer, config=config,
+                                        force=trainer.step_count == end)
+                    if blocked is not None:
+                        metrics["checkpoint_block_s"] = blocked
+                if holdout is not None and (trainer.step_count % config.train.eval_every == 0
+                                            or trainer.step_count == end):
+                    metrics["eval_loss"] = evaluate(trainer, holdout,
+                                                    config.train.eval_batches)
+                history.append(metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}",
+                                tok_s=f"{metrics['tokens_per_s']:,.0f}",
+                                step_s=f"{metrics['step_time_s']:.3f}")
+                if log.due(step, step == end - 1, metrics):
+                    log.write(metrics)
+                if stop.agreed(jax.process_count()) and trainer.step_count < end:
+                    raise _stopped(stop, trainer, ckpt, config)
+        finally:
+            profile.close()
+            if log is not None:
+                log.close()
             if ckpt is not None:
-                blocked = ckpt.save(trainer, config=config,
-                                    force=trainer.step_count == end)
-                if blocked is not None:
-                    metrics["checkpoint_block_s"] = blocked
-            if holdout is not None and (trainer.step_count % config.train.eval_every == 0
-                                        or trainer.step_count == end):
-                metrics["eval_loss"] = evaluate(trainer, holdout, config.train.eval_batches)
-            history.append(metrics)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                            tok_s=f"{metrics['tokens_per_s']:,.0f}", step_s=f"{elapsed:.3f}")
-            if metrics_file is not None and (step % config.train.log_every == 0
-                                             or step == end - 1 or "eval_loss" in metrics):
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-        if ckpt is not None:
-            ckpt.close()
+                ckpt.close()
     return trainer, history
+
+
+def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config) -> int | None:
+    """Load the newest checkpoint into ``trainer``; returns its step (None when there is
+    none, and the run starts from step 0)."""
+    saved = ckpt.steps() if ckpt is not None else []
+    if not saved:
+        _say(f"no checkpoint in {ckpt.directory if ckpt else '(no --out)'}; starting from "
+             "step 0")
+        return None
+    meta = ckpt.restore(trainer)
+    step = trainer.step_count
+    data_pos = (meta.get("data") or {}).get("position", step)
+    if data_pos != step:
+        raise JaxparError(f"checkpoint {ckpt.path(step)}: data position {data_pos} "
+                          f"does not match step {step}")
+    _say(f"resumed from {ckpt.path(step)} (step {step} of {config.train.steps})")
+    changed = _changed_keys(ckpt.config(step), config.to_dict())
+    if changed:
+        _say("config differs from the checkpoint's (the run will not match an "
+             "uninterrupted one): " + "; ".join(changed))
+    return step
 
 
 def summarize(history: list[dict[str, Any]], skip_first: int = 1) -> dict[str, float]:

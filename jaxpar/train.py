@@ -325,7 +325,16 @@ class Trainer:
         leaf of the pytree ``local_rows`` becomes one global array."""
         def one(rows):
             rows = np.asarray(rows)
+            if rows.ndim == 0:
+                raise JaxparError("every leaf of a batch needs a leading batch dimension, "
+                                  "got a scalar")
             shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
+            dp = self.plan.data_parallel_size
+            if shape[0] % dp:
+                raise JaxparError(
+                    f"a global batch of {shape[0]} rows does not split over the "
+                    f"data-parallel size {dp} (mesh axes "
+                    f"{', '.join(self.plan.data_parallel_axes)}): use a multiple of {dp}")
             return jax.make_array_from_process_local_data(
                 self.plan.batch_sharding(rows.ndim), rows, shape)
 

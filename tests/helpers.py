@@ -12,6 +12,8 @@ from jaxpar.models import Transformer, TransformerConfig
 
 SMALL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                           d_ff=128, max_seq_len=64)
+MESH_2X2X2 = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+"""Overrides for the 3D mesh (data x fsdp x tensor) most run tests use on 8 devices."""
 SEQ = 32
 BATCH = 16
 

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume after SIGKILL (mid-run and mid-save), restoring under other
+"""Checkpoints: exact resume after SIGKILL (mid-run and mid-save) and after Ctrl-C (once or
+twice during a save) or SIGTERM (preemption), restoring under other
 plans (device count, mesh, ZeRO stage, pipeline layout), corrupt and mismatched
 checkpoints, and init_from for a LoRA fine-tune."""
 
@@ -6,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,11 +33,11 @@ from jaxpar.models import Transformer
 from jaxpar.pipeline import Schedule
 from jaxpar.run import train
 from jaxpar.train import Trainer
-from tests.helpers import SMALL, loader, small_config
+from tests.helpers import MESH_2X2X2, SMALL, loader, small_config
 
-# The run the CLI tests use: the small model on the tiny config's 2 x 2 x 2 mesh.
+# The run the CLI tests use: the small model on a 2 x 2 x 2 mesh.
 MODEL = [f"model.{k}={v}" for k, v in vars(SMALL).items()]
-RUN = [*MODEL, "train.seq_len=32", "train.global_batch=16", "train.steps=40",
+RUN = [*MODEL, *MESH_2X2X2, "train.seq_len=32", "train.global_batch=16", "train.steps=40",
        "train.warmup_steps=2", "data.max_bytes=200000", "checkpoint.every=4",
        "checkpoint.keep=3"]
 
@@ -124,6 +126,84 @@ def _steps(path: Path) -> set[int]:
         with contextlib.suppress(json.JSONDecodeError, KeyError):
             steps.add(json.loads(line)["step"])
     return steps
+
+
+# --- Ctrl-C and SIGTERM: stop cleanly, lose nothing requested ---------------------------
+_STOPPED = re.compile(r"stopped after step (\d+); the newest checkpoint is step (\d+)")
+
+
+def _signal_when(proc: subprocess.Popen, ready, sig: int, *, then: str | None = None
+                 ) -> tuple:
+    """Send ``sig`` once ``ready()`` (and again once stdout shows ``then``); returns the
+    run's (status, stdout, stderr)."""
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert proc.poll() is None, f"run ended before the signal: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting to signal"
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    seen = ""
+    if then is not None:
+        while then not in seen:
+            line = proc.stdout.readline()
+            assert line, f"run ended before {then!r}: {seen}"
+            seen += line
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, seen + out, err
+
+
+def _resume_and_check(out: Path, stopped_at: int, reference) -> None:
+    """Finish the run; every step logged once and losses equal the uninterrupted run's."""
+    proc = _start(out, "--resume")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    got = losses(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, 41))
+    assert got == reference[1], "losses after resume differ from the uninterrupted run"
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_during_a_save_finishes_it(tmp_path, reference, presses):
+    """Ctrl-C (once, or twice: the second while the run waits) while checkpoint 4 is being
+    written: the run says so, finishes that checkpoint and exits 130 without a traceback;
+    --resume loses no step that had a checkpoint requested."""
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    in_flight = lambda: ckpts.is_dir() and any(".orbax-checkpoint-tmp" in p.name
+                                               for p in ckpts.iterdir())
+    proc = _start(out, env={SAVE_DELAY_ENV: "3"})
+    status, stdout, stderr = _signal_when(
+        proc, in_flight, signal.SIGINT, then="before exiting" if presses == 2 else None)
+    assert status == 130, stderr
+    assert "Traceback" not in stderr + stdout
+    assert "Ctrl-C received: stopping after the current step" in stdout
+    assert re.search(r"finishing checkpoint \d+ before exiting", stdout), stdout
+    if presses == 2:
+        assert re.search(r"still finishing checkpoint \d+; .* waiting for it", stdout), stdout
+    stopped, newest = map(int, _STOPPED.search(stderr.strip().splitlines()[-1]).groups())
+    with Checkpointer(ckpts) as ckpt:
+        assert ckpt.steps()[-1] == newest
+    # The newest checkpoint is the last one the run asked for (every 4 steps).
+    assert newest == stopped // 4 * 4 and newest >= 4
+    assert not [p for p in ckpts.iterdir() if "tmp" in p.name], "a half checkpoint was left"
+    _resume_and_check(out, stopped, reference)
+
+
+def test_sigterm_saves_the_current_step(tmp_path, reference):
+    """SIGTERM (a preempted machine) mid-run: checkpoint.on_preempt saves the step the run
+    stopped at, so --resume loses nothing."""
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+    proc = _start(out)
+    status, stdout, stderr = _signal_when(
+        proc, lambda: metrics.exists() and 6 in _steps(metrics), signal.SIGTERM)
+    assert status == 143, stderr
+    assert "Traceback" not in stderr + stdout
+    stopped, newest = map(int, _STOPPED.search(stderr.strip().splitlines()[-1]).groups())
+    assert newest == stopped and stopped < 40
+    assert f"SIGTERM: saving checkpoint {stopped} (checkpoint.on_preempt)" in stdout
+    _resume_and_check(out, stopped, reference)
 
 
 # --- restoring under other plans ----------------------------------------------------------

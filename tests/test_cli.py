@@ -20,7 +20,7 @@ def test_train_writes_metrics_and_config(tmp_path):
     proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "8", "--out",
                       str(out), *SMALL_RUN)
     assert proc.returncode == 0, proc.stderr
-    assert "mesh data=2 x fsdp=2 x tensor=2 (8 devices)" in proc.stdout
+    assert "mesh fsdp=8 (8 devices)" in proc.stdout  # tiny.yaml's fsdp: -1 fills the mesh
     assert "tokens/s" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -38,7 +38,8 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     assert "unknown config key 'train.stepz'; did you mean 'train.steps'?" in proc.stderr
     assert "Traceback" not in proc.stderr
 
-    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4", *SMALL_RUN)
+    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4",
+                      "mesh.data=8", *SMALL_RUN)
     assert proc.returncode == 2
     assert "needs 8 devices, but 4 are available" in proc.stderr
 

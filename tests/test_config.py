@@ -8,7 +8,10 @@ def test_tiny_config_and_overrides():
                                              "mesh.tensor=4"])
     assert cfg.train.lr == pytest.approx(1e-3)
     assert cfg.model.tie_embeddings is True
-    assert cfg.mesh.tensor == 4 and cfg.mesh.data == 2
+    # Overriding a mesh axis replaces the file's mesh: the other axes take the defaults.
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (-1, 1, 4)
+    kept = load_config("configs/tiny.yaml", ["mesh.tensor=4", "mesh.fsdp=-1"], keep_mesh=True)
+    assert (kept.mesh.data, kept.mesh.fsdp, kept.mesh.tensor) == (1, -1, 4)
     assert cfg.model.head_dim == cfg.model.d_model // cfg.model.n_heads
 
 

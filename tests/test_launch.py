@@ -16,9 +16,9 @@ from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer, flat_paths
 from jaxpar.launch import command, initialize, run_all
 from jaxpar.run import train
-from tests.helpers import SMALL
+from tests.helpers import MESH_2X2X2, SMALL
 
-RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), "train.seq_len=32",
+RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), *MESH_2X2X2, "train.seq_len=32",
        "train.global_batch=16", "train.steps=6", "train.warmup_steps=2",
        "data.max_bytes=200000", "checkpoint.every=3"]
 

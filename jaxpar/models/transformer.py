@@ -50,6 +50,16 @@ class TransformerConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise JaxparError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise JaxparError(f"model.{name}={getattr(self, name)}: must be positive")
+        if self.head_dim < 0:
+            raise JaxparError(f"model.head_dim={self.head_dim}: must be positive (or 0: "
+                              "d_model // n_heads)")
         if self.head_dim == 0:
             if self.d_model % self.n_heads:
                 raise JaxparError(
