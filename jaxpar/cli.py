@@ -74,7 +74,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
     check_config(config)
-    check_run_folder(args.out, resume=args.resume)
+    check_run_folder(args.out, resume=args.resume, config=config)
     _simulate_devices(args.devices)
     from jaxpar.launch import initialize
 

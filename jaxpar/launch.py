@@ -164,6 +164,20 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
     return status
 
 
+def _check_child(cmd: list[str], processes: int) -> None:
+    """Refuse a ``train`` command whose arguments or config are wrong before starting any
+    process (one error line, not one per process)."""
+    from jaxpar.cli import parse_args
+    from jaxpar.config import load_config
+    from jaxpar.run import check_run_folder
+    from jaxpar.validate import check_config
+
+    child = parse_args(cmd)  # a bad argument exits 2 with one line, as jaxpar train would
+    config = load_config(child.config, child.overrides, keep_mesh=child.keep_mesh)
+    check_run_folder(child.out, resume=child.resume, config=config)
+    check_config(config, devices=child.devices * processes, processes=processes)
+
+
 def command(args: argparse.Namespace) -> int:
     """``jaxpar launch``: run ``jaxpar train ...`` as ``--processes`` local processes."""
     cmd = list(args.command_args)
@@ -179,6 +193,7 @@ def command(args: argparse.Namespace) -> int:
         raise JaxparError("--processes and --devices-per-process must be at least 1")
     if not any(a == "--devices" or a.startswith("--devices=") for a in cmd):
         cmd[1:1] = ["--devices", str(args.devices_per_process)]
+    _check_child(cmd, args.processes)
     port = args.port or free_port()
     n = args.processes
     envs = [dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",

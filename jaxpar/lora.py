@@ -79,13 +79,14 @@ class LoraConfig:
 
 def _check_args(target: str, rank: int, dropout: float, prefix: str = "") -> re.Pattern:
     if rank <= 0:
-        raise JaxparError(f"{prefix}rank must be positive, got {rank}")
+        raise JaxparError(f"{prefix}rank={rank}: must be at least 1")
     if not 0.0 <= dropout < 1.0:
-        raise JaxparError(f"{prefix}dropout must be in [0, 1), got {dropout}")
+        raise JaxparError(f"{prefix}dropout={dropout}: must be a fraction in [0, 1)")
     try:
         return re.compile(target)
     except re.error as e:
-        raise JaxparError(f"{prefix}target {target!r} is not a valid regex: {e}") from None
+        raise JaxparError(f"{prefix}target={target!r}: is not a valid regular expression "
+                          f"({e})") from None
 
 
 class LoraDropoutKey(nnx.Variable):

@@ -117,7 +117,7 @@ def _check_choices(config: Config) -> None:
     if t.profile_steps:
         from jaxpar.monitor import check_profile_steps
 
-        check_profile_steps(t.profile_steps)
+        check_profile_steps(list(t.profile_steps))
 
 
 def _regex(key: str, pattern: str) -> None:
@@ -200,7 +200,10 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
                 "kv_heads": ("model.n_kv_heads", model.n_kv_heads),
                 "embed": ("model.d_model", model.d_model)}
         for name, (key, size) in dims.items():
-            param_rules.resolve((name,), mesh, shape=(size,), path=key)
+            try:
+                param_rules.resolve((name,), mesh, shape=(size,), path=key)
+            except JaxparError as err:
+                raise JaxparError(f"plan.strict=true: {err}") from None
 
 
 def check_config(config: Config, *, devices: int | None = None, processes: int = 1) -> None:

@@ -48,6 +48,10 @@ def command(args: argparse.Namespace) -> int:
     bad = [o for o in overrides if not o.startswith("model.")]
     if bad:
         raise JaxparError(f"jaxpar plan takes model.<field>=value overrides only, got {bad[0]!r}")
+    for flag, value in (("--global-batch", args.global_batch), ("--seq", args.seq),
+                        ("--top", args.top), ("--slices", args.slices)):
+        if value < 1:
+            raise JaxparError(f"{flag} {value}: must be at least 1")
     resolved = resolve_model(args.model, overrides)
     machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
     plans = plan(resolved.config, chips=machine, global_batch=args.global_batch, seq=args.seq,
@@ -61,9 +65,14 @@ def command(args: argparse.Namespace) -> int:
                   f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
                   f"f32 master + Adam")
         print(table(rows, header))
+    if not plans or not plans[0].fits:
+        best = (f"the smallest needs {_gib(rows[0]['memory_per_device_bytes'])} of "
+                f"{_gib(rows[0]['hbm_bytes'])} GiB per device" if rows else "no layout works")
+        raise JaxparError(
+            f"no plan fits {resolved.name} on {machine.describe()} at global batch "
+            f"{args.global_batch} x seq {args.seq} ({best}); use more chips, a smaller "
+            "--global-batch or --seq" + ("; nothing was written" if args.write else ""))
     if args.write:
-        if not plans:
-            raise JaxparError("no plan to write")
         config = run_config(plans[0], resolved.config, None, args.global_batch, args.seq)
         config.save(Path(args.write))
         if not args.json:
