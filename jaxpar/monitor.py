@@ -52,7 +52,7 @@ class TensorBoardLog:
 
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._writer = EventFileWriter(str(self.directory))
+        self._writer = EventFileWriter(str(self.directory), flush_secs=10)
         self._closed = False
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:

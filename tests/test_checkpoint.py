@@ -284,6 +284,28 @@ def test_corrupt_checkpoint_falls_back_and_shape_mismatch_is_listed(fsdp8_checkp
     assert "opt_state/1/0/mu/blocks/mlp/w_down/kernel" in msg
 
 
+def test_cli_reports_a_corrupt_checkpoint_in_one_line(reference, tmp_path, capsys):
+    """`jaxpar train --resume` over a truncated newest checkpoint: one warning line naming it
+    (not jaxpar's source line), then the run resumes from the one before."""
+    from jaxpar.cli import main
+
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    state = out / "checkpoints" / "40" / "state"
+    biggest = max((p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"),
+                  key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 2)
+    status = main(["train", "--config", "configs/tiny.yaml", "--out", str(out), "--resume",
+                   *RUN, "train.steps=40"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    warned = [line for line in err.splitlines() if "corrupt or truncated" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"jaxpar: warning: checkpoint {out / 'checkpoints' / '40'} is corrupt or truncated")
+    assert "warnings.warn" not in err and "Traceback" not in err
+    assert losses(out / "metrics.jsonl") == reference[1]  # steps 37-40 trained again, equal
+
+
 # --- init_from: a LoRA fine-tune of a trained run -----------------------------------------
 def test_init_from_finetunes_lora_only(reference, tmp_path):
     base_dir, _, base_trainer = reference

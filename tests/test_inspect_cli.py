@@ -12,10 +12,11 @@ import jaxpar
 from jaxpar import cli
 from jaxpar.inspect import compare_collectives
 from jaxpar.report import fmt_bytes, table
+from tests.helpers import MESH_2X2X2
 
-# The tiny config on its own fsdp_tp mesh (data=2 x fsdp=2 x tensor=2), with a short batch
+# The tiny config on a 3D fsdp_tp mesh (data=2 x fsdp=2 x tensor=2), with a short batch
 # so the compile stays quick.
-FAST = ["train.global_batch=16", "train.seq_len=32"]
+FAST = [*MESH_2X2X2, "train.global_batch=16", "train.seq_len=32"]
 
 
 @pytest.fixture(scope="module")
