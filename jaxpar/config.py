@@ -141,7 +141,14 @@ class DataConfig:
 
     source: str = "stdlib"
     max_bytes: int = 8_000_000
+    """Bytes read from ``stdlib`` or untokenized text (not from tokenized data, .npy or .bin)."""
     holdout_fraction: float = 0.05
+    tokenizer: str = ""
+    """A ``tokenizer.json`` file or a folder holding one: ``source`` (a text file, folder or
+    ``.jsonl``) is tokenized with it once into a cache beside the data (see
+    :mod:`jaxpar.tokenize`). Empty: text is read as bytes."""
+    field: str = "text"
+    """The key of each ``.jsonl`` record that holds its text (with ``tokenizer``)."""
 
 
 @dataclasses.dataclass(frozen=True)

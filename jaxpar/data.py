@@ -2,8 +2,9 @@
 
 The built-in corpus is the Python standard library's own source, read as bytes (vocab
 256): it exists on every machine that runs jaxpar. User data may be a text file or a
-folder of them (bytes again), a ``.npy`` array of token ids, or a ``.bin`` file of
-``uint16`` token ids (the nanoGPT convention).
+folder of them (bytes again, or tokenized by a Hugging Face tokenizer: see
+:mod:`jaxpar.tokenize`), a ``.npy`` array of token ids, or a ``.bin`` file of ``uint16``
+token ids (the nanoGPT convention).
 
 Batch ``k`` depends only on ``(seed, k)``, so a loader resumes exactly from a step
 number, and each process of a multi-host run reads only its own rows of the global batch.
@@ -127,11 +128,14 @@ def _load_bin(source: str, path: Path) -> np.ndarray:
         raise _cannot_read(source, path, exc) from None
 
 
-def load_tokens(source: str, max_bytes: int = 8_000_000) -> np.ndarray:
+def load_tokens(source: str, max_bytes: int = 8_000_000, *, tokenizer: str = "",
+                field: str = "text") -> np.ndarray:
     """Token ids from ``"stdlib"``, a text file, a folder of text files, a .npy or a .bin file.
 
     Text (a file, or every file of a folder, in sorted order) is read as bytes, at most
-    ``max_bytes`` of them; .npy and .bin files are memory-mapped whole.
+    ``max_bytes`` of them; .npy and .bin files are memory-mapped whole. With a
+    ``tokenizer``, text and ``.jsonl`` (the string at ``field``) are tokenized whole
+    instead, through a cache (:func:`jaxpar.tokenize.tokenized`).
 
     Raises:
       JaxparError: naming the file, for a missing, unreadable, empty or malformed source.
@@ -145,7 +149,11 @@ def load_tokens(source: str, max_bytes: int = 8_000_000) -> np.ndarray:
         raise _cannot_read(source, path, exc) from None
     if not exists:
         raise JaxparError(f"data.source {source!r} is neither 'stdlib' nor an existing path")
-    if is_dir:
+    if tokenizer:
+        from jaxpar.tokenize import tokenized
+
+        tokens = tokenized(source, tokenizer, field=field)
+    elif is_dir:
         chunks, total = [], 0
         for file in _folder_files(source, path):
             if total >= max_bytes:

@@ -45,7 +45,17 @@ def make_loader(config: Config, *, holdout: bool = False) -> TokenLoader:
     """This process's loader over the training tokens (or, with ``holdout``, over the
     held-out tail of the corpus: ``data.holdout_fraction``)."""
     data, train = config.data, config.train
-    tokens = load_tokens(data.source, data.max_bytes)
+    if data.tokenizer:
+        from jaxpar.tokenize import load_tokenizer, vocab_size
+
+        vocab = vocab_size(load_tokenizer(data.tokenizer))
+        if vocab > config.model.vocab_size:
+            raise JaxparError(
+                f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} tokens but "
+                f"model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
+                "or more")
+    tokens = load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
+                         field=data.field)
     train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
     chosen = held_out if holdout else train_tokens
     # One batch of distinct windows; a window also needs one spare id to vary its start.

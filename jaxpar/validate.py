@@ -143,9 +143,24 @@ def _check_relations(config: Config) -> None:
     if d.source != "stdlib" and not Path(d.source).exists():
         raise _bad("data.source", d.source, "is neither 'stdlib' nor an existing file or "
                    "folder")
+    if d.tokenizer:
+        _check_tokenizer(d.tokenizer, d.source, d.field)
     if config.init_from and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder)")
+
+
+def _check_tokenizer(tokenizer: str, source: str, field: str) -> None:
+    """With ``data.tokenizer``: a tokenizer that exists, over text (not ids or the corpus)."""
+    if source == "stdlib" or Path(source).suffix in (".npy", ".bin"):
+        raise _bad("data.source", source, "with data.tokenizer set, must be a text file, a "
+                   "folder or a .jsonl file (not 'stdlib', a .npy or a .bin of token ids)")
+    path = Path(tokenizer).expanduser()
+    if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
+        raise _bad("data.tokenizer", tokenizer, "is neither a tokenizer.json file nor a "
+                   "folder holding one")
+    if not field:
+        raise _bad("data.field", field, "must name the key of each .jsonl record's text")
 
 
 def _check_layout(config: Config, devices: int, processes: int) -> None:
