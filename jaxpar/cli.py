@@ -23,6 +23,10 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxpar.config import Config
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
 
@@ -67,7 +71,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 _DEFAULT_SHOW = warnings.showwarning
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def checked_train_config(args: argparse.Namespace) -> Config:
+    """The config of a parsed ``jaxpar train`` command, checked with its run folder before
+    JAX starts (the checks that need the device count come once it is known)."""
     from jaxpar.config import load_config
     from jaxpar.run import check_run_folder
     from jaxpar.validate import check_config
@@ -75,6 +81,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
     check_config(config)
     check_run_folder(args.out, resume=args.resume, config=config)
+    return config
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from jaxpar.validate import check_config
+
+    config = checked_train_config(args)
     _simulate_devices(args.devices)
     from jaxpar.launch import initialize
 

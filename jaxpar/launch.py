@@ -167,14 +167,11 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
 def _check_child(cmd: list[str], processes: int) -> None:
     """Refuse a ``train`` command whose arguments or config are wrong before starting any
     process (one error line, not one per process)."""
-    from jaxpar.cli import parse_args
-    from jaxpar.config import load_config
-    from jaxpar.run import check_run_folder
+    from jaxpar.cli import checked_train_config, parse_args
     from jaxpar.validate import check_config
 
     child = parse_args(cmd)  # a bad argument exits 2 with one line, as jaxpar train would
-    config = load_config(child.config, child.overrides, keep_mesh=child.keep_mesh)
-    check_run_folder(child.out, resume=child.resume, config=config)
+    config = checked_train_config(child)
     check_config(config, devices=child.devices * processes, processes=processes)
 
 

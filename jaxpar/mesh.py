@@ -78,6 +78,30 @@ def _arith(sizes: Sequence[int]) -> str:
     return " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1)
 
 
+def mesh_sizes(axes: Mapping[str, int], dcn: Mapping[str, int] | None, n_devices: int
+               ) -> tuple[list[int], list[int]]:
+    """The (ICI, DCN) sizes of :data:`MESH_AXES` that :func:`make_mesh` builds over
+    ``n_devices`` devices, ``-1`` filled in; needs no devices, so configs can be checked
+    before JAX starts.
+
+    Raises:
+      JaxparError: for an unknown axis, a size below 1 (other than one -1), devices that
+        do not split into the slices, or axis sizes whose product is not ``n_devices``.
+    """
+    dcn_sizes = resolve_sizes(dcn or {}, 1, "dcn") if dcn else [1] * len(MESH_AXES)
+    n_slices = math.prod(dcn_sizes)
+    if n_devices % n_slices:
+        raise JaxparError(
+            f"{n_devices} devices cannot form {n_slices} slices ({_arith(dcn_sizes)})")
+    ici_sizes = resolve_sizes(axes, n_devices // n_slices, "axes")
+    total = math.prod(ici_sizes) * n_slices
+    if total != n_devices:
+        shape = _arith([i * d for i, d in zip(ici_sizes, dcn_sizes, strict=True)])
+        raise JaxparError(f"mesh {shape} needs {total} devices, but {n_devices} are "
+                          "available: set one axis to -1, e.g. mesh.data=-1")
+    return ici_sizes, dcn_sizes
+
+
 def make_mesh(
     axes: Mapping[str, int],
     *,
@@ -106,17 +130,8 @@ def make_mesh(
         not equal the number of devices (the message shows the arithmetic).
     """
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    dcn_sizes = resolve_sizes(dcn or {}, 1, "dcn") if dcn else [1] * len(MESH_AXES)
-    n_slices = math.prod(dcn_sizes)
-    if n % n_slices:
-        raise JaxparError(f"{n} devices cannot form {n_slices} slices ({_arith(dcn_sizes)})")
-    ici_sizes = resolve_sizes(axes, n // n_slices, "axes")
-    total = math.prod(ici_sizes) * n_slices
-    if total != n:
-        shape = _arith([i * d for i, d in zip(ici_sizes, dcn_sizes, strict=True)])
-        raise JaxparError(f"mesh {shape} needs {total} devices, but {n} are available")
-    if n_slices == 1:
+    ici_sizes, dcn_sizes = mesh_sizes(axes, dcn, len(devices))
+    if math.prod(dcn_sizes) == 1:
         grid = mesh_utils.create_device_mesh(ici_sizes, devices, allow_split_physical_axes=True)
     elif all(hasattr(d, "slice_index") for d in devices):
         grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices)

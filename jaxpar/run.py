@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxpar.assembly import build_trainer
@@ -41,10 +42,10 @@ class NonFiniteLoss(JaxparError):
     """The loss or gradient norm became NaN or infinite; the run stopped before saving it."""
 
 
-def make_loader(config: Config, *, holdout: bool = False) -> TokenLoader:
-    """This process's loader over the training tokens (or, with ``holdout``, over the
-    held-out tail of the corpus: ``data.holdout_fraction``)."""
-    data, train = config.data, config.train
+def load_corpus(config: Config) -> np.ndarray:
+    """The whole corpus of ``config.data`` as token ids (a tokenizer's vocabulary is checked
+    against ``model.vocab_size`` before anything is tokenized)."""
+    data = config.data
     if data.tokenizer:
         from jaxpar.tokenize import load_tokenizer, vocab_size
 
@@ -54,8 +55,17 @@ def make_loader(config: Config, *, holdout: bool = False) -> TokenLoader:
                 f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} tokens but "
                 f"model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
                 "or more")
-    tokens = load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
-                         field=data.field)
+    return load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
+                       field=data.field)
+
+
+def make_loader(config: Config, *, holdout: bool = False,
+                tokens: np.ndarray | None = None) -> TokenLoader:
+    """This process's loader over the training tokens (or, with ``holdout``, over the
+    held-out tail of the corpus: ``data.holdout_fraction``). ``tokens``: the corpus, when
+    :func:`load_corpus` has read it already."""
+    data, train = config.data, config.train
+    tokens = load_corpus(config) if tokens is None else tokens
     train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
     chosen = held_out if holdout else train_tokens
     # One batch of distinct windows; a window also needs one spare id to vary its start.
@@ -212,8 +222,10 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
-    loader = make_loader(config)
-    holdout = make_loader(config, holdout=True) if config.train.eval_every > 0 else None
+    tokens = load_corpus(config)
+    loader = make_loader(config, tokens=tokens)
+    holdout = (make_loader(config, holdout=True, tokens=tokens)
+               if config.train.eval_every > 0 else None)
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = build_trainer(config)

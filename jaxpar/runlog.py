@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import jax
+import numpy as np
 
 from jaxpar import monitor
 from jaxpar.assembly import learning_rate
@@ -55,12 +56,14 @@ class RunLog:
     def __init__(self, config: Config, out: Path | None, *, resumed_at: int | None = None,
                  writer: bool = True):
         self.config = config
-        self._schedule = learning_rate(config.train)
+        # The learning rate of every step, computed once on the host CPU (the step just
+        # taken used the rate of the step count before it).
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
         self._flops = monitor.model_flops_per_step(config.model, config.train.global_batch,
                                                    config.train.seq_len)
         self._peak = monitor.peak_flops_per_device()
         self._devices = jax.device_count()
-        self._cpu = jax.local_devices(backend="cpu")[0]
         self._file: IO[str] | None = None
         self._tensorboard: monitor.TensorBoardLog | None = None
         if out is not None and writer:
@@ -75,9 +78,7 @@ class RunLog:
         train = self.config.train
         metrics.update(step_time_s=step_time_s,
                        tokens_per_s=train.global_batch * train.seq_len / step_time_s)
-        # The step just taken used the learning rate of the step count before it.
-        with jax.default_device(self._cpu):  # a host computation, never a device sync
-            metrics["lr"] = float(self._schedule(metrics["step"] - 1))
+        metrics["lr"] = float(self._lr[metrics["step"] - 1])
         if self._flops is not None:
             mfu = monitor.mfu(self._flops, step_time_s, self._devices, self._peak)
             if mfu is not None:

@@ -25,7 +25,7 @@ from jaxpar import remat
 from jaxpar.annotate import pairs
 from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import MESH_AXES, resolve_sizes
+from jaxpar.mesh import MESH_AXES, mesh_sizes
 from jaxpar.pipeline import Schedule
 from jaxpar.precision import Policy
 from jaxpar.rules import PRESETS, preset
@@ -168,17 +168,8 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
     m, t, p = config.mesh, config.train, config.plan
     if devices < 1:
         raise JaxparError(f"{devices} devices: a run needs at least one")
-    dcn = {a: getattr(m, f"dcn_{a}") for a in MESH_AXES}
-    slices = math.prod(dcn.values())
-    if devices % slices:
-        raise JaxparError(f"mesh.dcn_* ask for {slices} slices, but {devices} devices do "
-                          "not divide into them")
-    ici = resolve_sizes(m.ici(), devices // slices, "mesh")
-    sizes = {a: i * dcn[a] for a, i in zip(MESH_AXES, ici, strict=True)}
-    if math.prod(sizes.values()) != devices:
-        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
-        raise JaxparError(f"mesh {shape} needs {math.prod(sizes.values())} devices, but "
-                          f"{devices} are available: set one axis to -1, e.g. mesh.data=-1")
+    ici, dcn = mesh_sizes(m.ici(), m.dcn(), devices)
+    sizes = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
     if t.global_batch % processes:
         raise JaxparError(f"train.global_batch={t.global_batch} is not divisible by the "
                           f"{processes} processes of this run")

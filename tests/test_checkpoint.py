@@ -70,12 +70,17 @@ def _start(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})})
 
 
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+def _wait_until(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+    """Poll ``ready()`` while the run is alive (failing if it ends or times out first)."""
     deadline = time.monotonic() + timeout
     while not ready():
-        assert proc.poll() is None, f"run ended before the kill: {proc.communicate()}"
-        assert time.monotonic() < deadline, "timed out waiting to kill"
+        assert proc.poll() is None, f"run ended before the signal: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting to signal"
         time.sleep(0.01)
+
+
+def _kill_when(proc: subprocess.Popen, ready) -> None:
+    _wait_until(proc, ready)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -136,11 +141,7 @@ def _signal_when(proc: subprocess.Popen, ready, sig: int, *, then: str | None = 
                  ) -> tuple:
     """Send ``sig`` once ``ready()`` (and again once stdout shows ``then``); returns the
     run's (status, stdout, stderr)."""
-    deadline = time.monotonic() + 120
-    while not ready():
-        assert proc.poll() is None, f"run ended before the signal: {proc.communicate()}"
-        assert time.monotonic() < deadline, "timed out waiting to signal"
-        time.sleep(0.01)
+    _wait_until(proc, ready)
     proc.send_signal(sig)
     seen = ""
     if then is not None:
