@@ -2,6 +2,11 @@
 
 RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention through
 ``jax.nn.dot_product_attention`` (the fused kernel on GPU), optional tied embeddings.
+Config fields, not copies of the model, cover the common open families: biases on the
+q/k/v projections (Qwen2), RMSNorm on queries and keys (Qwen3), ``head_dim`` other than
+``d_model / n_heads``, RoPE frequency scaling (``linear``, and Llama 3.1's ``llama3``),
+Gemma's ``(offset + w)`` norm scale, ``sqrt(d_model)`` embedding scale and GeGLU MLP, and
+sliding-window attention (Mistral).
 The decoder layers are created stacked (one weight array per kind, leading ``layers``
 axis) and applied with ``jax.lax.scan``, so compile time does not grow with depth.
 
@@ -32,9 +37,27 @@ _CARRIED = nnx.Any(nnx.RngCount, nnx.BatchStat)
 """Per-layer state a forward pass advances (dropout counters), kept across the scan."""
 
 
+ROPE_SCALINGS = ("none", "linear", "llama3")
+MLP_ACTIVATIONS = {"silu": jax.nn.silu,
+                   "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                   "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Sizes of the decoder. ``head_dim=0`` means ``d_model // n_heads``."""
+    """Sizes and variants of the decoder.
+
+    ``head_dim=0`` means ``d_model // n_heads``. ``qkv_bias``: biases on the q/k/v
+    projections. ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys before RoPE.
+    ``rope_scaling``: ``none``, ``linear`` (frequencies divided by ``rope_factor``) or
+    ``llama3`` (low frequencies divided by ``rope_factor``, high ones kept, a smooth blend
+    between, set by ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+    ``rope_original_max_len``). ``norm_offset``: norms scale by ``norm_offset + w`` (Gemma:
+    1, its weights stored as offsets from one). ``embed_scale``: multiply embeddings by
+    ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
+    ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
+    the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
+    """
 
     vocab_size: int = 256
     d_model: int = 64
@@ -48,15 +71,41 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    mlp_activation: str = "silu"
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                      "max_seq_len"):
             if getattr(self, name) < 1:
                 raise JaxparError(f"model.{name}={getattr(self, name)}: must be at least 1")
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "norm_eps", "init_std", "rope_factor",
+                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"):
             if not getattr(self, name) > 0:
                 raise JaxparError(f"model.{name}={getattr(self, name)}: must be positive")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise JaxparError(f"model.rope_scaling={self.rope_scaling!r}: choose one of "
+                              f"{list(ROPE_SCALINGS)}")
+        if (self.rope_scaling == "llama3"
+                and not self.rope_high_freq_factor > self.rope_low_freq_factor):
+            raise JaxparError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be greater "
+                f"than model.rope_low_freq_factor={self.rope_low_freq_factor}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise JaxparError(f"model.mlp_activation={self.mlp_activation!r}: choose one of "
+                              f"{list(MLP_ACTIVATIONS)}")
+        if self.sliding_window < 0:
+            raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
+                              "or a positive number of tokens")
         if self.head_dim < 0:
             raise JaxparError(f"model.head_dim={self.head_dim}: must be positive (or 0: "
                               "d_model // n_heads)")
@@ -79,6 +128,10 @@ class TransformerConfig:
         """Number of parameters, embeddings included."""
         d, h = self.d_model, self.head_dim
         attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.qkv_bias:
+            attn += h * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            attn += 2 * h
         mlp = 3 * d * self.d_ff
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
@@ -90,21 +143,51 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...])
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm with a learned scale."""
+    """Root-mean-square layer norm with a learned scale, applied as ``offset + scale``
+    (``offset`` 0 usually; Gemma stores its scales as offsets from 1). The scale starts so
+    that the norm multiplies by one."""
 
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
-        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("norm",))
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, offset: float = 0.0):
+        init = nnx.initializers.constant(1.0 - offset)
+        self.scale = _param(rngs, init, (dim,), ("norm",))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.offset:
+            scale = scale + self.offset
+        return (y * scale).astype(x.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """``(sin, cos)`` of shape ``(seq_len, head_dim // 2)``."""
-    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
+    """Rotation frequency of each of the ``head_dim // 2`` pairs, after ``rope_scaling``."""
+    h = cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    if cfg.rope_scaling == "linear":
+        return freqs / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # Wavelengths longer than the original context / low_freq_factor are stretched by
+        # the factor, those shorter than context / high_freq_factor kept, the band between
+        # blended linearly in context / wavelength.
+        wavelen = 2 * math.pi / freqs
+        ctx, low, high = (cfg.rope_original_max_len, cfg.rope_low_freq_factor,
+                          cfg.rope_high_freq_factor)
+        blend = (ctx / wavelen - low) / (high - low)
+        mixed = (1 - blend) * freqs / cfg.rope_factor + blend * freqs
+        freqs = jnp.where(wavelen > ctx / low, freqs / cfg.rope_factor,
+                          jnp.where(wavelen < ctx / high, freqs, mixed))
+    return freqs
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float | None = None, *,
+                  freqs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(sin, cos)`` of shape ``(seq_len, head_dim // 2)``: of plain RoPE with base
+    ``theta``, or of the given per-pair ``freqs`` (see :func:`rope_frequencies`)."""
+    if freqs is None:
+        freqs = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
@@ -118,9 +201,12 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
 
 
 def _einsum(rngs: nnx.Rngs, spec: str, shape: tuple[int, ...], names: tuple[str, ...],
-            std: float) -> nnx.Einsum:
+            std: float, bias: bool = False) -> nnx.Einsum:
+    """An einsum projection; with ``bias``, a bias over the output dims (all but the first)."""
     init = nnx.with_partitioning(nnx.initializers.normal(std), names)
-    return nnx.Einsum(spec, shape, None, kernel_init=init, rngs=rngs)
+    bias_init = nnx.with_partitioning(nnx.initializers.zeros, names[1:])
+    return nnx.Einsum(spec, shape, shape[1:] if bias else None, kernel_init=init,
+                      bias_init=bias_init, rngs=rngs)
 
 
 def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: float
@@ -129,14 +215,17 @@ def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: 
     return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention through ``jax.nn.dot_product_attention`` (fused kernels on GPU)."""
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) -> jax.Array:
+    """Causal attention through ``jax.nn.dot_product_attention`` (fused kernels on GPU);
+    ``window`` > 0 limits each query to itself and the ``window - 1`` keys before it."""
+    local = (window - 1, 0) if window else None
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
         f32 = lambda t: t.astype(jnp.float32)
-        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
+        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True,
+                                           local_window_size=local)
         return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
 
 
 class Attention(nnx.Module):
@@ -149,35 +238,46 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         d, h, std = cfg.d_model, cfg.head_dim, cfg.init_std
         out_std = std / math.sqrt(2 * cfg.n_layers)
+        bias = cfg.qkv_bias
         self.wq = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_heads, h),
-                          ("embed", "heads", "head_dim"), std)
+                          ("embed", "heads", "head_dim"), std, bias)
         self.wk = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_kv_heads, h),
-                          ("embed", "kv_heads", "head_dim"), std)
+                          ("embed", "kv_heads", "head_dim"), std, bias)
         self.wv = _einsum(rngs, "bse,enh->bsnh", (d, cfg.n_kv_heads, h),
-                          ("embed", "kv_heads", "head_dim"), std)
+                          ("embed", "kv_heads", "head_dim"), std, bias)
         self.wo = _einsum(rngs, "bsnh,nhe->bse", (cfg.n_heads, h, d),
                           ("heads", "head_dim", "embed"), out_std)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
+        self.window = cfg.sliding_window
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        q = constrain(apply_rotary(self.wq(x), sin, cos), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rotary(self.wk(x), sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
+        q, k = self.wq(x), self.wk(x)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = _attention(q, k, v)
+        o = _attention(q, k, v, self.window)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward block: column-parallel gate/up, row-parallel down."""
+    """Gated feed-forward block (SwiGLU, or GeGLU with ``mlp_activation=gelu_tanh``):
+    column-parallel gate/up, row-parallel down."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.w_gate = _linear(rngs, cfg.d_model, cfg.d_ff, ("embed", "mlp"), std)
         self.w_up = _linear(rngs, cfg.d_model, cfg.d_ff, ("embed", "mlp"), std)
         self.w_down = _linear(rngs, cfg.d_ff, cfg.d_model, ("mlp", "embed"), out_std)
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = constrain(jax.nn.silu(self.w_gate(x)) * self.w_up(x), ("batch", "seq", "mlp"))
+        gate = MLP_ACTIVATIONS[self.activation](self.w_gate(x))
+        hidden = constrain(gate * self.w_up(x), ("batch", "seq", "mlp"))
         out = self.w_down(checkpoint_name(hidden, "mlp_hidden"))
         return constrain(checkpoint_name(out, "mlp_out"), RESIDUAL)
 
@@ -186,9 +286,9 @@ class Block(nnx.Module):
     """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
@@ -229,7 +329,8 @@ class Transformer(nnx.Module):
             if pipeline is not None:
                 self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
                 self.pipeline_schedule = pipeline
-            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs)
+            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs,
+                                      offset=cfg.norm_offset)
             if not cfg.tie_embeddings:
                 self.lm_head = _linear(rngs, cfg.d_model, cfg.vocab_size, ("embed", "vocab"),
                                        cfg.init_std)
@@ -245,6 +346,8 @@ class Transformer(nnx.Module):
         table = self.embed[...]
         table = constrain(table.astype(dtype or table.dtype), ("vocab", "embed"))
         x = jnp.take(table, tokens, axis=0)
+        if self.config.embed_scale:  # scaled in the compute dtype, as Gemma does
+            x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
         return constrain(x, RESIDUAL)
 
     def apply_blocks(self, x: jax.Array, block_fn=None) -> jax.Array:
@@ -253,7 +356,8 @@ class Transformer(nnx.Module):
         ``block_fn(block, x, sin, cos)`` may wrap the layer call (remat, for instance).
         A model built with a pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
         """
-        sin, cos = rotary_tables(x.shape[1], self.config.head_dim, self.config.rope_theta)
+        sin, cos = rotary_tables(x.shape[1], self.config.head_dim,
+                                 freqs=rope_frequencies(self.config))
         call = block_fn or (lambda block, h, s, c: block(h, s, c))
         schedule = getattr(self, "pipeline_schedule", None)
         if schedule is not None:

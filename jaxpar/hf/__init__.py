@@ -1,0 +1,14 @@
+"""Hugging Face models in and out: ``jaxpar.hf.load(path, plan=...)``,
+``jaxpar.hf.save(model, path)`` and ``jaxpar.hf.save_adapters(model, path)`` (PEFT).
+
+Supported architectures: Llama (incl. Llama 3.1 RoPE scaling), Mistral, Qwen2, Qwen3 and
+Gemma, all as jaxpar's one reference decoder configured by
+:class:`~jaxpar.models.TransformerConfig` fields.
+"""
+
+from jaxpar.hf.convert import MAX_SHARD_BYTES, load, read_config, save
+from jaxpar.hf.families import ARCHITECTURES, to_hf, to_jaxpar
+from jaxpar.hf.peft import save_adapters
+
+__all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "load", "read_config", "save",
+           "save_adapters", "to_hf", "to_jaxpar"]

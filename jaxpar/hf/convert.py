@@ -1,0 +1,272 @@
+"""Hugging Face checkpoints in and out of jaxpar's reference decoder.
+
+:func:`load` builds a :class:`~jaxpar.models.Transformer` from a Hugging Face folder.
+With a plan, each parameter is created by ``jax.make_array_from_callback`` in the
+sharding the plan's rules give it: the callback runs for this process's devices only and
+reads just the slice each holds from the memory-mapped safetensors (repeated slices are
+read once), so no host ever holds the whole model; the per-layer tensors are read
+straight into jaxpar's stacked (or pipeline) layout. :func:`save` writes the reverse,
+one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
+
+from jaxpar import pipeline as pipeline_lib
+from jaxpar.errors import JaxparError
+from jaxpar.hf import families, layout
+from jaxpar.hf.safetensors_io import INDEX, SafetensorsFolder, remove_stale, write_shards
+from jaxpar.models.transformer import Transformer, TransformerConfig
+from jaxpar.partitioning import path_str, prepare_model, state_shardings, warn_if_replicated
+from jaxpar.plan import Plan
+
+MAX_SHARD_BYTES = 5 * 10**9
+"""Largest safetensors shard :func:`save` writes (Hugging Face's default, 5 GB)."""
+
+_IGNORED = ("rotary_emb.inv_freq",)
+"""Stored buffers that are not parameters."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
+    """``(TransformerConfig, architecture)`` of the Hugging Face folder ``path``."""
+    folder = Path(path)
+    file = folder / "config.json"
+    if not folder.is_dir():
+        raise JaxparError(f"{folder}: not a Hugging Face model folder")
+    if not file.is_file():
+        raise JaxparError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf = json.loads(file.read_text())
+    except ValueError as err:
+        raise JaxparError(f"{file}: not valid JSON ({err})") from None
+    return families.to_jaxpar(hf, str(file))
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    return np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(np.float32)
+
+
+def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+class _Reader:
+    """Reads parts of jaxpar arrays from a folder, each distinct part once."""
+
+    def __init__(self, folder: SafetensorsFolder, dtype: np.dtype, stack: tuple[int, ...]):
+        self.folder, self.dtype, self.stack = folder, dtype, stack
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    def layer_part(self, tensor: layout.Tensor, layer: int | None,
+                   index: tuple[slice, ...]) -> np.ndarray:
+        name = tensor.name if layer is None else layout.layer_name(tensor, layer)
+        slices, finish = layout.source_slices(tensor, index)
+        return finish(self.folder.read(name, slices)).astype(self.dtype)
+
+    def part(self, tensor: layout.Tensor, shape: tuple[int, ...],
+             index: tuple[slice, ...]) -> np.ndarray:
+        index = _concrete(index, shape)
+        key = (tensor.path, tuple((s.start, s.stop) for s in index))
+        if key not in self._cache:
+            if not tensor.per_layer:
+                self._cache[key] = self.layer_part(tensor, None, index)
+            else:
+                depth = len(self.stack)
+                ranges = [range(s.start, s.stop) for s in index[:depth]]
+                # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
+                parts = [[self.layer_part(tensor, (r * self.stack[1] + s) if depth == 2 else r,
+                                          index[depth:])
+                          for s in (ranges[1] if depth == 2 else [None])] for r in ranges[0]]
+                out = np.stack([np.stack(p) for p in parts]) if depth == 2 else \
+                    np.stack([p[0] for p in parts])
+                self._cache[key] = out
+        return self._cache[key]
+
+
+def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
+                 cfg: TransformerConfig) -> None:
+    """Every expected tensor present with its shape, and none left over."""
+    expected = {}
+    for t in tensors:
+        for i in range(cfg.n_layers) if t.per_layer else [None]:
+            expected[t.name if i is None else layout.layer_name(t, i)] = t.shape
+    present = set(folder.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise JaxparError(f"{folder.folder}: tensor {missing[0]!r}{more} missing for the "
+                          "architecture its config.json describes")
+    extra = sorted(n for n in present - set(expected)
+                   if not n.endswith(_IGNORED) and not (cfg.tie_embeddings
+                                                       and n == "lm_head.weight"))
+    if extra:
+        raise JaxparError(f"{folder.folder}: tensor {extra[0]!r} is not part of jaxpar's "
+                          f"decoder ({len(extra)} unexpected tensors)")
+    for name, shape in expected.items():
+        stored, dtype = folder.info(name)
+        if stored != shape:
+            raise JaxparError(f"{folder.folder}: tensor {name!r} has shape {stored}, the "
+                              f"config implies {shape}")
+
+
+def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
+         pipeline: pipeline_lib.Schedule | None = None, stats: dict | None = None
+         ) -> Transformer:
+    """The jaxpar decoder of a Hugging Face folder (``config.json`` + safetensors).
+
+    Args:
+      path: a folder with ``config.json`` and ``model.safetensors`` or sharded files with
+        ``model.safetensors.index.json`` (Llama, Mistral, Qwen2, Qwen3, Gemma).
+      plan: place every parameter by this plan, each process reading only the slices its
+        devices hold; without one the model is on the default device.
+      dtype: parameter dtype (default float32, jaxpar's master weights).
+      pipeline: the pipeline schedule when the plan's mesh has stages (default: one
+        microbatch per stage, as many repeats as layers allow).
+      stats: if given, receives ``bytes_read`` (what this process read).
+
+    Raises:
+      JaxparError: naming the file, architecture, option or tensor that does not fit.
+    """
+    cfg, _ = read_config(path)
+    stages = plan.mesh.shape.get("stage", 1) if plan is not None else 1
+    if stages > 1 and pipeline is None:
+        pipeline = pipeline_lib.Schedule.for_model(cfg.n_layers, stages)
+    make = lambda: Transformer(cfg, rngs=nnx.Rngs(0), pipeline=pipeline)
+    if plan is not None:
+        with plan.activate():
+            abstract = nnx.eval_shape(lambda: prepare_model(make(), plan))
+            graphdef, state = nnx.split(abstract)
+            shardings = state_shardings(plan, state)
+    else:
+        abstract = nnx.eval_shape(make)
+        graphdef, state = nnx.split(abstract)
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, state)
+    np_dtype = _np_dtype(dtype)
+    stack = (pipeline.repeats, pipeline.stages) if pipeline is not None else (cfg.n_layers,)
+    by_path = {t.path: t for t in layout.tensors(cfg)}
+    flat_state = dict(jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    flat_shardings = dict(jax.tree_util.tree_leaves_with_path(
+        shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    with SafetensorsFolder(path) as folder:
+        _check_names(folder, list(by_path.values()), cfg)
+        reader = _Reader(folder, np_dtype, stack)
+        for key, variable in flat_state.items():
+            name = path_str(key)
+            if name not in by_path:
+                raise AssertionError(f"no Hugging Face tensor for jaxpar parameter {name}")
+            tensor, shape = by_path[name], variable.get_value().shape
+            sharding = flat_shardings[key].get_value()
+            array = jax.make_array_from_callback(
+                shape, sharding, lambda index, t=tensor, s=shape: reader.part(t, s, index))
+            variable.set_value(array)
+        if stats is not None:
+            stats["bytes_read"] = folder.bytes_read
+    model = nnx.merge(graphdef, state)
+    if plan is not None:
+        warn_if_replicated(plan, state)
+    return model
+
+
+def _host_part(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` on this host (gathered from other processes if it must be)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save(model: Transformer, path: str | Path, *, dtype: Any = None,
+         architecture: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+         tokenizer: str | Path | None = None) -> Path:
+    """Write ``model`` as a Hugging Face folder that ``transformers`` loads.
+
+    ``config.json`` plus safetensors shards of at most ``max_shard_bytes`` (with
+    ``model.safetensors.index.json`` when there are several). Tensors are gathered one
+    layer at a time and written by process 0; every process must call it. A model with
+    LoRA adapters must be merged first (:func:`jaxpar.lora.merge`), or its adapters saved
+    alone with :func:`jaxpar.hf.save_adapters`.
+
+    Args:
+      dtype: dtype of the stored tensors (default: each parameter's own).
+      architecture: e.g. ``"LlamaForCausalLM"``; default: the family whose options the
+        config uses.
+      tokenizer: a ``tokenizer.json`` or a folder with tokenizer files to copy alongside.
+    """
+    from jaxpar.lora import adapted
+
+    if not isinstance(model, Transformer):
+        raise JaxparError(f"jaxpar.hf.save writes jaxpar's reference decoder, not a "
+                          f"{type(model).__name__}")
+    if adapted(model):
+        raise JaxparError("the model has LoRA adapters: merge them first (jaxpar.lora.merge) "
+                          "or save the adapters alone (jaxpar.hf.save_adapters)")
+    cfg = model.config
+    schedule = getattr(model, "pipeline_schedule", None)
+    params = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    entries, sources = [], {}
+    for t in layout.tensors(cfg):
+        array = params[t.path].get_value()
+        out_dtype = np.dtype(jnp.dtype(dtype or array.dtype))
+        for i in range(cfg.n_layers) if t.per_layer else [None]:
+            name = t.name if i is None else layout.layer_name(t, i)
+            entries.append((name, t.shape, out_dtype))
+            sources[name] = (t, array, i, out_dtype)
+
+    def produce(name: str) -> np.ndarray:
+        t, array, i, out_dtype = sources[name]
+        if i is not None:
+            array = array[divmod(i, schedule.stages)] if schedule is not None else array[i]
+        return t.to_hf(_host_part(array)).astype(out_dtype)
+
+    folder = Path(path)
+    writer = jax.process_index() == 0
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+    files = write_shards(folder, entries, produce, max_shard_bytes=max_shard_bytes,
+                         write=writer)
+    if writer:
+        remove_stale(folder, files + ([INDEX] if len(files) > 1 else []))
+        stored = str(entries[0][2]) if entries else "float32"
+        hf = families.to_hf(cfg, architecture, dtype=stored)
+        (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if tokenizer:
+            copy_tokenizer(tokenizer, folder)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxpar_hf_save")
+    return folder
+
+
+def copy_tokenizer(source: str | Path, folder: Path) -> None:
+    """Copy a ``tokenizer.json`` (or a folder's tokenizer files) into ``folder``."""
+    source = Path(source)
+    files = [source] if source.is_file() else [source / f for f in TOKENIZER_FILES
+                                               if (source / f).is_file()]
+    for f in files:
+        if f.resolve() != (folder / f.name).resolve():
+            shutil.copyfile(f, folder / f.name)
+
+
+def param_bytes(cfg: TransformerConfig, dtype: Any = jnp.float32) -> int:
+    """Bytes of the decoder's parameters in ``dtype``."""
+    return sum(math.prod(t.shape) * (cfg.n_layers if t.per_layer else 1)
+               for t in layout.tensors(cfg)) * np.dtype(jnp.dtype(dtype)).itemsize
+
+
+__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "param_bytes", "read_config", "save"]

@@ -1,0 +1,110 @@
+"""LoRA adapters in PEFT's format, for ``peft.PeftModel.from_pretrained``.
+
+jaxpar's adapter on a projection is ``A`` (input dims x rank) and ``B`` (rank x output
+dims) with update ``x @ A @ B * alpha / rank``; PEFT's is ``lora_A.weight`` (rank x in)
+and ``lora_B.weight`` (out x rank) with the same scaling, on the Hugging Face module the
+projection maps to (``blocks/attn/wq`` -> ``model.layers.{i}.self_attn.q_proj``). Input
+and output dimensions flatten in the order the Hugging Face weight uses (heads major),
+so the folder written here is what PEFT itself writes for that model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import JaxparError
+from jaxpar.hf import families, layout
+from jaxpar.hf.convert import _host_part
+from jaxpar.models.transformer import Transformer
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def _modules(model: Transformer) -> dict[str, layout.Tensor]:
+    """jaxpar projection path (``blocks/attn/wq``) -> its kernel's :class:`layout.Tensor`."""
+    return {t.path.rsplit("/", 1)[0]: t for t in layout.tensors(model.config)
+            if t.path.endswith("/kernel")}
+
+
+def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
+                  dtype: Any = jnp.float32) -> Path:
+    """Write the model's LoRA adapters as a PEFT adapter folder
+    (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Args:
+      model: jaxpar's decoder with adapters (see :func:`jaxpar.lora.apply`).
+      path: the folder to write (process 0 writes; every process must call).
+      base_model: recorded as ``base_model_name_or_path`` (e.g. the Hugging Face folder
+        the base weights came from).
+      dtype: dtype of the stored adapter weights.
+    """
+    from jaxpar.hf.safetensors_io import save_file
+    from jaxpar.lora import adapted
+
+    if not isinstance(model, Transformer):
+        raise JaxparError(f"save_adapters writes adapters of jaxpar's reference decoder, not "
+                          f"of a {type(model).__name__}")
+    found = adapted(model)
+    if not found:
+        raise JaxparError("the model has no LoRA adapters to save")
+    modules = _modules(model)
+    cfg = model.config
+    schedule = getattr(model, "pipeline_schedule", None)
+    tensors: dict[str, np.ndarray] = {}
+    targets, ranks, alphas, dropouts = [], set(), set(), set()
+    out_dtype = np.dtype(jnp.dtype(dtype))
+    for path, lp in found:
+        if path not in modules:
+            raise JaxparError(f"adapter on {path}: PEFT has no module for it (adapters on "
+                              f"{', '.join(sorted(modules))} can be exported)")
+        t = modules[path]
+        hf_module = t.name.rsplit(".", 1)[0]
+        targets.append(hf_module.rsplit(".", 1)[-1])
+        ranks.add(lp.rank)
+        alphas.add(lp.alpha)
+        dropouts.add(lp.dropout)
+        a, b = lp.lora_a.get_value(), lp.lora_b.get_value()
+        for i in range(cfg.n_layers):
+            where = divmod(i, schedule.stages) if schedule is not None else i
+            a_i, b_i = _host_part(a[where]), _host_part(b[where])
+            name = PREFIX + hf_module.format(i=i)
+            tensors[f"{name}.lora_A.weight"] = a_i.reshape(-1, lp.rank).T.astype(out_dtype)
+            tensors[f"{name}.lora_B.weight"] = b_i.reshape(lp.rank, -1).T.astype(out_dtype)
+    if len(ranks) > 1 or len(alphas) > 1 or len(dropouts) > 1:
+        raise JaxparError("adapters with different ranks, alphas or dropouts cannot share "
+                          "one PEFT adapter config")
+    rank, alpha, dropout = ranks.pop(), alphas.pop(), dropouts.pop()
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": dropout, "target_modules": sorted(set(targets)), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": base_model or None,
+        "jaxpar_architecture": families.family_of(cfg),
+    }
+    folder = Path(path)
+    if jax.process_index() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def adapter_names(model: Transformer) -> list[str]:
+    """PEFT tensor names the adapters of ``model`` are written under (for tests/docs)."""
+    from jaxpar.lora import adapted
+
+    modules = _modules(model)
+    return [PREFIX + modules[p].name.rsplit(".", 1)[0].format(i=i) + f".lora_{x}.weight"
+            for p, _ in adapted(model) for i in range(model.config.n_layers) for x in "AB"]
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_names", "save_adapters"]

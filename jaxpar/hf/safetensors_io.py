@@ -1,0 +1,154 @@
+"""Reading and writing Hugging Face safetensors folders, a slice at a time.
+
+:class:`SafetensorsFolder` opens ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json`` with the ``safetensors`` library (memory-mapped), and
+reads any rectangular slice of a tensor without touching the rest; it counts the bytes
+each slice read, so tests can show a process read only its share. :func:`write_shards`
+writes tensors produced one at a time into shards of at most ``max_shard_bytes``, with
+the index ``transformers`` expects, holding at most one shard in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.errors import JaxparError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face model folder, read slice by slice.
+
+    Use as a context manager (the shard files stay open, memory-mapped, inside it).
+    ``bytes_read`` counts the bytes of every slice returned so far.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as err:
+                raise JaxparError(f"{index}: not a safetensors index ({err})") from None
+            self.files = dict(weight_map)
+        elif (self.folder / SINGLE).is_file():
+            self.files = None
+        else:
+            raise JaxparError(f"{self.folder}: no {SINGLE} or {INDEX} (only safetensors "
+                              "checkpoints are read; convert .bin files with transformers)")
+        self.bytes_read = 0
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def __enter__(self) -> SafetensorsFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            path = self.folder / file
+            if not path.is_file():
+                raise JaxparError(f"{path}: missing (listed in {INDEX})")
+            try:
+                self._handles[file] = self._stack.enter_context(
+                    safe_open(str(path), framework="numpy"))
+            except Exception as err:  # safetensors raises its own error types
+                raise JaxparError(f"{path}: not a readable safetensors file ({err})") from None
+        return self._handles[file]
+
+    def names(self) -> list[str]:
+        """Every tensor name in the folder."""
+        if self.files is not None:
+            return list(self.files)
+        return list(self._handle(SINGLE).keys())
+
+    def _file(self, name: str) -> str:
+        if self.files is None:
+            return SINGLE
+        if name not in self.files:
+            raise JaxparError(f"{self.folder}: tensor {name!r} is missing")
+        return self.files[name]
+
+    def info(self, name: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, safetensors dtype)`` of a tensor, without reading it."""
+        handle = self._handle(self._file(name))
+        stored = handle.keys()  # a list: safe_open handles have no __contains__
+        if name not in stored:
+            raise JaxparError(f"{self.folder}: tensor {name!r} is missing")
+        part = handle.get_slice(name)
+        return tuple(part.get_shape()), part.get_dtype()
+
+    def read(self, name: str, slices: tuple[slice, ...] = ()) -> np.ndarray:
+        """The part ``slices`` of tensor ``name`` (leading dimensions; the rest whole)."""
+        part = self._handle(self._file(name)).get_slice(name)
+        array = part[tuple(slices)] if slices else part[:]
+        self.bytes_read += array.nbytes
+        return array
+
+
+def write_shards(folder: str | Path, entries: list[tuple[str, tuple[int, ...], np.dtype]],
+                 produce: Callable[[str], np.ndarray], *, max_shard_bytes: int,
+                 write: bool = True) -> list[str]:
+    """Write tensors into safetensors shards of at most ``max_shard_bytes`` (a tensor larger
+    than that gets a shard of its own) plus ``model.safetensors.index.json``, or a single
+    ``model.safetensors`` when everything fits in one.
+
+    ``entries`` lists ``(name, shape, dtype)`` in order; ``produce(name)`` returns the
+    array, called once per tensor in that order on every process (so it may gather across
+    processes); only when ``write`` is true are files written. Returns the file names.
+    """
+    shards: list[list[tuple[str, int]]] = [[]]
+    size = 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, nbytes))
+        size += nbytes
+    folder = Path(folder)
+    count = len(shards)
+    files = [SINGLE] if count == 1 else [f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+                                          for k in range(count)]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards, strict=True):
+        tensors = {}
+        for name, nbytes in shard:
+            tensors[name] = produce(name)
+            weight_map[name] = file
+            total += nbytes
+        if write:
+            tmp = folder / (file + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, folder / file)
+        del tensors
+    if write and count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def remove_stale(folder: Path, keep: Iterable[str]) -> None:
+    """Delete safetensors files and the index of an earlier save that this one replaced."""
+    keep = set(keep)
+    for path in folder.glob("model*.safetensors*"):
+        if path.name not in keep and (path.name.endswith(".safetensors") or path.name == INDEX):
+            path.unlink()
