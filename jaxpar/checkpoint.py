@@ -336,28 +336,46 @@ class Checkpointer:
 
 
 # --- weights only (init_from) -------------------------------------------------------------
-def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1) -> int:
+def read_only(source: str | Path) -> Checkpointer:
+    """A :class:`Checkpointer` that only reads the checkpoints of ``source`` (a
+    ``RUN/checkpoints`` or ``RUN`` folder): it creates and cleans up nothing there, so it
+    is safe beside a run still writing; close it when done."""
+    directory = resolve_dir(source)
+    reader = Checkpointer.__new__(Checkpointer)
+    reader.directory, reader.every = directory, 0
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager will not save
+    try:
+        reader._manager = _manager(directory, read_only=True)
+    finally:
+        absl.setLevel(level)
+    return reader
+
+
+def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
+                 variables: Any = nnx.Param) -> int:
     """Overwrite ``model``'s ``nnx.Param`` s with those of the newest readable checkpoint in
     ``source`` (a ``RUN/checkpoints`` or ``RUN`` folder), each read into the sharding of the
     variable it replaces; returns the checkpoint's step.
 
     Float32 master weights are preferred to a half-precision working copy when the
-    checkpoint has both. Use it before wrapping the model with LoRA. ``stages``: pipeline
-    stages ``model``'s stacked layers are laid out for.
+    checkpoint has both. Use it before wrapping the model with LoRA (or, to load a LoRA
+    run's adapters too, after wrapping it the same way). ``stages``: pipeline stages
+    ``model``'s stacked layers are laid out for. ``variables``: an ``nnx`` filter of the
+    variables to overwrite (default the ``nnx.Param`` s).
 
     Raises:
       JaxparError: when no checkpoint can be read, or the checkpoint's model does not match
         ``model`` (listing the mismatched paths).
     """
-    directory = resolve_dir(source)
-    reader = Checkpointer.__new__(Checkpointer)
-    reader.directory, reader.every = directory, 0
-    reader._manager = _manager(directory, read_only=True)
+    reader = read_only(source)
+    directory = reader.directory
     try:
         steps = reader.steps()
         if not steps:
             raise JaxparError(f"init_from: no complete checkpoint in {directory}")
-        state = nnx.state(model, nnx.Param)
+        state = nnx.state(model, variables)
         wanted = flat_paths(state)
         for step in reversed(steps):
             try:
@@ -388,5 +406,6 @@ __all__ = [
     "flat_paths",
     "load_weights",
     "match",
+    "read_only",
     "resolve_dir",
 ]

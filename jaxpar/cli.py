@@ -4,6 +4,7 @@
 ``jaxpar plan --model configs/llama-7b.yaml --chips tpu-v5p:256 --global-batch 512 --seq 4096``
 ``jaxpar inspect --config configs/tiny.yaml --devices 8 [--json]``
 ``jaxpar launch --processes 2 --devices-per-process 4 -- train --config ...``
+``jaxpar sample --run runs/tiny --prompt "def " [--max-tokens 64] [--temperature 0] [--top-k 0]``
 
 ``--devices N`` simulates N CPU devices; it must be handled before JAX starts a backend,
 which is why this module imports the heavy parts of jaxpar only inside the commands.
@@ -142,6 +143,42 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return launch_command(args)
 
 
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from jaxpar.errors import JaxparError
+    from jaxpar.generate import check_run
+
+    if not args.prompt:
+        raise JaxparError("--prompt is empty: give the text to continue")
+    if args.max_tokens < 0:
+        raise JaxparError(f"--max-tokens {args.max_tokens}: must be 0 or more")
+    if not 0 <= args.temperature < float("inf"):
+        raise JaxparError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
+    if args.top_k < 0:
+        raise JaxparError(f"--top-k {args.top_k}: must be 0 (every token) or positive")
+    check_run(args.run)
+    from jaxpar.generate import TextCodec, load_run_model, sample_text
+
+    model, config = load_run_model(args.run)
+    text = sample_text(model, TextCodec.for_config(config), args.prompt,
+                       max_new_tokens=args.max_tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed)
+    print(text, flush=True)
+    return 0
+
+
+def _add_sample(sub: argparse._SubParsersAction) -> None:
+    sample = sub.add_parser("sample", help="continue a prompt with a trained run's model")
+    sample.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the most likely token); higher: more random")
+    sample.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K most likely tokens only (0: all)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    sample.set_defaults(func=_cmd_sample)
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="choose a mesh, ZeRO stage, remat and microbatches")
     plan.add_argument("--model", required=True, help="run or model config YAML")
@@ -205,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_inspect(sub)
     _add_launch(sub)
+    _add_sample(sub)
     return parser
 
 

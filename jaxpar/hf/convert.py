@@ -233,7 +233,7 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
         t, array, i, out_dtype = sources[name]
         if i is not None:
             array = array[divmod(i, schedule.stages)] if schedule is not None else array[i]
-        return t.to_hf(_host_part(array)).astype(out_dtype)
+        return np.ascontiguousarray(t.to_hf(_host_part(array)), dtype=out_dtype)
 
     folder = Path(path)
     writer = jax.process_index() == 0

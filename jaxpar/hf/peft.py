@@ -76,8 +76,11 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
             where = divmod(i, schedule.stages) if schedule is not None else i
             a_i, b_i = _host_part(a[where]), _host_part(b[where])
             name = PREFIX + hf_module.format(i=i)
-            tensors[f"{name}.lora_A.weight"] = a_i.reshape(-1, lp.rank).T.astype(out_dtype)
-            tensors[f"{name}.lora_B.weight"] = b_i.reshape(lp.rank, -1).T.astype(out_dtype)
+            # Contiguous copies: safetensors writes an array's buffer as if it were C-ordered.
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(
+                a_i.reshape(-1, lp.rank).T, dtype=out_dtype)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(
+                b_i.reshape(lp.rank, -1).T, dtype=out_dtype)
     if len(ranks) > 1 or len(alphas) > 1 or len(dropouts) > 1:
         raise JaxparError("adapters with different ranks, alphas or dropouts cannot share "
                           "one PEFT adapter config")

@@ -1,0 +1,215 @@
+"""Hugging Face checkpoints against the reference implementation: tiny random models of each
+supported family built and saved by ``transformers`` (PyTorch CPU), loaded by
+``jaxpar.hf.load`` on one device, sharded (fsdp 4 x tensor 2) and pipelined; logits
+compared with transformers' own. Saving goes back through transformers and PEFT."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import jaxpar
+from jaxpar import hf
+from jaxpar.errors import JaxparError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             initializer_range=0.2)  # large weights: attention far from uniform
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+FAMILIES = {
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=LLAMA31_ROPE)),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                          tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+}
+IDS = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 12))
+TOL = 1e-4
+
+
+def _reference(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.float().numpy()
+
+
+def make_hf_model(folder, family: str, **overrides):
+    """A random transformers model of ``family`` saved to ``folder``; returns it."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**SIZES, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # norms and biases away from their init too
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (folder, transformers logits)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in FAMILIES:
+        model = make_hf_model(root / family, family)
+        out[family] = (root / family, _reference(model))
+    return out
+
+
+def _logits(model, plan=None) -> np.ndarray:
+    if plan is None:
+        return np.asarray(model(jnp.asarray(IDS)))
+    with plan.activate():
+        return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(IDS)))
+
+
+def _plan(**axes):
+    return jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), "fsdp_tp")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_load_matches_transformers(checkpoints, family):
+    folder, want = checkpoints[family]
+    np.testing.assert_allclose(_logits(hf.load(folder)), want, atol=TOL, rtol=0)
+    plan = _plan(fsdp=4, tensor=2)
+    model = hf.load(folder, plan=plan)
+    wq = model.blocks.attn.wq.kernel.get_value()
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    np.testing.assert_allclose(_logits(model, plan), want, atol=TOL, rtol=0)
+
+
+def test_load_into_a_pipeline_plan(checkpoints):
+    folder, want = checkpoints["llama31"]
+    plan = _plan(stage=2, fsdp=2, tensor=2)
+    model = hf.load(folder, plan=plan)
+    assert model.blocks.attn.wq.kernel.get_value().shape[:2] == (1, 2)  # (repeat, stage)
+    np.testing.assert_allclose(_logits(model, plan), want, atol=TOL, rtol=0)
+
+
+def test_the_comparison_can_fail(checkpoints):
+    """RoPE scaling, the sliding window and Gemma's norm offset each change the logits by
+    far more than the tolerance, so a mistake in any would show."""
+    for family, field, value in (("llama31", "rope_scaling", "none"),
+                                 ("mistral", "sliding_window", 0),
+                                 ("gemma", "norm_offset", 0.0)):
+        folder, want = checkpoints[family]
+        loaded = hf.load(folder)
+        cfg = dataclasses.replace(loaded.config, **{field: value})
+        model = jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(0))
+        nnx.update(model, nnx.state(loaded, nnx.Param))
+        assert np.abs(_logits(model) - want).max() > 100 * TOL, family
+
+
+def test_save_round_trips_through_transformers(checkpoints, tmp_path):
+    for family in ("llama31", "qwen2", "qwen3", "gemma", "mistral"):
+        folder, want = checkpoints[family]
+        model = hf.load(folder, plan=_plan(fsdp=4, tensor=2))
+        out = hf.save(model, tmp_path / family)
+        original, saved = load_file(folder / "model.safetensors"), load_file(
+            out / "model.safetensors")
+        original.pop("lm_head.weight", None) if model.config.tie_embeddings else None
+        assert sorted(saved) == sorted(original)
+        for name, value in original.items():
+            np.testing.assert_array_equal(saved[name], value, err_msg=name)
+        back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+        assert type(back).__name__ == json.loads((folder / "config.json").read_text())[
+            "architectures"][0]
+        np.testing.assert_allclose(_reference(back), want, atol=TOL, rtol=0)
+
+
+def test_sharded_save_writes_an_index_transformers_reads(checkpoints, tmp_path):
+    folder, want = checkpoints["qwen3"]
+    model = hf.load(folder)
+    out = hf.save(model, tmp_path / "sharded", max_shard_bytes=40_000, dtype=jnp.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    assert all((out / f).stat().st_size <= 40_000 + 10_000 for f in files[:-1])
+    # Loaded back (bf16 stored, read as float32) by jaxpar and by transformers alike.
+    again = _logits(hf.load(out))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    np.testing.assert_allclose(_reference(back.eval()), again, atol=TOL, rtol=0)
+    assert np.abs(again - want).max() < 0.5  # bf16 rounding of the weights only
+    # Saving again unsharded removes the old shards and index.
+    hf.save(model, out)
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+
+
+def test_peft_loads_jaxpar_adapters(checkpoints, tmp_path):
+    peft = pytest.importorskip("peft")
+    folder, base_logits = checkpoints["qwen2"]
+    plan = _plan(fsdp=4, tensor=2)
+    model = hf.load(folder, plan=plan)
+    with plan.activate():
+        jaxpar.lora.apply(model, rank=4, alpha=8.0)
+    # Random adapters (B is zero at init) stand in for trained ones.
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    for _, lp in jaxpar.lora.adapted(model):
+        b = lp.lora_b.get_value()
+        lp.lora_b.set_value(jax.device_put(0.5 * jax.random.normal(next(keys), b.shape),
+                                           b.sharding))
+    with_adapters = _logits(model, plan)
+    out = hf.save_adapters(model, tmp_path / "adapters", base_model=str(folder))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                        "q_proj", "up_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, out).eval()
+    got = _reference(tuned)
+    np.testing.assert_allclose(got, with_adapters, atol=TOL, rtol=0)
+    assert np.abs(got - base_logits).max() > 100 * TOL  # the adapters matter
+    # Merged in jaxpar and saved whole: the same logits from plain transformers.
+    jaxpar.lora.merge(model)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        hf.save(model, tmp_path / "merged"), dtype=torch.float32).eval()
+    np.testing.assert_allclose(_reference(merged), with_adapters, atol=TOL, rtol=0)
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_unsupported_models_are_named(checkpoints, tmp_path):
+    import shutil
+
+    folder, _ = checkpoints["llama31"]
+    cases = [
+        (dict(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not "
+                                                  "supported"),
+        (dict(attention_bias=True), "attention_bias=True is not supported"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
+         "rope type 'yarn' is not supported"),
+        (dict(hidden_act="relu"), "hidden_act='relu' is not supported"),
+        (dict(num_hidden_layers=3), "'model.layers.2.input_layernorm.weight' and 8 more "
+                                    "missing"),
+        (dict(intermediate_size=100), "has shape (128, 64), the config implies (100, 64)"),
+    ]
+    for changes, message in cases:
+        copy = tmp_path / "copy"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(folder, copy)
+        _edit_config(copy, **changes)
+        with pytest.raises(JaxparError, match=None) as err:
+            hf.load(copy)
+        assert message in str(err.value), (changes, str(err.value))
+    with pytest.raises(JaxparError, match="no config.json"):
+        hf.load(tmp_path)
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(JaxparError, match="no model.safetensors"):
+        hf.load(tmp_path)
