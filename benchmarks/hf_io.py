@@ -1,7 +1,7 @@
 """Hugging Face checkpoint load/save: jaxpar.hf against transformers, time and peak host RSS.
 
     python benchmarks/hf_io.py [--dir /tmp/jaxpar-hf-bench] [--repeats 2] [--devices 8]
-        [--ops jaxpar-load-f32,jaxpar-load-bf16,jaxpar-save-bf16,hf-load-f32,hf-load-bf16]
+        [--ops jaxpar-load-f32,jaxpar-load-bf16,jaxpar-save-bf16,jaxpar-save-f32,...]
         [--json]
 
 Creates once (and reuses from ``--dir``) a random ~1.07B-parameter Llama checkpoint
@@ -13,14 +13,16 @@ subprocess, the operations alternating (A B C ... A B C ...) ``--repeats`` times
 * ``jaxpar-load-{f32,bf16}``: ``jaxpar.hf.load(path, plan=plan, dtype=...)`` with
   ``Plan.from_preset(make_mesh({"fsdp": N}), "fsdp")`` over N simulated CPU devices, until
   ``jax.block_until_ready``; the child then checks a few slices against the safetensors;
-* ``jaxpar-save-{bf16,f32}``: the same load, then ``jaxpar.hf.save(model, out)`` (only the
-  save is timed; its peak is the high-water mark reset just before it);
+* ``jaxpar-save-{bf16,f32}``: the same load, then ``jaxpar.hf.save(model, out)`` in the
+  model's dtype (only the save is timed; its peak is the high-water mark, reset through
+  ``/proc/self/clear_refs`` just before it, and its base the RSS once the model is loaded);
 * ``hf-load-{f32,bf16}``: ``transformers.AutoModelForCausalLM.from_pretrained(path,
-  dtype=...)``.
+  dtype=...)``; transformers may leave same-dtype weights memory-mapped and unread, so a
+  second row adds reading every weight once (a float32 sum per tensor).
 
-Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` at the end of the child; "imports" is the
-RSS once the libraries are imported (and JAX's CPU backend is up), so ``peak - imports`` is
-what the operation itself added. A sampling thread also records the peak anonymous and
+Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` at the end of the child; "base" is the RSS
+once the libraries are imported (and JAX's CPU backend is up), so ``peak - base`` is what
+the operation itself added. A sampling thread also records the peak anonymous and
 file-backed (memory-mapped safetensors) parts of RSS. The checkpoint is read from the page
 cache after the first run (it is small next to the host's memory), so times are warm-cache.
 """
@@ -41,8 +43,8 @@ from pathlib import Path
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
              num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
              max_position_embeddings=2048, tie_word_embeddings=False)
-OPS = ("jaxpar-load-f32", "jaxpar-load-bf16", "jaxpar-save-bf16", "hf-load-f32",
-       "hf-load-bf16")
+OPS = ("jaxpar-load-f32", "jaxpar-load-bf16", "jaxpar-save-bf16", "jaxpar-save-f32",
+       "hf-load-f32", "hf-load-bf16")
 MARK = "HF_IO_RESULT "
 GIB = 2**30
 
@@ -130,13 +132,13 @@ def _jaxpar_model(path: Path, dtype: str, devices: int, check: bool) -> tuple[ob
     with _Sampler() as sampler:
         start = time.perf_counter()
         model = jaxpar.hf.load(path, plan=plan, dtype=getattr(jnp, dtype), stats=stats)
-        jax.block_until_ready(jax.tree.leaves(jaxpar_state(model)))
+        jax.block_until_ready(jax.tree.leaves(_params(model)))
         seconds = time.perf_counter() - start
     after = _status()["RssAnon"]  # the loader's temporaries are gone by now
     out = {"seconds": seconds, "imports": base, "peak": _maxrss(), "anon": sampler.anon,
            "anon_after": after,
            "file": sampler.file, "bytes_read": stats.get("bytes_read", 0),
-           "model_bytes": sum(x.nbytes for x in jax.tree.leaves(jaxpar_state(model)))}
+           "model_bytes": sum(x.nbytes for x in jax.tree.leaves(_params(model)))}
     if check:
         index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
 
@@ -164,7 +166,7 @@ def _jaxpar_model(path: Path, dtype: str, devices: int, check: bool) -> tuple[ob
     return model, out
 
 
-def jaxpar_state(model: object) -> object:
+def _params(model: object) -> object:
     from flax import nnx
 
     return nnx.state(model, nnx.Param)
@@ -205,7 +207,7 @@ def _jaxpar_child(op: str, path: Path, out_dir: Path, devices: int) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     return {"seconds": seconds, "imports": loaded["imports"], "loaded": before,
             "peak": hwm, "anon": sampler.anon, "file": sampler.file,
-            "peak_process": _maxrss(), "written": written, "files": len(files),
+            "load_peak": loaded["peak"], "written": written, "files": len(files),
             "check": "ok" if same else "MISMATCH: embed[0:4] of the saved file"}
 
 
@@ -272,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--ops", default=",".join(OPS),
-                        help="comma-separated, from: " + ", ".join(
-                            [*OPS, "jaxpar-save-f32"]))
+                        help="comma-separated, from: " + ", ".join(OPS))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_bytes = sum(p.stat().st_size for p in shards)
 
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        parser.error(f"unknown --ops {', '.join(unknown)}; choose from {', '.join(OPS)}")
     runs: dict[str, list[dict]] = {op: [] for op in ops}
     for rep in range(args.repeats):
         for op in ops:
@@ -325,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         if "touch_seconds" in m:
             rows.append(("  + read weights", m["seconds"] + m["touch_seconds"],
                          m["touch_peak"], base, m["touch_anon"], m["touch_file"], "-"))
-    cols = ("operation", "time s", "peak GiB", "imports", "peak-imp", "anon pk",
+    cols = ("operation", "time s", "peak GiB", "base", "peak-base", "anon pk",
             "file pk", "check")
-    print(f"{cols[0]:<18} {cols[1]:>7} {cols[2]:>8} {cols[3]:>7} {cols[4]:>8} {cols[5]:>7} "
+    print(f"{cols[0]:<18} {cols[1]:>7} {cols[2]:>8} {cols[3]:>7} {cols[4]:>9} {cols[5]:>7} "
           f"{cols[6]:>7}  {cols[7]}")
     for name, seconds, peak, base, anon, file, check in rows:
         print(f"{name:<18} {seconds:7.2f} {_gib(peak):>8} {_gib(base):>7} "
-              f"{_gib(peak - base):>8} {_gib(anon):>7} {_gib(file):>7}  {check}")
+              f"{_gib(peak - base):>9} {_gib(anon):>7} {_gib(file):>7}  {check}")
     notes = []
     for op in ops:
         m = med[op]
@@ -341,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"arrays hold {m['model_bytes'] / GIB:.2f} GiB; anonymous RSS "
                          f"{m['anon_after'] / GIB:.2f} GiB once load returned")
         if "loaded" in m:
-            notes.append(f"{op}: 'imports' column is the RSS after the load, before the save "
-                         f"(process peak incl. load {m['peak_process'] / GIB:.2f} GiB); "
-                         f"wrote {m['written'] / GIB:.2f} GiB in {int(m['files'])} file(s)")
+            notes.append(f"{op}: base = RSS once loaded, before the save (the load's own "
+                         f"peak was {m['load_peak'] / GIB:.2f} GiB); wrote "
+                         f"{m['written'] / GIB:.2f} GiB in {int(m['files'])} file(s)")
         if op.startswith("hf-load"):
             notes.append(f"{op}: the model's tensors hold {m['model_bytes'] / GIB:.2f} GiB")
     for dt in ("f32", "bf16"):
@@ -352,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
             added = (a["peak"] - a["imports"]) / (b["peak"] - b["imports"])
             notes.append(f"{dt}: jaxpar load / transformers load = time "
                          f"{a['seconds'] / b['seconds']:.2f}x, peak RSS "
-                         f"{a['peak'] / b['peak']:.2f}x, peak - imports {added:.2f}x")
+                         f"{a['peak'] / b['peak']:.2f}x, peak - base {added:.2f}x")
+            read = (a["peak"] - a["imports"]) / (b["touch_peak"] - b["imports"])
+            notes.append(f"{dt}: jaxpar load / (transformers load + read weights) = time "
+                         f"{a['seconds'] / (b['seconds'] + b['touch_seconds']):.2f}x, peak "
+                         f"RSS {a['peak'] / b['touch_peak']:.2f}x, peak - base {read:.2f}x")
     for note in notes:
         print("  " + note)
     return 0

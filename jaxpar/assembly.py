@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxpar import lora as lora_lib
 from jaxpar import pipeline as pipeline_lib
-from jaxpar.config import OPTIMIZERS, Config, TrainConfig
+from jaxpar.config import OPTIMIZERS, Config, TrainConfig, hf_folder, with_hf_model
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import make_mesh
 from jaxpar.models.transformer import Transformer
@@ -168,16 +168,24 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     :func:`jaxpar.validate.check_config` has checked it for the devices given.
 
     With ``config.init_from``, the model's weights come from that run's newest checkpoint
-    (see :func:`jaxpar.checkpoint.load_weights`); the optimizer starts fresh.
+    (see :func:`jaxpar.checkpoint.load_weights`), or with ``hf:PATH`` from a Hugging Face
+    folder (see :func:`jaxpar.hf.load`); the optimizer starts fresh.
     """
+    config = with_hf_model(config)
     n_devices = len(devices) if devices is not None else jax.device_count()
     check_config(config, devices=n_devices, processes=jax.process_count())
     mesh = build_mesh(config, devices)
     plan = build_plan(config, mesh)
     schedule = pipeline_schedule(config, mesh)
     loss_fn = loss_function(config)
-    model = init_sharded(model_factory(config, schedule), plan)
-    if config.init_from:  # weights of an earlier run, before LoRA wraps them
+    hf = hf_folder(config.init_from)
+    if hf is not None:  # a Hugging Face model, read straight into the plan's shardings
+        from jaxpar.hf import load
+
+        model = load(hf, plan=plan, pipeline=schedule)
+    else:
+        model = init_sharded(model_factory(config, schedule), plan)
+    if config.init_from and hf is None:  # weights of an earlier run, before LoRA wraps them
         from jaxpar.checkpoint import load_weights
 
         load_weights(model, config.init_from, stages=mesh.shape["stage"])

@@ -5,6 +5,8 @@
 ``jaxpar inspect --config configs/tiny.yaml --devices 8 [--json]``
 ``jaxpar launch --processes 2 --devices-per-process 4 -- train --config ...``
 ``jaxpar sample --run runs/tiny --prompt "def " [--max-tokens 64] [--temperature 0] [--top-k 0]``
+``jaxpar convert --from-hf HF_FOLDER --out RUN [--devices N] [key=value ...]``
+``jaxpar export --run RUN --to-hf DIR [--merge-lora | --adapters] [--dtype bfloat16]``
 
 ``--devices N`` simulates N CPU devices; it must be handled before JAX starts a backend,
 which is why this module imports the heavy parts of jaxpar only inside the commands.
@@ -179,6 +181,52 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     sample.set_defaults(func=_cmd_sample)
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from jaxpar.hf.commands import check_hf_folder, convert_to_run
+
+    check_hf_folder(args.from_hf)
+    _simulate_devices(args.devices)
+    out = convert_to_run(args.from_hf, args.out, args.overrides)
+    print(f"jaxpar: wrote {out}/checkpoints/0 from {args.from_hf}; continue with "
+          f"jaxpar train --out {out} --resume, or start runs from it with init_from={out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from jaxpar.generate import check_run
+    from jaxpar.hf.commands import check_export_target, export_run
+
+    check_export_target(args.to_hf, merge_lora=args.merge_lora, adapters=args.adapters)
+    check_run(args.run)
+    out = export_run(args.run, args.to_hf, merge_lora=args.merge_lora,
+                     adapters=args.adapters, dtype=args.dtype)
+    kind = "PEFT adapters" if args.adapters else "a Hugging Face model"
+    print(f"jaxpar: wrote {kind} to {out}")
+    return 0
+
+
+def _add_hf(sub: argparse._SubParsersAction) -> None:
+    convert = sub.add_parser("convert", help="a Hugging Face model folder -> a jaxpar run")
+    convert.add_argument("--from-hf", required=True, help="folder with config.json and "
+                         "safetensors (Llama, Mistral, Qwen2, Qwen3, Gemma)")
+    convert.add_argument("--out", required=True, help="run folder to write")
+    convert.add_argument("--devices", type=_devices, help="simulate N CPU devices")
+    convert.add_argument("overrides", nargs="*", metavar="key=value",
+                         help="config overrides (mesh, plan, ...) stored with the run")
+    convert.set_defaults(func=_cmd_convert)
+    export = sub.add_parser("export", help="a jaxpar run -> a Hugging Face folder")
+    export.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
+    export.add_argument("--to-hf", required=True, help="folder to write")
+    export.add_argument("--merge-lora", action="store_true",
+                        help="fold LoRA adapters into the weights and write the whole model")
+    export.add_argument("--adapters", action="store_true",
+                        help="write the LoRA adapters alone, in PEFT's format")
+    export.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the written tensors")
+    export.set_defaults(func=_cmd_export)
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="choose a mesh, ZeRO stage, remat and microbatches")
     plan.add_argument("--model", required=True, help="run or model config YAML")
@@ -243,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_launch(sub)
     _add_sample(sub)
+    _add_hf(sub)
     return parser
 
 

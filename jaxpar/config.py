@@ -178,7 +178,8 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     init_from: str = ""
     """Checkpoint folder (``RUN/checkpoints``) whose model weights initialise this run's
-    (base) model; optimizer and step start fresh."""
+    (base) model, or ``hf:PATH``, a Hugging Face model folder (whose ``config.json`` then
+    also gives the ``model`` section); optimizer and step start fresh."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (what ``config.yaml`` holds)."""
@@ -359,4 +360,29 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *
         if not isinstance(data, dict):
             raise JaxparError(f"config file {str(path)!r} must hold a mapping of sections")
     data = apply_overrides(data, overrides, keep_mesh=keep_mesh)
-    return _build(Config, data)
+    return with_hf_model(_build(Config, data))
+
+
+HF_PREFIX = "hf:"
+
+
+def hf_folder(init_from: str) -> Path | None:
+    """The folder of ``init_from: hf:PATH``, or None for any other ``init_from``."""
+    return Path(init_from[len(HF_PREFIX):]).expanduser() if init_from.startswith(
+        HF_PREFIX) else None
+
+
+def with_hf_model(config: Config) -> Config:
+    """With ``init_from: hf:PATH``, the config whose ``model`` section is the model of
+    ``PATH/config.json`` (architecture and sizes; the YAML's model fields are replaced);
+    any other config unchanged. A missing folder is left for the validator to report."""
+    folder = hf_folder(config.init_from)
+    if folder is None or not (folder / "config.json").is_file():
+        return config
+    if config.model.factory:
+        raise JaxparError(f"init_from={config.init_from!r} loads into jaxpar's decoder; it "
+                          f"cannot initialise model.factory={config.model.factory!r}")
+    from jaxpar.hf.convert import read_config
+
+    hf_model, _ = read_config(folder)
+    return dataclasses.replace(config, model=ModelConfig(**vars(hf_model)))

@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh
 
 from jaxpar import remat
 from jaxpar.annotate import pairs
-from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config
+from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config, hf_folder
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import MESH_AXES, mesh_sizes
 from jaxpar.pipeline import Schedule
@@ -145,9 +145,13 @@ def _check_relations(config: Config) -> None:
                    "folder")
     if d.tokenizer:
         _check_tokenizer(d.tokenizer, d.source, d.field)
-    if config.init_from and not Path(config.init_from).expanduser().is_dir():
+    hf = hf_folder(config.init_from)
+    if hf is not None and not (hf / "config.json").is_file():
+        raise _bad("init_from", config.init_from, "is not a Hugging Face model folder (no "
+                   "config.json)")
+    if config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
-                   "checkpoints/ folder)")
+                   "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
 
 
 def _check_tokenizer(tokenizer: str, source: str, field: str) -> None:

@@ -61,11 +61,11 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
     tensors: dict[str, np.ndarray] = {}
     targets, ranks, alphas, dropouts = [], set(), set(), set()
     out_dtype = np.dtype(jnp.dtype(dtype))
-    for path, lp in found:
-        if path not in modules:
-            raise JaxparError(f"adapter on {path}: PEFT has no module for it (adapters on "
+    for owner, lp in found:
+        if owner not in modules:
+            raise JaxparError(f"adapter on {owner}: PEFT has no module for it (adapters on "
                               f"{', '.join(sorted(modules))} can be exported)")
-        t = modules[path]
+        t = modules[owner]
         hf_module = t.name.rsplit(".", 1)[0]
         targets.append(hf_module.rsplit(".", 1)[-1])
         ranks.add(lp.rank)
