@@ -11,6 +11,7 @@ one tensor at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -66,36 +67,45 @@ def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, 
 
 
 class _Reader:
-    """Reads parts of jaxpar arrays from a folder, each distinct part once."""
+    """Reads this process's parts of one jaxpar array at a time, each distinct part once
+    (devices holding the same replica share one read); :meth:`start` forgets the previous
+    array's parts, so host memory holds at most one array's share beside the devices'."""
 
     def __init__(self, folder: SafetensorsFolder, dtype: np.dtype, stack: tuple[int, ...]):
         self.folder, self.dtype, self.stack = folder, dtype, stack
         self._cache: dict[tuple, np.ndarray] = {}
 
-    def layer_part(self, tensor: layout.Tensor, layer: int | None,
-                   index: tuple[slice, ...]) -> np.ndarray:
+    def start(self) -> None:
+        self._cache.clear()
+
+    def _layer_part(self, tensor: layout.Tensor, layer: int | None,
+                    index: tuple[slice, ...]) -> np.ndarray:
+        """The part ``index`` of one layer's array, a view in jaxpar's axis order."""
         name = tensor.name if layer is None else layout.layer_name(tensor, layer)
         slices, finish = layout.source_slices(tensor, index)
-        return finish(self.folder.read(name, slices)).astype(self.dtype)
+        return finish(self.folder.read(name, slices))
 
     def part(self, tensor: layout.Tensor, shape: tuple[int, ...],
              index: tuple[slice, ...]) -> np.ndarray:
         index = _concrete(index, shape)
-        key = (tensor.path, tuple((s.start, s.stop) for s in index))
-        if key not in self._cache:
-            if not tensor.per_layer:
-                self._cache[key] = self.layer_part(tensor, None, index)
-            else:
-                depth = len(self.stack)
-                ranges = [range(s.start, s.stop) for s in index[:depth]]
-                # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
-                parts = [[self.layer_part(tensor, (r * self.stack[1] + s) if depth == 2 else r,
-                                          index[depth:])
-                          for s in (ranges[1] if depth == 2 else [None])] for r in ranges[0]]
-                out = np.stack([np.stack(p) for p in parts]) if depth == 2 else \
-                    np.stack([p[0] for p in parts])
-                self._cache[key] = out
-        return self._cache[key]
+        key = tuple((s.start, s.stop) for s in index)
+        if key in self._cache:
+            return self._cache[key]
+        out = np.empty(tuple(s.stop - s.start for s in index), self.dtype)
+        if not tensor.per_layer:
+            out[...] = self._layer_part(tensor, None, index)
+        else:
+            # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
+            # Each layer is cast and laid out by one copy into its place.
+            depth = len(self.stack)
+            ranges = [range(s.start, s.stop) for s in index[:depth]]
+            for a, r in enumerate(ranges[0]):
+                for b, st in enumerate(ranges[1] if depth == 2 else [None]):
+                    layer = r if st is None else r * self.stack[1] + st
+                    where = (a,) if st is None else (a, b)
+                    out[where] = self._layer_part(tensor, layer, index[depth:])
+        self._cache[key] = out
+        return out
 
 
 def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
@@ -173,15 +183,27 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
                 raise AssertionError(f"no Hugging Face tensor for jaxpar parameter {name}")
             tensor, shape = by_path[name], variable.get_value().shape
             sharding = flat_shardings[key].get_value()
+            reader.start()
             array = jax.make_array_from_callback(
                 shape, sharding, lambda index, t=tensor, s=shape: reader.part(t, s, index))
             variable.set_value(array)
+        reader.start()
         if stats is not None:
             stats["bytes_read"] = folder.bytes_read
     model = nnx.merge(graphdef, state)
     if plan is not None:
         warn_if_replicated(plan, state)
     return model
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _to_hf_layout(array: jax.Array, where: jax.Array, perm: tuple[int, ...],
+                  shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+    """``array[*where]`` (a layer of a stacked array; ``where`` traced, so one compile
+    serves every layer) in the Hugging Face layout and dtype."""
+    for k in range(where.shape[0]):
+        array = array[where[k]]
+    return array.transpose(perm).reshape(shape).astype(dtype)
 
 
 def _host_part(x: jax.Array) -> np.ndarray:
@@ -231,9 +253,12 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
 
     def produce(name: str) -> np.ndarray:
         t, array, i, out_dtype = sources[name]
-        if i is not None:
-            array = array[divmod(i, schedule.stages)] if schedule is not None else array[i]
-        return np.ascontiguousarray(t.to_hf(_host_part(array)), dtype=out_dtype)
+        where = () if i is None else divmod(i, schedule.stages) if schedule else (i,)
+        # Slice, transpose and cast on the devices (XLA's transpose is far faster than
+        # numpy's strided copy), then fetch one layer's tensor.
+        return _host_part(_to_hf_layout(array, np.array(where, np.int32),
+                                        tuple(int(k) for k in np.argsort(t.perm)), t.shape,
+                                        out_dtype))
 
     folder = Path(path)
     writer = jax.process_index() == 0

@@ -91,7 +91,6 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": base_model or None,
-        "jaxpar_architecture": families.family_of(cfg),
     }
     folder = Path(path)
     if jax.process_index() == 0:

@@ -132,7 +132,10 @@ def write_shards(folder: str | Path, entries: list[tuple[str, tuple[int, ...], n
     for file, shard in zip(files, shards, strict=True):
         tensors = {}
         for name, nbytes in shard:
-            tensors[name] = produce(name)
+            array = produce(name)  # every process gathers; only the writer keeps it
+            if write:
+                tensors[name] = array
+            del array
             weight_map[name] = file
             total += nbytes
         if write:
