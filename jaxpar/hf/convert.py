@@ -206,7 +206,7 @@ def _to_hf_layout(array: jax.Array, where: jax.Array, perm: tuple[int, ...],
     return array.transpose(perm).reshape(shape).astype(dtype)
 
 
-def _host_part(x: jax.Array) -> np.ndarray:
+def host_array(x: jax.Array) -> np.ndarray:
     """The whole of ``x`` on this host (gathered from other processes if it must be)."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
@@ -256,7 +256,7 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
         where = () if i is None else divmod(i, schedule.stages) if schedule else (i,)
         # Slice, transpose and cast on the devices (XLA's transpose is far faster than
         # numpy's strided copy), then fetch one layer's tensor.
-        return _host_part(_to_hf_layout(array, np.array(where, np.int32),
+        return host_array(_to_hf_layout(array, np.array(where, np.int32),
                                         tuple(int(k) for k in np.argsort(t.perm)), t.shape,
                                         out_dtype))
 

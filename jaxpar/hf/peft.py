@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import JaxparError
-from jaxpar.hf import families, layout
-from jaxpar.hf.convert import _host_part
+from jaxpar.hf import layout
+from jaxpar.hf.convert import host_array
 from jaxpar.models.transformer import Transformer
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -74,7 +74,7 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         a, b = lp.lora_a.get_value(), lp.lora_b.get_value()
         for i in range(cfg.n_layers):
             where = divmod(i, schedule.stages) if schedule is not None else i
-            a_i, b_i = _host_part(a[where]), _host_part(b[where])
+            a_i, b_i = host_array(a[where]), host_array(b[where])
             name = PREFIX + hf_module.format(i=i)
             # Contiguous copies: safetensors writes an array's buffer as if it were C-ordered.
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(
