@@ -66,11 +66,20 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
+def _decays(path: tuple, param: Any) -> bool:
+    """Weight decay applies to matrices, not to norm scales or biases, which stay vectors
+    per layer even when the layers are stacked into one array (so ``ndim`` cannot tell)."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    while names and names[-1] == "value":  # an nnx.Variable's own leaf
+        names.pop()
+    return (param.ndim >= 2 and bool(names) and names[-1] not in ("scale", "bias")
+            and not any("norm" in n for n in names))
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Optimizer from the config: warmup + cosine schedule, global-norm clipping."""
     schedule = learning_rate(cfg)
-    # Weight decay on matrices only, not on norm scales.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decays, params)
     makers: dict[str, Callable[[], optax.GradientTransformation]] = {
         "adamw": lambda: optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask),
         "adam": lambda: optax.adam(schedule),
