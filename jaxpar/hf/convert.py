@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,7 @@ def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
         raise JaxparError(f"{folder.folder}: tensor {extra[0]!r} is not part of jaxpar's "
                           f"decoder ({len(extra)} unexpected tensors)")
     for name, shape in expected.items():
-        stored, dtype = folder.info(name)
+        stored, _ = folder.info(name)
         if stored != shape:
             raise JaxparError(f"{folder.folder}: tensor {name!r} has shape {stored}, the "
                               f"config implies {shape}")
@@ -288,10 +287,4 @@ def copy_tokenizer(source: str | Path, folder: Path) -> None:
             shutil.copyfile(f, folder / f.name)
 
 
-def param_bytes(cfg: TransformerConfig, dtype: Any = jnp.float32) -> int:
-    """Bytes of the decoder's parameters in ``dtype``."""
-    return sum(math.prod(t.shape) * (cfg.n_layers if t.per_layer else 1)
-               for t in layout.tensors(cfg)) * np.dtype(jnp.dtype(dtype)).itemsize
-
-
-__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "param_bytes", "read_config", "save"]
+__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "read_config", "save"]

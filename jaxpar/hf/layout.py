@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -107,7 +108,7 @@ def _groups(shape: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
 
 
 def source_slices(tensor: Tensor, index: tuple[slice, ...]
-                  ) -> tuple[tuple[slice, ...], callable]:
+                  ) -> tuple[tuple[slice, ...], Callable[[np.ndarray], np.ndarray]]:
     """The stored-tensor slices that cover ``index`` (slices of one per-layer jaxpar array,
     with concrete bounds), and a function turning what was read into exactly that part.
 
