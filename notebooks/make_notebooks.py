@@ -1,8 +1,9 @@
 """Write the tutorial notebooks in this folder (without outputs) from the cells below.
 
 Run ``python notebooks/make_notebooks.py`` after editing a cell here (or in
-``make_byo_notebook.py``, which holds the fourth notebook's cells); the ``.ipynb`` files
-are generated, and ``tests/test_notebooks.py`` executes them on 8 simulated CPU devices.
+``make_byo_notebook.py`` or ``make_hf_notebook.py``, which hold the fourth and fifth
+notebooks' cells); the ``.ipynb`` files are generated, and ``tests/test_notebooks.py``
+executes them on 8 simulated CPU devices.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import nbformat
 from make_byo_notebook import bring_your_own_model
+from make_hf_notebook import finetune_hf
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
@@ -560,6 +562,7 @@ NOTEBOOKS = {
     "02_planning.ipynb": PLANNING,
     "03_pipeline_schedules.ipynb": PIPELINE_SCHEDULES,
     "04_bring_your_own_model.ipynb": bring_your_own_model(SETUP),  # make_byo_notebook.py
+    "05_finetune_hf.ipynb": finetune_hf(SETUP),  # make_hf_notebook.py
 }
 
 

@@ -39,7 +39,7 @@ _IGNORED = ("rotary_emb.inv_freq",)
 """Stored buffers that are not parameters."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model")
 
 
 def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
