@@ -2,11 +2,13 @@
 
 :func:`load` builds a :class:`~jaxpar.models.Transformer` from a Hugging Face folder.
 With a plan, each parameter is created by ``jax.make_array_from_callback`` in the
-sharding the plan's rules give it: the callback runs for this process's devices only and
-reads just the slice each holds from the memory-mapped safetensors (repeated slices are
-read once), so no host ever holds the whole model; the per-layer tensors are read
-straight into jaxpar's stacked (or pipeline) layout. :func:`save` writes the reverse,
-one tensor at a time.
+sharding the plan's rules give it: this process reads from the memory-mapped safetensors
+only the box spanning its own devices' shards, row-contiguously and in the stored layout,
+each device takes its part of that, and the devices transpose to jaxpar's layout (XLA's
+transpose, under a sharding that moves nothing between devices). No host holds more than
+its share of any array, nor more than one array at a time beyond what its devices hold;
+the per-layer tensors are stacked (or laid out by pipeline stage) as they are read.
+:func:`save` writes the reverse, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxpar import pipeline as pipeline_lib
 from jaxpar.errors import JaxparError
@@ -66,9 +68,9 @@ def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, 
 
 
 class _Reader:
-    """Reads this process's parts of one jaxpar array at a time, each distinct part once
-    (devices holding the same replica share one read); :meth:`start` forgets the previous
-    array's parts, so host memory holds at most one array's share beside the devices'."""
+    """Reads parts of one array at a time, in the Hugging Face view layout (stack dims
+    first), each distinct part once; :meth:`start` forgets the previous array's parts, so
+    host memory holds at most one array's share beside the devices'."""
 
     def __init__(self, folder: SafetensorsFolder, dtype: np.dtype, stack: tuple[int, ...]):
         self.folder, self.dtype, self.stack = folder, dtype, stack
@@ -79,13 +81,13 @@ class _Reader:
 
     def _layer_part(self, tensor: layout.Tensor, layer: int | None,
                     index: tuple[slice, ...]) -> np.ndarray:
-        """The part ``index`` of one layer's array, a view in jaxpar's axis order."""
         name = tensor.name if layer is None else layout.layer_name(tensor, layer)
         slices, finish = layout.source_slices(tensor, index)
         return finish(self.folder.read(name, slices))
 
     def part(self, tensor: layout.Tensor, shape: tuple[int, ...],
              index: tuple[slice, ...]) -> np.ndarray:
+        """The part ``index`` of the array of ``shape`` (stack dims + ``tensor.view``)."""
         index = _concrete(index, shape)
         key = tuple((s.start, s.stop) for s in index)
         if key in self._cache:
@@ -95,7 +97,7 @@ class _Reader:
             out[...] = self._layer_part(tensor, None, index)
         else:
             # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
-            # Each layer is cast and laid out by one copy into its place.
+            # Each layer's rows are copied (and cast) once, contiguously, into place.
             depth = len(self.stack)
             ranges = [range(s.start, s.stop) for s in index[:depth]]
             for a, r in enumerate(ranges[0]):
@@ -105,6 +107,53 @@ class _Reader:
                     out[where] = self._layer_part(tensor, layer, index[depth:])
         self._cache[key] = out
         return out
+
+
+def _view_sharding(sharding: jax.sharding.Sharding, tensor: layout.Tensor, lead: int
+                   ) -> jax.sharding.Sharding:
+    """The sharding of the view-layout array whose transpose has ``sharding``: the same
+    mesh axes on the same logical dimensions, so the transpose moves no data between
+    devices."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (lead + len(tensor.perm) - len(sharding.spec))
+    view = [None] * len(tensor.view)
+    for j, p in enumerate(tensor.perm):
+        view[p] = spec[lead + j]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:lead], *view))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("out_sharding",))
+def _transpose(array: jax.Array, perm: tuple[int, ...], *, out_sharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(array.transpose(perm), out_sharding)
+
+
+def _read_array(reader: _Reader, tensor: layout.Tensor, shape: tuple[int, ...],
+                sharding: jax.sharding.Sharding) -> jax.Array:
+    """One parameter of ``shape`` in ``sharding``: this process reads (once) the box
+    spanning its devices' shards of the Hugging Face view-layout array, each device takes
+    its part of that, and the devices transpose to jaxpar's order."""
+    lead = len(shape) - len(tensor.perm)
+    view_shape = shape[:lead] + tensor.view
+    view_sharding = _view_sharding(sharding, tensor, lead)
+    local = [_concrete(i, view_shape) for i in
+             view_sharding.addressable_devices_indices_map(view_shape).values()]
+    box = tuple(slice(min(i[d].start for i in local), max(i[d].stop for i in local))
+                for d in range(len(view_shape)))
+    reader.start()
+    held = reader.part(tensor, view_shape, box)
+
+    def cut(index: tuple[slice, ...]) -> np.ndarray:
+        index = _concrete(index, view_shape)
+        return held[tuple(slice(i.start - b.start, i.stop - b.start)
+                          for i, b in zip(index, box, strict=True))]
+
+    view = jax.make_array_from_callback(view_shape, view_sharding, cut)
+    reader.start()
+    perm = tuple(range(lead)) + tuple(lead + p for p in tensor.perm)
+    if perm == tuple(range(len(perm))):
+        return view
+    return _transpose(view, perm, out_sharding=sharding)
 
 
 def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
@@ -182,11 +231,7 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
                 raise AssertionError(f"no Hugging Face tensor for jaxpar parameter {name}")
             tensor, shape = by_path[name], variable.get_value().shape
             sharding = flat_shardings[key].get_value()
-            reader.start()
-            array = jax.make_array_from_callback(
-                shape, sharding, lambda index, t=tensor, s=shape: reader.part(t, s, index))
-            variable.set_value(array)
-        reader.start()
+            variable.set_value(_read_array(reader, tensor, shape, sharding))
         if stats is not None:
             stats["bytes_read"] = folder.bytes_read
     model = nnx.merge(graphdef, state)

@@ -6,8 +6,9 @@ and the transform between them: jaxpar's array is the Hugging Face one reshaped 
 ``view`` and transposed by ``perm``. PyTorch stores a linear layer as ``(out, in)``; jaxpar
 keeps ``(in, out)`` kernels, with attention heads as their own dimensions, so
 ``q_proj.weight`` ``(heads * head_dim, d_model)`` becomes ``wq`` ``(d_model, heads,
-head_dim)``. :func:`source_slices` turns a slice of jaxpar's array into the slices of the
-stored tensor that hold it, which is what lets a process read only its own shards.
+head_dim)``. :func:`source_slices` turns a slice of the view into the slices of the stored
+tensor that hold it, which is what lets a process read only its own shards; the transpose
+to jaxpar's order is left to the devices.
 """
 
 from __future__ import annotations
@@ -107,32 +108,29 @@ def _groups(shape: tuple[int, ...], view: tuple[int, ...]) -> list[list[int]]:
     return groups
 
 
-def source_slices(tensor: Tensor, index: tuple[slice, ...]
+def source_slices(tensor: Tensor, view_index: tuple[slice, ...]
                   ) -> tuple[tuple[slice, ...], Callable[[np.ndarray], np.ndarray]]:
-    """The stored-tensor slices that cover ``index`` (slices of one per-layer jaxpar array,
-    with concrete bounds), and a function turning what was read into exactly that part.
+    """The stored-tensor slices that cover ``view_index`` (slices, with concrete bounds, of
+    one layer's tensor reshaped to ``tensor.view``), and a function turning what was read
+    into exactly that part (still in the view's axis order: no transpose on the host).
 
     Only the slab of stored rows the part occupies is read; a split of a dimension that
     is not the leading one of its group (never the case for the rules' shardings, which do
     not split ``head_dim``) reads the whole group and cuts after.
     """
-    view_slices = [slice(None)] * len(tensor.view)
-    for j, p in enumerate(tensor.perm):
-        view_slices[p] = index[j]
-    groups = _groups(tensor.shape, tensor.view)
     stored, cut, slab_view = [], [], []
-    for group in groups:
+    for group in _groups(tensor.shape, tensor.view):
         lead, rest = group[0], group[1:]
         inner = math.prod(tensor.view[r] for r in rest)
-        s = view_slices[lead]
+        s = view_index[lead]
         stored.append(slice(s.start * inner, s.stop * inner))
         slab_view.append(s.stop - s.start)
         cut.append(slice(None))
         for r in rest:
             slab_view.append(tensor.view[r])
-            cut.append(view_slices[r])
+            cut.append(view_index[r])
 
     def finish(slab: np.ndarray) -> np.ndarray:
-        return slab.reshape(slab_view)[tuple(cut)].transpose(tensor.perm)
+        return slab.reshape(slab_view)[tuple(cut)]
 
     return tuple(stored), finish
