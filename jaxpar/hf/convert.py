@@ -72,8 +72,8 @@ class _Reader:
     first), each distinct part once; :meth:`start` forgets the previous array's parts, so
     host memory holds at most one array's share beside the devices'."""
 
-    def __init__(self, folder: SafetensorsFolder, dtype: np.dtype, stack: tuple[int, ...]):
-        self.folder, self.dtype, self.stack = folder, dtype, stack
+    def __init__(self, folder: SafetensorsFolder, stack: tuple[int, ...]):
+        self.folder, self.stack = folder, stack
         self._cache: dict[tuple, np.ndarray] = {}
 
     def start(self) -> None:
@@ -92,19 +92,23 @@ class _Reader:
         key = tuple((s.start, s.stop) for s in index)
         if key in self._cache:
             return self._cache[key]
-        out = np.empty(tuple(s.stop - s.start for s in index), self.dtype)
+        size = tuple(s.stop - s.start for s in index)
         if not tensor.per_layer:
-            out[...] = self._layer_part(tensor, None, index)
+            out = np.ascontiguousarray(self._layer_part(tensor, None, index))
         else:
             # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
             # Each layer's rows are copied (and cast) once, contiguously, into place.
             depth = len(self.stack)
             ranges = [range(s.start, s.stop) for s in index[:depth]]
+            out = None
             for a, r in enumerate(ranges[0]):
                 for b, st in enumerate(ranges[1] if depth == 2 else [None]):
                     layer = r if st is None else r * self.stack[1] + st
                     where = (a,) if st is None else (a, b)
-                    out[where] = self._layer_part(tensor, layer, index[depth:])
+                    part = self._layer_part(tensor, layer, index[depth:])
+                    if out is None:  # in the stored dtype: the devices cast
+                        out = np.empty(size, part.dtype)
+                    out[where] = part
         self._cache[key] = out
         return out
 
@@ -123,16 +127,17 @@ def _view_sharding(sharding: jax.sharding.Sharding, tensor: layout.Tensor, lead:
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:lead], *view))
 
 
-@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("out_sharding",))
-def _transpose(array: jax.Array, perm: tuple[int, ...], *, out_sharding) -> jax.Array:
-    return jax.lax.with_sharding_constraint(array.transpose(perm), out_sharding)
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("out_sharding",))
+def _to_jaxpar_layout(array: jax.Array, perm: tuple[int, ...], dtype: np.dtype, *,
+                      out_sharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(array.transpose(perm).astype(dtype), out_sharding)
 
 
 def _read_array(reader: _Reader, tensor: layout.Tensor, shape: tuple[int, ...],
-                sharding: jax.sharding.Sharding) -> jax.Array:
-    """One parameter of ``shape`` in ``sharding``: this process reads (once) the box
-    spanning its devices' shards of the Hugging Face view-layout array, each device takes
-    its part of that, and the devices transpose to jaxpar's order."""
+                sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
+    """One parameter of ``shape`` and ``dtype`` in ``sharding``: this process reads (once)
+    the box spanning its devices' shards of the Hugging Face view-layout array, each device
+    takes its part of that in the stored dtype, and the devices transpose and cast."""
     lead = len(shape) - len(tensor.perm)
     view_shape = shape[:lead] + tensor.view
     view_sharding = _view_sharding(sharding, tensor, lead)
@@ -151,9 +156,7 @@ def _read_array(reader: _Reader, tensor: layout.Tensor, shape: tuple[int, ...],
     view = jax.make_array_from_callback(view_shape, view_sharding, cut)
     reader.start()
     perm = tuple(range(lead)) + tuple(lead + p for p in tensor.perm)
-    if perm == tuple(range(len(perm))):
-        return view
-    return _transpose(view, perm, out_sharding=sharding)
+    return _to_jaxpar_layout(view, perm, dtype, out_sharding=sharding)
 
 
 def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
@@ -224,14 +227,14 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
         shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     with SafetensorsFolder(path) as folder:
         _check_names(folder, list(by_path.values()), cfg)
-        reader = _Reader(folder, np_dtype, stack)
+        reader = _Reader(folder, stack)
         for key, variable in flat_state.items():
             name = path_str(key)
             if name not in by_path:
                 raise AssertionError(f"no Hugging Face tensor for jaxpar parameter {name}")
             tensor, shape = by_path[name], variable.get_value().shape
             sharding = flat_shardings[key].get_value()
-            variable.set_value(_read_array(reader, tensor, shape, sharding))
+            variable.set_value(_read_array(reader, tensor, shape, sharding, np_dtype))
         if stats is not None:
             stats["bytes_read"] = folder.bytes_read
     model = nnx.merge(graphdef, state)
