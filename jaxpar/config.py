@@ -382,7 +382,7 @@ def with_hf_model(config: Config) -> Config:
     if config.model.factory:
         raise JaxparError(f"init_from={config.init_from!r} loads into jaxpar's decoder; it "
                           f"cannot initialise model.factory={config.model.factory!r}")
-    from jaxpar.hf.convert import read_config
+    from jaxpar.hf.families import read_config
 
     hf_model, _ = read_config(folder)
     return dataclasses.replace(config, model=ModelConfig(**vars(hf_model)))

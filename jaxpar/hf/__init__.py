@@ -6,8 +6,8 @@ Gemma, all as jaxpar's one reference decoder configured by
 :class:`~jaxpar.models.TransformerConfig` fields.
 """
 
-from jaxpar.hf.convert import MAX_SHARD_BYTES, load, read_config, save
-from jaxpar.hf.families import ARCHITECTURES, to_hf, to_jaxpar
+from jaxpar.hf.convert import MAX_SHARD_BYTES, load, save
+from jaxpar.hf.families import ARCHITECTURES, read_config, to_hf, to_jaxpar
 from jaxpar.hf.peft import save_adapters
 
 __all__ = ["ARCHITECTURES", "MAX_SHARD_BYTES", "load", "read_config", "save",

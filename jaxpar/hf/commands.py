@@ -45,7 +45,7 @@ def convert_to_run(folder: str | Path, out: str | Path, overrides: Sequence[str]
     from jaxpar.assembly import assemble
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.config import TrainConfig, load_config
-    from jaxpar.hf.convert import read_config
+    from jaxpar.hf.families import read_config
     from jaxpar.run import check_run_folder
 
     source = check_hf_folder(folder)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxpar import pipeline as pipeline_lib
 from jaxpar.errors import JaxparError
 from jaxpar.hf import families, layout
+from jaxpar.hf.families import read_config
 from jaxpar.hf.safetensors_io import INDEX, SafetensorsFolder, remove_stale, write_shards
 from jaxpar.models.transformer import Transformer, TransformerConfig
 from jaxpar.partitioning import path_str, prepare_model, state_shardings, warn_if_replicated
@@ -42,21 +43,6 @@ _IGNORED = ("rotary_emb.inv_freq",)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model")
-
-
-def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
-    """``(TransformerConfig, architecture)`` of the Hugging Face folder ``path``."""
-    folder = Path(path)
-    file = folder / "config.json"
-    if not folder.is_dir():
-        raise JaxparError(f"{folder}: not a Hugging Face model folder")
-    if not file.is_file():
-        raise JaxparError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    try:
-        hf = json.loads(file.read_text())
-    except ValueError as err:
-        raise JaxparError(f"{file}: not valid JSON ({err})") from None
-    return families.to_jaxpar(hf, str(file))
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
@@ -335,4 +321,4 @@ def copy_tokenizer(source: str | Path, folder: Path) -> None:
             shutil.copyfile(f, folder / f.name)
 
 
-__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "read_config", "save"]
+__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "save"]

@@ -11,6 +11,8 @@ transformers version reads.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from jaxpar.errors import JaxparError
@@ -111,6 +113,21 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
     if family == "gemma":
         fields.update(norm_offset=1.0, embed_scale=True)
     return TransformerConfig(**fields), arch
+
+
+def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
+    """``(TransformerConfig, architecture)`` of the Hugging Face folder ``path``."""
+    folder = Path(path)
+    file = folder / "config.json"
+    if not folder.is_dir():
+        raise JaxparError(f"{folder}: not a Hugging Face model folder")
+    if not file.is_file():
+        raise JaxparError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf = json.loads(file.read_text())
+    except ValueError as err:
+        raise JaxparError(f"{file}: not valid JSON ({err})") from None
+    return to_jaxpar(hf, str(file))
 
 
 def family_of(cfg: TransformerConfig) -> str:
