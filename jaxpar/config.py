@@ -374,15 +374,17 @@ def hf_folder(init_from: str) -> Path | None:
 
 def with_hf_model(config: Config) -> Config:
     """With ``init_from: hf:PATH``, the config whose ``model`` section is the model of
-    ``PATH/config.json`` (architecture and sizes; the YAML's model fields are replaced);
-    any other config unchanged. A missing folder is left for the validator to report."""
+    ``PATH/config.json`` (architecture and sizes replace the YAML's; how attention is
+    computed, ``model.attention``, stays the YAML's); any other config unchanged. A
+    missing folder is left for the validator to report."""
     folder = hf_folder(config.init_from)
     if folder is None or not (folder / "config.json").is_file():
         return config
     if config.model.factory:
         raise JaxparError(f"init_from={config.init_from!r} loads into jaxpar's decoder; it "
                           f"cannot initialise model.factory={config.model.factory!r}")
-    from jaxpar.hf.families import read_config
+    from jaxpar.hf.families import read_config, runtime_fields
 
     hf_model, _ = read_config(folder)
-    return dataclasses.replace(config, model=ModelConfig(**vars(hf_model)))
+    fields = {**vars(hf_model), **runtime_fields(config.model)}
+    return dataclasses.replace(config, model=ModelConfig(**fields))

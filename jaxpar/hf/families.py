@@ -130,6 +130,16 @@ def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
     return to_jaxpar(hf, str(file))
 
 
+RUNTIME_FIELDS = ("init_std", "attention", "attention_block")
+"""Decoder fields that say how to initialise or compute, not what the model is; a
+Hugging Face config neither has nor needs them."""
+
+
+def runtime_fields(cfg: TransformerConfig) -> dict[str, Any]:
+    """``cfg``'s :data:`RUNTIME_FIELDS`."""
+    return {k: getattr(cfg, k) for k in RUNTIME_FIELDS}
+
+
 def family_of(cfg: TransformerConfig) -> str:
     """The architecture a jaxpar decoder config is saved as: the one family whose options
     it uses (Llama when it uses none)."""
@@ -193,6 +203,6 @@ def to_hf(cfg: TransformerConfig, architecture: str | None = None,
                            original_max_position_embeddings=cfg.rope_original_max_len)
         hf["rope_scaling"] = scaling
     back, _ = to_jaxpar(hf, "generated config")
-    if dataclasses.replace(back, init_std=cfg.init_std) != cfg:
+    if dataclasses.replace(back, **runtime_fields(cfg)) != cfg:
         raise JaxparError(f"{arch} cannot express this decoder config exactly")
     return hf

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import attention as attention_lib
 from jaxpar import pipeline as pipeline_lib
 from jaxpar import remat as remat_lib
 from jaxpar.errors import JaxparError
@@ -57,6 +58,9 @@ class TransformerConfig:
     ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
     ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
     the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
+    ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``; see
+    :mod:`jaxpar.attention`), ``attention_block`` the key block of ``chunked``. These two
+    change how attention is computed, not what: any value gives the same model.
     """
 
     vocab_size: int = 256
@@ -82,6 +86,8 @@ class TransformerConfig:
     embed_scale: bool = False
     mlp_activation: str = "silu"
     sliding_window: int = 0
+    attention: str = "auto"
+    attention_block: int = 512
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -103,6 +109,12 @@ class TransformerConfig:
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise JaxparError(f"model.mlp_activation={self.mlp_activation!r}: choose one of "
                               f"{list(MLP_ACTIVATIONS)}")
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise JaxparError(f"model.attention={self.attention!r}: choose one of "
+                              f"{list(attention_lib.IMPLEMENTATIONS)}")
+        if self.attention_block < 1:
+            raise JaxparError(f"model.attention_block={self.attention_block}: must be at "
+                              "least 1")
         if self.sliding_window < 0:
             raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
                               "or a positive number of tokens")
@@ -215,19 +227,6 @@ def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: 
     return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) -> jax.Array:
-    """Causal attention through ``jax.nn.dot_product_attention`` (fused kernels on GPU);
-    ``window`` > 0 limits each query to itself and the ``window - 1`` keys before it."""
-    local = (window - 1, 0) if window else None
-    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
-        f32 = lambda t: t.astype(jnp.float32)
-        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True,
-                                           local_window_size=local)
-        return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
-
-
 class Attention(nnx.Module):
     """Grouped-query causal self-attention, head-parallel under tensor parallelism.
 
@@ -251,6 +250,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
             self.k_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.window = cfg.sliding_window
+        self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         q, k = self.wq(x), self.wk(x)
@@ -259,7 +259,8 @@ class Attention(nnx.Module):
         q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = _attention(q, k, v, self.window)
+        o = attention_lib.attention(q, k, v, implementation=self.implementation,
+                                    window=self.window, block=self.block)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
