@@ -6,7 +6,12 @@ GPUs, bf16/fp16). ``chunked``: blockwise attention in plain JAX for any backend:
 values are visited ``block`` at a time with an online softmax (running max and sum), and
 the backward pass (a ``custom_vjp``) recomputes each block's probabilities from the saved
 log-sum-exp instead of storing them, so memory grows with ``seq x block`` rather than
-``seq x seq``. ``auto`` picks cuDNN on a GPU for half precision, else ``xla``.
+``seq x seq``. ``splash``: the Pallas TPU splash-attention kernel (block-sparse flash
+attention that skips the blocks the causal or window mask hides), in tiles of ``block``
+rounded to a multiple of 128; under a plan it runs per shard inside ``shard_map``, split
+over batch and heads as the activation rules say (sequence and head_dim must not be split).
+Off TPU it runs in Pallas interpret mode: exact but slow, for tests. ``auto`` picks splash
+on a TPU, cuDNN on a GPU for half precision, else ``xla``.
 
 All take queries ``(batch, seq, heads, head_dim)`` and keys/values ``(batch, seq,
 kv_heads, head_dim)`` (grouped-query attention when ``kv_heads < heads``) and an optional
@@ -16,15 +21,22 @@ sliding ``window`` (a query sees itself and the ``window - 1`` keys before it).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.plan import current_plan
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "chunked")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "chunked", "splash")
 DEFAULT_BLOCK = 512
-"""Keys and values per block of the chunked implementation."""
+"""Keys and values per block of the chunked implementation (and the splash tile)."""
+SPLASH_TILE = 128
+"""Splash attention's tiles along the sequence are multiples of this (TPU lanes)."""
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 
 
 def resolve(implementation: str, dtype: jnp.dtype) -> str:
@@ -34,8 +46,11 @@ def resolve(implementation: str, dtype: jnp.dtype) -> str:
                           f"{list(IMPLEMENTATIONS)}")
     if implementation != "auto":
         return implementation
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    return "cudnn" if backend == "gpu" and half else "xla"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
@@ -44,6 +59,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str =
     kind = resolve(implementation, q.dtype)
     if kind == "chunked":
         return chunked_attention(q, k, v, window=window, block=block)
+    if kind == "splash":
+        return splash_attention(q, k, v, window=window, block=block)
     local = (window - 1, 0) if window else None
     if kind == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
@@ -158,3 +175,108 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int =
     if q.shape[2] % k.shape[2]:
         raise JaxparError(f"{q.shape[2]} query heads do not group over {k.shape[2]} kv heads")
     return _chunked(q, k, v, int(window), int(min(block, k.shape[1])))
+
+
+# --- splash (Pallas TPU kernel, shard_map over batch and heads) ---------------------------
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
+                     block: int = DEFAULT_BLOCK, interpret: bool | None = None) -> jax.Array:
+    """Causal attention by the Pallas splash-attention kernel.
+
+    The sequence is zero-padded to a multiple of 128 (padded keys lie after every real
+    query, so the causal mask hides them; padded queries are dropped) and tiled by the
+    largest multiple of 128 up to ``block`` that divides it. Each example runs the kernel
+    on ``(heads, seq, head_dim)`` (``jax.vmap`` over the batch); grouped-query attention
+    is the kernel's own (query head ``i`` reads kv head ``i // (heads / kv_heads)``).
+
+    Under an active plan the kernel runs inside ``jax.shard_map`` over the plan's mesh,
+    each device on its own batch and head slice, as ``plan.act_spec`` lays out
+    ``("batch", "seq", "heads", "head_dim")`` (and ``kv_heads`` for keys and values); a
+    plan that splits the sequence or head_dim is an error. If the kv heads are not split
+    like the query heads (too few to divide), they are repeated until they are.
+
+    ``interpret``: run the kernel in Pallas interpret mode; default: off a TPU only.
+    """
+    n, kvh = q.shape[2], k.shape[2]
+    if n % kvh:
+        raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    local = functools.partial(_splash_local, window=int(window), block=int(block),
+                              interpret=bool(interpret))
+    plan = current_plan()
+    if plan is None:
+        return local(q, k, v)
+    qspec = plan.act_spec(Q_NAMES, shape=q.shape, path="attention queries")
+    kspec = plan.act_spec(KV_NAMES, shape=k.shape, path="attention keys")
+    for spec, what in ((qspec, "queries"), (kspec, "keys and values")):
+        split = [f"{name} over {spec[d]}" for d, name in ((1, "seq"), (3, "head_dim"))
+                 if spec[d] is not None]
+        if split:
+            raise JaxparError(
+                f"model.attention='splash' cannot split attention {what} along "
+                f"{' and '.join(split)}: the kernel needs whole sequences and whole heads "
+                "on each device; map 'seq' and 'head_dim' to no mesh axes in the activation "
+                "rules, or choose another model.attention")
+    batch, heads = qspec[0], qspec[2]
+    if kspec[2] != heads:  # kv heads split differently: repeat until they split alike
+        k, v = _repeat_kv(k, v, n, _axes_size(plan.mesh, heads))
+    spec = PartitionSpec(batch, None, heads, None)
+    q, k, v = (plan.place(x, plan.sharding(spec)) for x in (q, k, v))  # explicit meshes
+    # check_vma=False: the kernel's pallas_call does not declare how its outputs vary.
+    shard = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec),
+                          out_specs=spec, check_vma=False)
+    return shard(q, k, v)
+
+
+def _axes_size(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def _repeat_kv(k: jax.Array, v: jax.Array, n: int, shards: int):
+    """Repeat each kv head ``r`` times, ``r`` the least divisor of the group size that
+    makes the kv heads divisible by ``shards``; query head ``i`` still reads its own kv
+    head (now number ``i // (group / r)``)."""
+    kvh = k.shape[2]
+    group = n // kvh
+    r = next(r for r in range(1, group + 1) if group % r == 0 and (kvh * r) % shards == 0)
+    return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+
+
+def _splash_tile(padded: int, block: int) -> int:
+    """The largest multiple of 128 that is at most ``max(block, 128)`` and divides
+    ``padded`` (itself a multiple of 128)."""
+    units = padded // SPLASH_TILE
+    most = max(block // SPLASH_TILE, 1)
+    return SPLASH_TILE * max(d for d in range(1, min(units, most) + 1) if units % d == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if window:
+        mask = sa.LocalMask((padded, padded), window_size=(window - 1, 0), offset=0)
+    else:
+        mask = sa.CausalMask((padded, padded))
+    sizes = sa.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile,
+                          block_q_dkv=tile, block_kv_dkv=tile, block_kv_dkv_compute=tile,
+                          block_q_dq=tile, block_kv_dq=tile)
+    with jax.ensure_compile_time_eval():  # the mask tables are constants, even mid-trace
+        return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash_local(q, k, v, *, window: int, block: int, interpret: bool):
+    """Splash attention on (this device's) ``(batch, seq, heads, head_dim)`` arrays."""
+    s, n, h = q.shape[1:]
+    padded = -(-s // SPLASH_TILE) * SPLASH_TILE
+    kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret)
+
+    def heads_major(x):  # (b, s, k, h) -> (b, k, padded, h)
+        return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).swapaxes(1, 2)
+
+    q = q * jnp.asarray(h ** -0.5, q.dtype)
+    out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v))
+    return out.swapaxes(1, 2)[:, :s]

@@ -1,6 +1,10 @@
 """Attention implementations against ``jax.nn.dot_product_attention``'s XLA lowering: the
 chunked (online-softmax, custom-gradient) one in forward and gradients, alone and inside the
-reference model under sharding, and its compiled temporary memory at a long sequence."""
+reference model under sharding, and its compiled temporary memory at a long sequence; the
+splash (Pallas TPU) kernel, run here in Pallas interpret mode, alone, inside ``shard_map``
+over a mesh (each device on its batch and head slice) and inside the sharded model."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +13,11 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.attention import attention, chunked_attention, resolve
+from jaxpar import attention as attention_lib
+from jaxpar.attention import attention, chunked_attention, resolve, splash_attention
 from jaxpar.errors import JaxparError
 from jaxpar.models.transformer import Transformer, TransformerConfig
+from jaxpar.rules import Rules
 
 
 def _qkv(b=2, s=37, n=4, kv=2, h=16, seed=0):
@@ -43,23 +49,27 @@ def test_chunked_equals_xla_forward_and_gradients(window, block):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
-def test_chunked_inside_the_sharded_model_equals_xla():
-    base = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                             d_ff=64, max_seq_len=32, attention="xla")
+@functools.cache
+def _sharded_model_loss_and_grads(impl):
+    """Loss and gradients of a small model on fsdp=4 x tensor=2 with ``impl`` attention."""
+    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                            d_ff=64, max_seq_len=32, attention=impl, attention_block=8)
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 4, "tensor": 2}), "fsdp_tp")
     tokens = jax.random.randint(jax.random.key(1), (4, 25), 0, 64)
-    results = []
-    for impl in ("xla", "chunked"):
-        cfg = TransformerConfig(**{**vars(base), "attention": impl, "attention_block": 8})
-        model = jaxpar.init_sharded(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
-        graphdef, params = nnx.split(model, nnx.Param)
+    model = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
+    graphdef, params = nnx.split(model, nnx.Param)
 
-        def loss(params, graphdef=graphdef):
-            return jaxpar.train.lm_loss(nnx.merge(graphdef, params), tokens)
+    def loss(params):
+        return jaxpar.train.lm_loss(nnx.merge(graphdef, params), tokens)
 
-        with plan.activate(mesh_context=True):
-            results.append(jax.jit(jax.value_and_grad(loss))(params))
-    (loss_x, grads_x), (loss_c, grads_c) = results
+    with plan.activate(mesh_context=True):
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("blockwise", ["chunked", "splash"])
+def test_blockwise_inside_the_sharded_model_equals_xla(blockwise):
+    loss_x, grads_x = _sharded_model_loss_and_grads("xla")
+    loss_c, grads_c = _sharded_model_loss_and_grads(blockwise)
     np.testing.assert_allclose(loss_c, loss_x, rtol=1e-6)
     for gx, gc in zip(jax.tree.leaves(grads_x), jax.tree.leaves(grads_c), strict=True):
         np.testing.assert_allclose(gc, gx, atol=1e-6, rtol=1e-4)
@@ -80,10 +90,110 @@ def test_chunked_lowers_temporary_memory_at_seq_2048():
     assert chunked < xla / 4, (chunked, xla)
 
 
-def test_implementation_choice():
+def test_implementation_choice(monkeypatch):
     assert resolve("auto", jnp.float32) == "xla"  # on this CPU backend
     assert resolve("chunked", jnp.float32) == "chunked"
+    assert resolve("splash", jnp.bfloat16) == "splash"
+    TransformerConfig(attention="splash")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve("auto", jnp.bfloat16) == resolve("auto", jnp.float32) == "splash"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve("auto", jnp.bfloat16) == "cudnn"
+    assert resolve("auto", jnp.float32) == "xla"
     with pytest.raises(JaxparError, match="model.attention='flash'"):
         resolve("flash", jnp.float32)
     with pytest.raises(JaxparError, match="model.attention='flash'"):
         TransformerConfig(attention="flash")
+
+
+# --- splash (Pallas kernel; interpret mode on this CPU backend) ---------------------------
+def _xla_and(impl, q, k, v, ct, **kw):
+    """Forward outputs and (dq, dk, dv) of XLA's attention and of ``impl``, jitted."""
+    def run(impl):
+        def f(q, k, v):
+            out = attention(q, k, v, implementation=impl, **kw)
+            return jnp.sum(out * ct), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return run("xla"), run(impl)
+
+
+def _assert_same(got, want):
+    (_, got), got_grads = got
+    (_, want), want_grads = want
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for g, w, name in zip(got_grads, want_grads, "qkv", strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+# Shapes: (batch, seq, heads, kv_heads, head_dim), window, block. Seq 200 and 130 are padded
+# to 256 (two 128-tiles: the causal block skipping is exercised); block 512 on 256 -> 256.
+@pytest.mark.parametrize("shape,window,block", [
+    ((1, 200, 4, 2, 8), 0, 128),    # GQA, padded, two tiles
+    ((1, 256, 2, 1, 8), 50, 128),   # MQA-like (one kv head), sliding window across tiles
+    ((2, 130, 2, 2, 8), 0, 512),    # MHA, batch 2, padded, one 256 tile
+], ids=["gqa-pad", "window", "mha-bigblock"])
+def test_splash_equals_xla_forward_and_gradients(shape, window, block):
+    b, s, n, kv, h = shape
+    q, k, v, ct = _qkv(b, s, n, kv, h)
+    want, got = _xla_and("splash", q, k, v, ct, window=window, block=block)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("kv_heads,explicit", [(2, False), (1, True)],
+                         ids=["kv-split-like-heads", "kv-repeated-explicit-mesh"])
+def test_splash_in_shard_map_splits_batch_and_heads(monkeypatch, kv_heads, explicit):
+    """Under a plan each device runs the kernel on its own batch and head slice: batch 4
+    over fsdp=4, 4 query heads over tensor=2; one kv head (too few to split) is repeated."""
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2}, explicit=explicit)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    q, k, v, ct = _qkv(4, 140, 4, kv_heads, 8)
+    local_shapes = []
+    inner = attention_lib._splash_local
+
+    def spy(q, k, v, **kw):
+        local_shapes.append((q.shape, k.shape, v.shape))
+        return inner(q, k, v, **kw)
+
+    monkeypatch.setattr(attention_lib, "_splash_local", spy)
+    with plan.activate(mesh_context=True):
+        want, got = _xla_and("splash", q, k, v, ct, window=30, block=128)
+    _assert_same(got, want)
+    out_spec = plan.act_spec(("batch", "seq", "heads", "head_dim"))
+    assert got[0][1].sharding.is_equivalent_to(plan.sharding(out_spec), 4)
+    assert set(local_shapes) == {((1, 140, 2, 8), (1, 140, 1, 8), (1, 140, 1, 8))}
+
+
+def test_splash_without_a_plan_does_not_shard(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax, "shard_map", lambda *a, **kw: calls.append(a))
+    q, k, v, _ = _qkv(1, 128, 2, 1, 8)
+    out = jax.eval_shape(lambda q, k, v: splash_attention(q, k, v), q, k, v)
+    assert out.shape == q.shape and not calls
+
+
+@pytest.mark.parametrize("rule,message", [
+    (("seq", "fsdp"), "queries along seq over fsdp"),
+    (("head_dim", "tensor"), "queries along head_dim over tensor"),
+], ids=["seq", "head_dim"])
+def test_splash_refuses_a_split_sequence_or_head_dim(rule, message):
+    _, acts = jaxpar.rules.preset("fsdp_tp")
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 4, "tensor": 2}), "fsdp_tp")
+    plan = plan.replace(act_rules=Rules([rule, *acts.rules]))
+    q, k, v, _ = _qkv(4, 128, 4, 2, 8)
+    with plan.activate(), pytest.raises(JaxparError, match=message):
+        jax.eval_shape(lambda q, k, v: attention(q, k, v, implementation="splash"), q, k, v)
+
+
+def test_splash_tiles_and_interpret_default(monkeypatch):
+    tile = attention_lib._splash_tile
+    assert (tile(128, 512), tile(256, 512), tile(384, 512), tile(1024, 512)) == (
+        128, 256, 384, 512)
+    assert tile(640, 512) == 128 and tile(1024, 100) == 128  # 640 = 5 x 128
+    seen = []
+    monkeypatch.setattr(attention_lib, "_splash_local",
+                        lambda q, k, v, **kw: seen.append(kw["interpret"]) or q)
+    q, k, v, _ = _qkv(1, 128, 2, 1, 8)
+    splash_attention(q, k, v)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    splash_attention(q, k, v)
+    assert seen == [True, False]  # interpret mode off a TPU only
