@@ -45,7 +45,11 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``.
 
     The model is called as ``model(tokens[:, :-1])`` and must return logits
-    ``(batch, seq, vocab)``, one row per input position.
+    ``(batch, seq, vocab)``, one row per input position. A model may instead compute the
+    loss its own, memory-efficient way: when it has a ``next_token_loss(tokens)`` method
+    that returns a scalar (rather than None), that is the loss (the reference
+    :class:`~jaxpar.models.Transformer` does so with ``model.loss_chunk > 0``, never
+    materialising the full logits; see :mod:`jaxpar.loss`).
 
     Raises:
       JaxparError: when the batch is not a 2-D array of token ids, the model's ``__call__``

@@ -20,6 +20,7 @@ MODELS = {
     "A": "vocab_size=256 d_model=64 n_layers=2 n_heads=8 n_kv_heads=4 d_ff=128",
     "B": "vocab_size=512 d_model=128 n_layers=2 n_heads=8 n_kv_heads=8 d_ff=512",
     "C": "vocab_size=1024 d_model=256 n_layers=2 n_heads=8 n_kv_heads=8 d_ff=1024",
+    "V": "vocab_size=16384 d_model=64 n_layers=2 n_heads=8 n_kv_heads=4 d_ff=128",
 }
 MIXED = "plan.precision=p=f32,c=bf16,o=f32"
 # (model, plan overrides): DP, FSDP, ZeRO 1-3, Megatron TP, FSDP x TP, remat none/full,
@@ -39,18 +40,40 @@ PLANS = {
 }
 
 
-def _config(name: str) -> jaxpar.Config:
-    model, knobs = PLANS[name]
+# Where flash-style attention and the chunked loss matter: a long sequence, a large
+# vocabulary (model V). Each: (model, global batch, seq, overrides).
+CHUNKED = {
+    "A_dp_chunked_attention_seq512": (
+        "A", 8, 512, "mesh.data=8 plan.rules=dp model.attention=chunked "
+        "model.attention_block=64"),
+    "A_fsdp_tp_chunked_attention_seq256": (
+        "A", 16, 256, "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 model.attention=chunked "
+        "model.attention_block=32"),
+    "V_dp_full_logits": ("V", BATCH, SEQ, "mesh.data=8 plan.rules=dp"),
+    "V_dp_loss_chunk32": ("V", BATCH, SEQ, "mesh.data=8 plan.rules=dp model.loss_chunk=32"),
+}
+
+
+def _make(model: str, batch: int, seq: int, knobs: str) -> jaxpar.Config:
     return jaxpar.load_config(None, [
         *(f"model.{kv}" for kv in MODELS[model].split()), *knobs.split(),
-        f"train.global_batch={BATCH}", f"train.seq_len={SEQ}", f"model.max_seq_len={SEQ}",
+        f"train.global_batch={batch}", f"train.seq_len={seq}", f"model.max_seq_len={seq}",
         "train.steps=5", "train.warmup_steps=1"])
+
+
+def _config(name: str) -> jaxpar.Config:
+    if name in CHUNKED:
+        return _make(*CHUNKED[name])
+    model, knobs = PLANS[name]
+    return _make(model, BATCH, SEQ, knobs)
 
 
 def measured(name: str) -> dict:
     """Compile (never run) the train step of plan ``name``; XLA's memory and collectives."""
-    trainer = build_trainer(_config(name))
-    compiled = trainer.lower(loader(BATCH, SEQ).batch(0)).compile()
+    config = _config(name)
+    trainer = build_trainer(config)
+    batch = loader(config.train.global_batch, config.train.seq_len).batch(0)
+    compiled = trainer.lower(batch).compile()
     return {"memory": memory_stats(compiled),
             "collectives": collective_table(compiled.as_text(), trainer.plan.mesh)}
 
@@ -77,6 +100,37 @@ def test_memory_and_collectives_match_xla(devices, name):
     for kind in ("all-reduce", "all-gather", "reduce-scatter"):
         assert predicted_kinds.get(kind, 0) == pytest.approx(measured_kinds.get(kind, 0),
                                                              rel=0.10), kind
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_chunked_attention_and_loss_memory_match_xla(devices, name):
+    """The same tolerance for chunked attention at long sequences and the chunked loss (and
+    the full logits it replaces) at a large vocabulary."""
+    m = measured(name)["memory"]
+    p = predict(_config(name), 8, backend="cpu")["memory"]
+    assert p["argument_bytes"] + p["temp_bytes"] == pytest.approx(
+        m["argument_bytes"] + m["temp_bytes"], rel=0.10)
+
+
+def test_flash_attention_and_loss_chunk_shrink_predicted_memory():
+    def memory(model, seq, knobs, backend="cpu"):
+        return predict(_make(model, 8, seq, f"mesh.data=8 plan.rules=dp {knobs}"), 8,
+                       backend=backend)["memory"]
+
+    xla = memory("A", 2048, "model.attention=xla")
+    chunked = memory("A", 2048, "model.attention=chunked model.attention_block=128")
+    assert chunked["temp_bytes"] < xla["temp_bytes"] / 4
+    assert chunked["activation_bytes"] < xla["activation_bytes"] / 4  # no seq x seq saved
+    # On a TPU ``auto`` is splash attention: flash-style too.
+    assert (memory("A", 2048, "", backend="tpu")["temp_bytes"]
+            < memory("A", 2048, "model.attention=xla", backend="tpu")["temp_bytes"] / 4)
+
+    flash = "model.attention=chunked model.attention_block=64"
+    full = memory("V", 256, flash)
+    chunk = memory("V", 256, f"{flash} model.loss_chunk=64")
+    assert chunk["temp_bytes"] < 0.6 * full["temp_bytes"]
+    # The loss dominates: 3 f32 (chunk, vocab) buffers per row against 2 of (seq, vocab).
+    assert chunk["working_bytes"] == pytest.approx(full["working_bytes"] * 3 * 64 / (2 * 256))
 
 
 def test_unknown_chip_lists_known_kinds():

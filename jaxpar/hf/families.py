@@ -130,7 +130,7 @@ def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
     return to_jaxpar(hf, str(file))
 
 
-RUNTIME_FIELDS = ("init_std", "attention", "attention_block")
+RUNTIME_FIELDS = ("init_std", "attention", "attention_block", "loss_chunk")
 """Decoder fields that say how to initialise or compute, not what the model is; a
 Hugging Face config neither has nor needs them."""
 

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import attention as attention_lib
+from jaxpar import loss as loss_lib
 from jaxpar import pipeline as pipeline_lib
 from jaxpar import remat as remat_lib
 from jaxpar.errors import JaxparError
@@ -58,9 +59,13 @@ class TransformerConfig:
     ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
     ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
     the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
-    ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``; see
+    ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``, ``splash``; see
     :mod:`jaxpar.attention`), ``attention_block`` the key block of ``chunked``. These two
     change how attention is computed, not what: any value gives the same model.
+    ``loss_chunk``: the default loss (:func:`jaxpar.train.lm_loss`, through
+    :meth:`Transformer.next_token_loss`) computes logits, softmax and their gradient this
+    many sequence positions at a time, never holding the full ``(batch, seq, vocab)``
+    logits (see :mod:`jaxpar.loss`); 0 materialises them. It too changes only how.
     """
 
     vocab_size: int = 256
@@ -88,6 +93,7 @@ class TransformerConfig:
     sliding_window: int = 0
     attention: str = "auto"
     attention_block: int = 512
+    loss_chunk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -115,6 +121,9 @@ class TransformerConfig:
         if self.attention_block < 1:
             raise JaxparError(f"model.attention_block={self.attention_block}: must be at "
                               "least 1")
+        if self.loss_chunk < 0:
+            raise JaxparError(f"model.loss_chunk={self.loss_chunk}: must be 0 (full logits) "
+                              "or a positive number of sequence positions")
         if self.sliding_window < 0:
             raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
                               "or a positive number of tokens")
@@ -387,8 +396,10 @@ class Transformer(nnx.Module):
             out = self.lm_head(x)
         return constrain(out, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
-        """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy."""
+    def hidden_states(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
+        """The decoder's output before the final norm: ``(batch, seq, embed)``.
+
+        ``block_fn`` defaults to the active plan's remat policy."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise JaxparError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
@@ -397,5 +408,41 @@ class Transformer(nnx.Module):
         if block_fn is None and (plan := current_plan()) is not None:
             block_fn = remat_lib.block_wrapper(plan.remat)
         x = self.embed_tokens(tokens, dtype)
-        x = self.apply_blocks(x, block_fn)
-        return self.logits(x)
+        return self.apply_blocks(x, block_fn)
+
+    def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
+        """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy."""
+        return self.logits(self.hidden_states(tokens, dtype=dtype, block_fn=block_fn))
+
+    def unembedding(self) -> loss_lib.Head | None:
+        """The output projection as :func:`jaxpar.loss.chunked_cross_entropy` takes it: the
+        kernel ``(embed, vocab)`` in its compute layout (the tied embedding transposed), the
+        head module itself when it is wrapped (LoRA, int8), or None when it cannot be
+        applied chunk by chunk (a LoRA head with active dropout would draw a new mask per
+        chunk)."""
+        if self.config.tie_embeddings:
+            return constrain(self.embed[...].T, ("embed", "vocab"))
+        head = self.lm_head
+        if type(head) is nnx.Linear and not head.use_bias:
+            return constrain(head.kernel[...], ("embed", "vocab"))
+        if getattr(head, "dropout", 0) > 0 and not getattr(head, "deterministic", True):
+            return None
+        return head
+
+    def next_token_loss(self, tokens: jax.Array) -> jax.Array | None:
+        """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
+        ``loss_chunk`` positions at a time (see :mod:`jaxpar.loss`), or None when
+        ``model.loss_chunk`` is 0 or the head cannot be chunked: the caller then uses the
+        full logits. :func:`jaxpar.train.lm_loss` calls it.
+
+        Logits are cast to the active plan's output dtype before the softmax, as the
+        full-logits loss does."""
+        chunk = self.config.loss_chunk
+        head = self.unembedding() if chunk else None
+        if head is None:
+            return None
+        plan = current_plan()
+        out_dtype = plan.precision.output if plan is not None else jnp.float32
+        x = self.final_norm(self.hidden_states(tokens[:, :-1]))
+        return loss_lib.chunked_cross_entropy(x, head, tokens[:, 1:], chunk=chunk,
+                                              dtype=out_dtype)

@@ -154,8 +154,24 @@ def _pipe_m(cand: Candidate, stages: int) -> int:
 
 
 # --- memory -------------------------------------------------------------------------------
-def saved_activation_bytes(spec: ModelSpec, loc: _Local, seq: int, remat: str, act: int
-                           ) -> float:
+FLASH_ATTENTION = ("chunked", "cudnn", "splash")
+"""Attention implementations that never hold a ``seq x seq`` score matrix: their backward
+pass recomputes scores from the saved output and log-sum-exp (see :mod:`jaxpar.attention`)."""
+
+
+def attention_kind(spec: ModelSpec, cand: Candidate, backend: str) -> str:
+    """The implementation ``spec.attention`` runs as (see :func:`jaxpar.attention.resolve`):
+    ``auto`` is splash on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's
+    (scores materialised) otherwise."""
+    if spec.attention != "auto":
+        return spec.attention
+    if backend == "tpu":
+        return "splash"
+    return "cudnn" if backend == "gpu" and _bytes(cand.precision) == 2 else "xla"
+
+
+def saved_activation_bytes(spec: ModelSpec, loc: _Local, seq: int, remat: str, act: int,
+                           attention: str = "xla") -> float:
     """Bytes per layer kept from the forward pass for the backward pass.
 
     Without remat, the tensors the backward of a Llama block reads (XLA keeps them, per
@@ -163,16 +179,21 @@ def saved_activation_bytes(spec: ModelSpec, loc: _Local, seq: int, remat: str, a
     attention output (``heads x head_dim`` each), k and v, and six ``d_model``- and six
     ``d_ff``-sized tensors (norm inputs and outputs, residual branches; gate, up, their
     activations and product). ``full`` keeps only the block input; the other policies
-    keep the matmul outputs they name.
+    keep the matmul outputs they name. Flash-style ``attention`` (:data:`FLASH_ATTENTION`)
+    keeps no score-sized tensor, only an f32 log-sum-exp per head.
     """
     d, h = spec.d_model, spec.head_dim
     n, k, f = loc.heads, loc.kv_heads, loc.d_ff
+    # Per token: what attention keeps beyond q, k, v and its output (f32 scores, and
+    # probabilities in the compute dtype; flash-style: one f32 log-sum-exp per head).
+    flash = attention in FLASH_ATTENTION
+    scores, probs = (n * 4, 0) if flash else (n * seq * 4, n * seq * act)
     if remat == "none":
-        per_token = n * seq * (4 + act) + act * (6 * f + 6 * d + 2 * n * h + 2 * k * h)
+        per_token = scores + probs + act * (6 * f + 6 * d + 2 * n * h + 2 * k * h)
     elif remat == "full":
         per_token = act * d
     elif remat in ("dots_saveable", "offload_dots"):
-        per_token = n * seq * 4 + act * (2 * n * h + 2 * k * h + 2 * d + 3 * f)
+        per_token = scores + act * (2 * n * h + 2 * k * h + 2 * d + 3 * f)
     elif remat == "dots_with_no_batch_dims_saveable":
         per_token = act * (2 * n * h + 2 * k * h + 2 * d + 3 * f)
     else:  # save_attention_and_mlp_outputs
@@ -182,18 +203,43 @@ def saved_activation_bytes(spec: ModelSpec, loc: _Local, seq: int, remat: str, a
     return per_token * loc.tokens
 
 
-def working_set_bytes(spec: ModelSpec, loc: _Local, seq: int, act: int) -> float:
-    """Transient bytes while one layer runs its backward pass, or while the loss runs.
+def layer_working_bytes(spec: ModelSpec, loc: _Local, seq: int, act: int,
+                        attention: str = "xla") -> float:
+    """Transient bytes while one layer runs its backward pass.
 
     Attention's backward holds score-sized (``heads x seq`` per token) f32 buffers: the
     recomputed softmax, its gradient and the logits' gradient, plus two more d_ff-sized
-    and several d_model-sized gradients; the loss holds the f32 logits, their softmax and
-    gradient (``vocab`` per token each).
+    and several d_model-sized gradients. Flash-style ``attention`` holds those for one key
+    block at a time (``heads x attention_block`` per token), plus f32 copies of q, the
+    output's gradient and the q, k, v gradients it accumulates.
     """
-    d = spec.d_model
-    attn = loc.tokens * (3 * loc.heads * seq * 4 + act * (4 * loc.d_ff + 8 * d))
-    loss = loc.tokens * 3 * loc.vocab * 4
-    return max(attn, loss)
+    d, h = spec.d_model, spec.head_dim
+    n, k = loc.heads, loc.kv_heads
+    if attention in FLASH_ATTENTION:
+        block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
+        score = 3 * n * block * 4 + 4 * (4 * n * h + 2 * k * h)
+    else:
+        score = 3 * n * seq * 4
+    return loc.tokens * (score + act * (4 * loc.d_ff + 8 * d))
+
+
+def loss_working_bytes(spec: ModelSpec, loc: _Local, seq: int) -> float:
+    """Transient bytes of the loss and its gradient: f32 logits and their gradient
+    (``vocab`` per token each) for every token; with ``loss_chunk``, for ``loss_chunk``
+    positions of each sequence at a time, plus the chunk's softmax (the gradient of a
+    recomputed chunk does not reuse its logits' buffer; measured on XLA:CPU)."""
+    if spec.loss_chunk:
+        return loc.seqs * min(spec.loss_chunk, seq) * 3 * loc.vocab * 4
+    return loc.tokens * 2 * loc.vocab * 4
+
+
+def working_set_bytes(spec: ModelSpec, loc: _Local, seq: int, act: int,
+                      attention: str = "xla") -> float:
+    """Transient bytes while one layer runs its backward pass, or while the loss runs
+    (the larger: they never coexist); see :func:`layer_working_bytes` and
+    :func:`loss_working_bytes`."""
+    return max(layer_working_bytes(spec, loc, seq, act, attention),
+               loss_working_bytes(spec, loc, seq))
 
 
 def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
@@ -215,13 +261,16 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     stages = lay.sizes.get("stage", 1)
     if spec.is_transformer:
         layers = spec.n_layers / stages
-        saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act)
+        attention = attention_kind(spec, cand, backend)
+        saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention)
         if stages > 1:  # the pipeline keeps every in-flight microbatch's activations
             saved *= min(_pipe_m(cand, stages), stages)
         # XLA:CPU runs bf16 matmuls in f32, so its transients are f32 whatever the policy.
-        work = working_set_bytes(spec, loc, seq, 4 if backend == "cpu" else c)
+        layer_work = layer_working_bytes(spec, loc, seq, 4 if backend == "cpu" else c,
+                                         attention)
+        loss_work = loss_working_bytes(spec, loc, seq)
     else:
-        saved = work = 0.0
+        saved = layer_work = loss_work = 0.0
     # Gradients: the backward pass accumulates them in the compute layout (f32 on CPU,
     # compute dtype elsewhere); with gradient accumulation an f32 running sum as well.
     grads = lay.total("compute") * (4 if backend == "cpu" else c)
@@ -229,7 +278,11 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         grads += base * 4
     # The update: clipped gradients and Adam's new moments in the optimizer's layout.
     update = opt_elems * 4
-    temp = grads + saved + work + update
+    # The loss runs first in the backward pass and the update after it, so the update's
+    # buffers never meet the loss's working set (counting them with a layer's is the
+    # calibrated approximation).
+    work = max(layer_work, loss_work)
+    temp = grads + saved + max(layer_work + update, loss_work)
     argument = params + master + opt + batch
     return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
             "batch_bytes": batch, "grad_bytes": grads, "activation_bytes": saved,

@@ -41,7 +41,12 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Parameters plus the transformer sizes (zero for a generic model)."""
+    """Parameters plus the transformer sizes (zero for a generic model).
+
+    ``attention``, ``attention_block`` and ``loss_chunk`` say how the transformer computes
+    attention and the loss (the :class:`~jaxpar.models.TransformerConfig` fields of those
+    names), which sets how much of its memory grows with ``seq x seq`` and ``seq x vocab``.
+    """
 
     tensors: tuple[Tensor, ...]
     n_layers: int = 0
@@ -53,6 +58,9 @@ class ModelSpec:
     vocab_size: int = 0
     tie_embeddings: bool = False
     name: str = "model"
+    attention: str = "auto"
+    attention_block: int = 512
+    loss_chunk: int = 0
 
     @property
     def n_params(self) -> int:
@@ -105,7 +113,8 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
     if not cfg.tie_embeddings:
         tensors.append(Tensor("lm_head/kernel", (d, v), ("embed", "vocab")))
     return ModelSpec(tuple(tensors), L, d, n, k, h, f, v, cfg.tie_embeddings,
-                     name=f"transformer d{d} L{L}")
+                     name=f"transformer d{d} L{L}", attention=cfg.attention,
+                     attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk)
 
 
 def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
