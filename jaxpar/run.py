@@ -34,6 +34,7 @@ from jaxpar.data import TokenLoader, load_tokens, split_holdout
 from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.interrupts import StopOnSignal
 from jaxpar.monitor import ProfileWindow
+from jaxpar.prefetch import Prefetcher
 from jaxpar.runlog import RunLog
 from jaxpar.train import Trainer
 
@@ -161,6 +162,53 @@ def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
                           "to continue that run, or choose another --out")
 
 
+class _Window:
+    """The metrics of the steps dispatched since the last fetch, still on the devices.
+
+    The loop fetches them only when it has to look (a logged step, a checkpoint, an
+    evaluation, a stop): one wait for the whole window rather than one per step. Each
+    step's time is the window's wall time over its steps, so tokens/s is measured over the
+    interval the devices actually worked, compilation included in the first window.
+    """
+
+    LIMIT = 1000
+    """Steps kept unfetched at most (bounds host memory of a run with a huge log_every)."""
+
+    def __init__(self, log: RunLog, guard: bool, ckpt: Checkpointer | None):
+        self.log, self.guard, self.ckpt = log, guard, ckpt
+        self.pending: list[Any] = []
+        self.since = time.perf_counter()
+
+    def add(self, metrics: dict[str, jax.Array]) -> None:
+        self.pending.append(metrics)
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) >= self.LIMIT
+
+    def fetch(self, last_step: int) -> list[dict[str, Any]]:
+        """The window's rows (steps ``last_step - len + 1 .. last_step``), host numbers.
+
+        Raises:
+          NonFiniteLoss: at the first step whose loss or gradient norm is not finite
+            (without fp16 loss scaling), before anything after it is saved.
+        """
+        values = jax.device_get(self.pending)
+        now = time.perf_counter()
+        each = (now - self.since) / len(values)
+        self.pending, self.since = [], now
+        rows = []
+        for offset, got in enumerate(values):
+            row = {k: float(v) for k, v in got.items()}
+            row["step"] = last_step - len(values) + 1 + offset
+            row = self.log.enrich(row, each)
+            if self.guard and not (math.isfinite(row["loss"])
+                                   and math.isfinite(row.get("grad_norm", 0.0))):
+                raise _non_finite(row, self.ckpt)
+            rows.append(row)
+        return rows
+
+
 def _non_finite(metrics: dict[str, Any], ckpt: Checkpointer | None) -> NonFiniteLoss:
     step, loss = metrics["step"], metrics["loss"]
     what = (f"the loss is {loss}" if not math.isfinite(loss)
@@ -248,34 +296,46 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
             end = config.train.steps
             if max_steps is not None:
                 end = min(end, trainer.step_count + max_steps)
-            bar = tqdm(range(trainer.step_count, end), desc="train",
-                       disable=not (progress and is_writer), dynamic_ncols=True)
-            for step in bar:
-                profile.before_step(step)
-                start = time.perf_counter()
-                metrics = trainer.step(loader.batch(step))
-                profile.after_step(step, trainer.state)
-                metrics = log.enrich(metrics, time.perf_counter() - start)
-                if guard and not (math.isfinite(metrics["loss"])
-                                  and math.isfinite(metrics.get("grad_norm", 0.0))):
-                    raise _non_finite(metrics, ckpt)
-                if ckpt is not None:
-                    blocked = ckpt.save(trainer, config=config,
-                                        force=trainer.step_count == end)
-                    if blocked is not None:
-                        metrics["checkpoint_block_s"] = blocked
-                if holdout is not None and (trainer.step_count % config.train.eval_every == 0
-                                            or trainer.step_count == end):
-                    metrics["eval_loss"] = evaluate(trainer, holdout,
-                                                    config.train.eval_batches)
-                history.append(metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                                tok_s=f"{metrics['tokens_per_s']:,.0f}",
-                                step_s=f"{metrics['step_time_s']:.3f}")
-                if log.due(step, step == end - 1, metrics):
-                    log.write(metrics)
-                if stop.agreed(jax.process_count()) and trainer.step_count < end:
-                    raise _stopped(stop, trainer, ckpt, config)
+            begin = trainer.step_count
+            bar = tqdm(total=end - begin, desc="train", dynamic_ncols=True,
+                       disable=not (progress and is_writer))
+            batches = Prefetcher(lambda i: trainer.global_batch(loader.batch(i)), begin, end)
+            window = _Window(log, guard, ckpt)
+            try:
+                for step, batch in batches:
+                    profile.before_step(step)
+                    window.add(trainer.step_async(batch))
+                    profile.after_step(step, trainer.state)
+                    bar.update(1)
+                    done = trainer.step_count
+                    save = ckpt is not None and (ckpt.due(done) or done == end)
+                    evaluate_now = holdout is not None and (
+                        done % config.train.eval_every == 0 or done == end)
+                    stopping = stop.agreed(jax.process_count()) and done < end
+                    if not (save or evaluate_now or stopping or window.full
+                            or log.due(step, step == end - 1, {})):
+                        continue
+                    rows = window.fetch(done)  # waits for the steps in flight
+                    last = rows[-1]
+                    if save:
+                        blocked = ckpt.save(trainer, config=config, force=done == end)
+                        if blocked is not None:
+                            last["checkpoint_block_s"] = blocked
+                    if evaluate_now:
+                        last["eval_loss"] = evaluate(trainer, holdout,
+                                                     config.train.eval_batches)
+                    for row in rows:
+                        history.append(row)
+                        if log.due(row["step"] - 1, row["step"] == end, row):
+                            log.write(row)
+                    bar.set_postfix(loss=f"{last['loss']:.4f}",
+                                    tok_s=f"{last['tokens_per_s']:,.0f}",
+                                    step_s=f"{last['step_time_s']:.3f}")
+                    if stopping:
+                        raise _stopped(stop, trainer, ckpt, config)
+            finally:
+                batches.close()
+                bar.close()
         finally:
             profile.close()
             if log is not None:

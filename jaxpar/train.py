@@ -63,6 +63,9 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
                 else type(tokens).__name__)
         raise JaxparError(f"the default loss (next-token cross-entropy) takes token ids shaped "
                           f"(batch, seq + 1), got a batch of {what}; {_CUSTOM_LOSS}")
+    own = getattr(model, "next_token_loss", None)
+    if callable(own) and (loss := own(tokens)) is not None:
+        return loss
     inputs = tokens[:, :-1]
     try:
         inspect.signature(model.__call__).bind(inputs)
@@ -147,9 +150,8 @@ class Trainer:
             frozen = jax.device_put(frozen, frozen_sh)
             opt_sh = self._opt_shardings(master, master_sh)
             opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(master)
-        self.state: dict[str, Any] = {"frozen": frozen, "opt_state": opt_state,
-                                      "step": jax.device_put(jnp.zeros((), jnp.int32),
-                                                             plan.replicated)}
+        self.state = {"frozen": frozen, "opt_state": opt_state,
+                      "step": jax.device_put(jnp.zeros((), jnp.int32), plan.replicated)}
         self.state_shardings: dict[str, Any] = {"frozen": frozen_sh, "opt_state": opt_sh,
                                                 "step": plan.replicated}
         if self.policy.mixed:
@@ -163,6 +165,7 @@ class Trainer:
             self.state["loss_scale"] = jax.device_put(self.loss_scale.init(), plan.replicated)
             self.state_shardings["loss_scale"] = plan.replicated
         self._compiled: dict[Any, tuple[Callable, Callable, Callable]] = {}
+        self._host_step: int | None = 0
 
     def batch_shardings(self, batch: Batch) -> Any:
         """The sharding of each leaf of a (global) batch like ``batch``."""
@@ -358,13 +361,24 @@ class Trainer:
         with self.plan.activate(mesh_context=True):
             return self._steps(batch)[0].lower(self.state, batch)
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimisation step on this process's rows of the batch; returns its metrics."""
+    def step_async(self, batch: Batch) -> dict[str, jax.Array]:
+        """One optimisation step, dispatched without waiting for it: the returned metrics
+        (scalars: ``loss``, ``grad_norm``, with fp16 ``loss_scale`` and ``skipped``) stay on
+        the devices until fetched (``jax.device_get``), so the host can prepare the next
+        batch, or dispatch the next steps, while this one runs."""
         batch = self._as_global(batch)
         with self.plan.activate(mesh_context=True):
-            self.state, metrics = self._steps(batch)[0](self.state, batch)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        out["step"] = int(self.state["step"])
+            self._state, metrics = self._steps(batch)[0](self._state, batch)
+        if self._host_step is not None:
+            self._host_step += 1
+        return metrics
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimisation step on this process's rows of the batch; waits for it and
+        returns its metrics as host numbers (``step``: the step count after it)."""
+        metrics = jax.device_get(self.step_async(batch))
+        out = {k: float(v) for k, v in metrics.items()}
+        out["step"] = self.step_count
         return out
 
     def eval_loss(self, batch: Batch) -> float:
@@ -379,6 +393,21 @@ class Trainer:
         return nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
 
     @property
+    def state(self) -> dict[str, Any]:
+        """The training state: ``params``, ``frozen``, ``opt_state``, ``step`` (and
+        ``master``, ``loss_scale`` under mixed precision), sharded as
+        :attr:`state_shardings` says. Assigning it (a restored checkpoint) is allowed."""
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        self._state = value
+        self._host_step = None  # read from the new state when next asked
+
+    @property
     def step_count(self) -> int:
-        """Optimisation steps taken so far."""
-        return int(self.state["step"])
+        """Optimisation steps taken so far (counted on the host: asking does not wait for
+        the steps in flight)."""
+        if self._host_step is None:
+            self._host_step = int(self._state["step"])
+        return self._host_step

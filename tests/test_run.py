@@ -71,14 +71,14 @@ def test_profile_steps_need_a_run_folder():
 def test_nan_stops_the_run_and_the_last_good_checkpoint_resumes(tmp_path, monkeypatch,
                                                                 reference):
     out = tmp_path / "run"
-    real_step = Trainer.step
+    real_step = Trainer.step_async
 
     def poisoned(self, batch):
         if self.step_count == 6:  # step 7 sees NaN weights: its loss is NaN for real
             self.state["params"] = jax.tree.map(lambda x: x * jnp.nan, self.state["params"])
         return real_step(self, batch)
 
-    monkeypatch.setattr(Trainer, "step", poisoned)
+    monkeypatch.setattr(Trainer, "step_async", poisoned)
     with pytest.raises(NonFiniteLoss) as err:
         train(config(), out, progress=False)
     message = str(err.value)
@@ -88,7 +88,7 @@ def test_nan_stops_the_run_and_the_last_good_checkpoint_resumes(tmp_path, monkey
         assert ckpt.steps() == [4]  # nothing after the divergence was saved
     assert all(math.isfinite(r["loss"]) for r in rows(out))
 
-    monkeypatch.setattr(Trainer, "step", real_step)
+    monkeypatch.setattr(Trainer, "step_async", real_step)
     _, history = train(config(), out, resume=True, progress=False)
     assert [m["step"] for m in history] == list(range(5, STEPS + 1))
     logged = rows(out)
