@@ -267,7 +267,12 @@ class Trainer:
                 accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]), micro)
             loss = loss / k
             grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
-        grads = self.plan.place(grads, self.grad_shardings)
+        if self.plan.zero_stage >= 2 or k > 1:
+            # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid
+            # out like the parameters. Otherwise XLA places the gradients itself, as a
+            # hand-written step would (pinning them adds a collective: see
+            # benchmarks/overhead.py).
+            grads = self.plan.place(grads, self.grad_shardings)
         return loss, grads, frozen
 
     def _step_impl(self, state: dict[str, Any], batch: Batch):

@@ -1,0 +1,327 @@
+"""Framework overhead: jaxpar's train step against a hand-written plain-JAX step.
+
+    python benchmarks/overhead.py [--rounds 7] [--steps 20] [--layouts fsdp,tp,fsdp_tp]
+
+Both sides train the same Llama-style decoder (d_model 256, 4 layers, 4 heads, 4 KV heads,
+d_ff 1024, vocab 32000, seq 128, global batch 8, f32, adamw with warmup-cosine schedule
+and global-norm clipping) on 8 simulated CPU devices, from the same initial weights (the
+hand-written side copies jaxpar's) on the same fixed batch. The hand-written side (first
+part of this file, no jaxpar imports) places every weight with an explicit
+``NamedSharding`` and pins activations with ``with_sharding_constraint`` exactly where
+jaxpar's model calls ``constrain``, with the PartitionSpecs jaxpar's rule presets give.
+
+Layouts: FSDP (fsdp=8, preset ``fsdp``), TP (data=2 x tensor=4, preset ``tp``: with
+tensor=8 the 4 heads would not divide and fall back to replicated), FSDP x TP (fsdp=4 x
+tensor=2, preset ``fsdp_tp``). After a warm-up, ``--rounds`` alternated rounds each time
+``--steps`` steps of one side then the other (the order flips every round); each step
+fetches its loss and gradient norm to the host, as ``Trainer.step`` does.
+
+It prints, per layout: the max abs difference of the first step's losses, then a table
+of ms/step (median over rounds of the per-round median step), the jaxpar/hand ratio
+(median over rounds of per-round ratios, min-max in brackets), and the counts of
+all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in each
+side's compiled HLO, flagged with ``!`` where they differ.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+V, D, L, N, K, H, F, S, B = 32000, 256, 4, 4, 4, 64, 1024, 128, 8
+LR, WARMUP, TOTAL_STEPS, WEIGHT_DECAY, EPS, THETA = 3e-3, 10, 200, 0.01, 1e-5, 10000.0
+
+# --- Part 1: hand-written plain JAX ---------------------------------------------------------
+# PartitionSpecs per layout, as jaxpar's presets resolve them (checked against jaxpar's
+# state shardings at run time). Weights: embed (V,d), lm_head (d,V), wq (L,d,n,h), wk/wv
+# (L,d,k,h), wo (L,n,h,d), gate/up (L,d,f), down (L,f,d); norms replicated. Activations:
+# resid (b,s,d), heads (b,s,n,h), mlp (b,s,f), logits (b,s,V), table: the embedding
+# table as gathered from (jaxpar constrains it to its ("vocab", "embed") activation spec).
+HAND_LAYOUTS = {
+    "fsdp": dict(
+        mesh=((8,), ("fsdp",)),
+        params=dict(embed=P(None, "fsdp"), lm_head=P("fsdp", None),
+                    qkv=P(None, "fsdp", None, None), wo=P(None, None, None, "fsdp"),
+                    up=P(None, "fsdp", None), down=P(None, None, "fsdp")),
+        acts=dict(batch=P("fsdp", None), resid=P("fsdp", None, None),
+                  heads=P("fsdp", None, None, None), mlp=P("fsdp", None, None),
+                  logits=P("fsdp", None, None), table=P(None, None))),
+    "tp": dict(
+        mesh=((2, 4), ("data", "tensor")),
+        params=dict(embed=P("tensor", None), lm_head=P(None, "tensor"),
+                    qkv=P(None, None, "tensor", None), wo=P(None, "tensor", None, None),
+                    up=P(None, None, "tensor"), down=P(None, "tensor", None)),
+        acts=dict(batch=P("data", None), resid=P("data", None, None),
+                  heads=P("data", None, "tensor", None), mlp=P("data", None, "tensor"),
+                  logits=P("data", None, "tensor"), table=P("tensor", None))),
+    "fsdp_tp": dict(
+        mesh=((4, 2), ("fsdp", "tensor")),
+        params=dict(embed=P("tensor", "fsdp"), lm_head=P("fsdp", "tensor"),
+                    qkv=P(None, "fsdp", "tensor", None), wo=P(None, "tensor", None, "fsdp"),
+                    up=P(None, "fsdp", "tensor"), down=P(None, "tensor", "fsdp")),
+        acts=dict(batch=P("fsdp", None), resid=P("fsdp", None, None),
+                  heads=P("fsdp", None, "tensor", None), mlp=P("fsdp", None, "tensor"),
+                  logits=P("fsdp", None, "tensor"), table=P("tensor", None))),
+}
+
+
+def hand_shardings(layout: str) -> tuple[Mesh, dict, dict]:
+    """(mesh, parameter shardings tree, activation shardings by role) of a layout."""
+    lay = HAND_LAYOUTS[layout]
+    shape, names = lay["mesh"]
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+    ns = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    p, rep = lay["params"], ns(P())
+    params = {"embed": ns(p["embed"]), "final_norm": rep, "lm_head": ns(p["lm_head"]),
+              "layers": {"attn_norm": rep, "mlp_norm": rep, "wq": ns(p["qkv"]),
+                         "wk": ns(p["qkv"]), "wv": ns(p["qkv"]), "wo": ns(p["wo"]),
+                         "w_gate": ns(p["up"]), "w_up": ns(p["up"]), "w_down": ns(p["down"])}}
+    return mesh, params, {k: ns(v) for k, v in lay["acts"].items()}
+
+
+def rms_norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * scale
+
+
+def rope(x, sin, cos):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def hand_loss(params, tokens, acts):
+    pin = jax.lax.with_sharding_constraint
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    table = pin(params["embed"], acts["table"])
+    x = pin(jnp.take(table, inputs, axis=0), acts["resid"])
+    freqs = 1.0 / THETA ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angles = jnp.arange(inputs.shape[1], dtype=jnp.float32)[:, None] * freqs[None, :]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+
+    def layer(x, w):
+        h = rms_norm(x, w["attn_norm"])
+        q = pin(rope(jnp.einsum("bse,enh->bsnh", h, w["wq"]), sin, cos), acts["heads"])
+        k = pin(rope(jnp.einsum("bse,enh->bsnh", h, w["wk"]), sin, cos), acts["heads"])
+        v = pin(jnp.einsum("bse,enh->bsnh", h, w["wv"]), acts["heads"])
+        o = pin(jax.nn.dot_product_attention(q, k, v, is_causal=True), acts["heads"])
+        x = x + pin(jnp.einsum("bsnh,nhe->bse", o, w["wo"]), acts["resid"])
+        h = rms_norm(x, w["mlp_norm"])
+        hidden = pin(jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"]), acts["mlp"])
+        return x + pin(hidden @ w["w_down"], acts["resid"]), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    logits = pin(rms_norm(x, params["final_norm"]) @ params["lm_head"], acts["logits"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def hand_optimizer() -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, TOTAL_STEPS, LR * 0.1)
+    decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, weight_decay=WEIGHT_DECAY, mask=decay))
+
+
+def hand_trainer(layout: str, host_params: dict):
+    """(jitted step, initial state, batch sharding): state is (params, opt_state)."""
+    mesh, param_sh, acts = hand_shardings(layout)
+    opt = hand_optimizer()
+    params = jax.device_put(host_params, param_sh)
+    rep = NamedSharding(mesh, P())
+    opt_sh = optax.tree_map_params(opt, lambda _, sharding: sharding,
+                                   jax.eval_shape(opt.init, params), param_sh,
+                                   transform_non_params=lambda _: rep)
+    opt_state = jax.jit(opt.init, out_shardings=opt_sh)(params)
+
+    def step(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(hand_loss)(params, tokens, acts)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss, grad_norm
+
+    jitted = jax.jit(step, out_shardings=((param_sh, opt_sh), rep, rep), donate_argnums=0)
+    return jitted, (params, opt_state), acts["batch"]
+
+
+# --- Part 2: jaxpar through its public API --------------------------------------------------
+JAXPAR_LAYOUTS = {"fsdp": ({"data": 1, "fsdp": 8}, "fsdp"),
+                  "tp": ({"data": 2, "tensor": 4}, "tp"),
+                  "fsdp_tp": ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp")}
+_HAND_NAMES = {("embed",): "embed", ("lm_head", "kernel"): "lm_head",
+               ("final_norm", "scale"): "final_norm"}
+
+
+def jaxpar_trainer(layout: str):
+    import jaxpar
+    from jaxpar.config import Config, MeshConfig, ModelConfig, PlanConfig, TrainConfig
+
+    mesh, rules = JAXPAR_LAYOUTS[layout]
+    config = Config(
+        model=ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=N, n_kv_heads=K,
+                          d_ff=F, max_seq_len=S),
+        mesh=MeshConfig(**mesh), plan=PlanConfig(rules=rules),
+        train=TrainConfig(global_batch=B, seq_len=S, lr=LR, warmup_steps=WARMUP,
+                          steps=TOTAL_STEPS, weight_decay=WEIGHT_DECAY, grad_clip=1.0,
+                          optimizer="adamw"))
+    return jaxpar.build_trainer(config)
+
+
+def hand_path(path: tuple) -> tuple[str, ...]:
+    """jaxpar's parameter path -> the hand-written tree's path."""
+    keys = tuple(str(getattr(k, "key", k)) for k in path)
+    if keys in _HAND_NAMES:
+        return (_HAND_NAMES[keys],)
+    assert keys[0] == "blocks", keys
+    return ("layers", keys[-2] if keys[-1] == "kernel" else keys[1])
+
+
+def copy_params(trainer) -> tuple[dict, dict]:
+    """jaxpar's initial weights as a host tree in the hand-written layout, and jaxpar's
+    PartitionSpec of each (by hand-written path)."""
+    from flax import nnx
+
+    host: dict = {"layers": {}}
+    specs: dict = {}
+    shardings = dict(nnx.to_flat_state(trainer.state_shardings["params"]))
+    for path, var in nnx.to_flat_state(trainer.state["params"]):
+        where = hand_path(path)
+        node = host if len(where) == 1 else host["layers"]
+        node[where[-1]] = np.array(jax.device_get(var.get_value()))
+        specs[where] = shardings[path].get_value().spec
+    return host, specs
+
+
+# --- Harness --------------------------------------------------------------------------------
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLL = re.compile(r"=\s*\S.*?\s(" + "|".join(KINDS) + r")(?:-start)?\(")
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    counts = dict.fromkeys(KINDS, 0)
+    for line in hlo.splitlines():
+        if m := _COLL.search(line):
+            counts[m[1]] += 1
+    return counts
+
+
+def same_spec(a: P, b: P) -> bool:
+    norm = lambda s: tuple(e for e in s) + (None,) * (4 - len(s))  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def run_layout(layout: str, args) -> dict:
+    trainer = jaxpar_trainer(layout)
+    host, jp_specs = copy_params(trainer)
+    step, state, batch_sh = hand_trainer(layout, host)
+    mine = jax.tree_util.tree_map_with_path(
+        lambda p, a: a.sharding.spec, state[0])
+    for where, spec in jp_specs.items():
+        node = mine if len(where) == 1 else mine["layers"]
+        if not same_spec(node[where[-1]], spec):
+            print(f"  WARNING {layout} {where}: hand {node[where[-1]]} vs jaxpar {spec}")
+    jp_ids = np.asarray(trainer.plan.mesh.device_ids).ravel().tolist()
+    if jp_ids != list(range(8)):
+        print(f"  WARNING jaxpar's mesh orders devices {jp_ids}")
+
+    tokens = np.random.default_rng(0).integers(0, V, (B, S + 1), dtype=np.int32)
+    jp_batch = jax.device_put(tokens, trainer.plan.batch_sharding(2))
+    hand_batch = jax.device_put(tokens, batch_sh)
+
+    def run_hand():
+        nonlocal state
+        state, loss, grad_norm = step(state, hand_batch)
+        return jax.device_get((loss, grad_norm))
+
+    def run_jaxpar():
+        m = trainer.step(jp_batch)
+        return m["loss"], m["grad_norm"]
+
+    hlo_hand = step.lower(state, hand_batch).compile().as_text()
+    hlo_jp = trainer.lower(jp_batch).compile().as_text()
+    first = (run_hand(), run_jaxpar())
+    loss_diff = abs(float(first[0][0]) - float(first[1][0]))
+    gnorm_diff = abs(float(first[0][1]) - float(first[1][1]))
+    for _ in range(args.warmup):
+        run_hand()
+        run_jaxpar()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    hand_ms, jp_ms, ratios = [], [], []
+    for r in range(args.rounds):
+        order = (run_hand, run_jaxpar) if r % 2 == 0 else (run_jaxpar, run_hand)
+        got = {fn: timed(fn) for fn in order}
+        hand_ms.append(got[run_hand] * 1e3)
+        jp_ms.append(got[run_jaxpar] * 1e3)
+        ratios.append(got[run_jaxpar] / got[run_hand])
+        print(f"  {layout} round {r}: hand {hand_ms[-1]:.2f} ms, jaxpar {jp_ms[-1]:.2f} ms, "
+              f"ratio {ratios[-1]:.3f}", flush=True)
+    if args.dump:
+        for side, text in (("hand", hlo_hand), ("jaxpar", hlo_jp)):
+            with open(os.path.join(args.dump, f"{layout}.{side}.hlo.txt"), "w") as f:
+                f.write(text)
+    return {"layout": layout, "first_loss": float(first[1][0]), "loss_diff": loss_diff,
+            "gnorm_diff": gnorm_diff, "hand_ms": statistics.median(hand_ms),
+            "jaxpar_ms": statistics.median(jp_ms), "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "coll_hand": collectives(hlo_hand), "coll_jaxpar": collectives(hlo_jp)}
+
+
+MESHES = {"fsdp": "fsdp=8", "tp": "data=2 x tensor=4", "fsdp_tp": "fsdp=4 x tensor=2"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each side")
+    parser.add_argument("--layouts", default="fsdp,tp,fsdp_tp")
+    parser.add_argument("--dump", default="", help="folder to write both compiled HLOs to")
+    args = parser.parse_args(argv)
+    assert jax.device_count() == 8, jax.devices()
+    rows = []
+    for layout in args.layouts.split(","):
+        row = run_layout(layout, args)
+        print(f"  {layout}: first-step loss {row['first_loss']:.6f}, max abs diff "
+              f"{row['loss_diff']:.2e} (grad norm diff {row['gnorm_diff']:.2e})", flush=True)
+        rows.append(row)
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
+             "all-to-all": "A2A", "collective-permute": "CP"}
+    print(f"\n{'layout':8} {'mesh':18} {'hand ms':>8} {'jaxpar ms':>9} {'ratio':>6} "
+          f"{'[min-max]':>13}  collectives hand | jaxpar (AR AG RS A2A CP)")
+    for r in rows:
+        h, j = r["coll_hand"], r["coll_jaxpar"]
+        counts = lambda c: " ".join(f"{short[k]}{c[k]}" for k in KINDS)  # noqa: E731
+        flag = "" if h == j else "  ! differ: " + ", ".join(
+            f"{short[k]} {h[k]}->{j[k]}" for k in KINDS if h[k] != j[k])
+        print(f"{r['layout']:8} {MESHES[r['layout']]:18} {r['hand_ms']:8.2f} "
+              f"{r['jaxpar_ms']:9.2f} {r['ratio']:6.3f} "
+              f"[{r['ratio_min']:.3f}-{r['ratio_max']:.3f}]  {counts(h)} | {counts(j)}{flag}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
