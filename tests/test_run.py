@@ -96,3 +96,29 @@ def test_nan_stops_the_run_and_the_last_good_checkpoint_resumes(tmp_path, monkey
     expected = reference[1]
     assert {r["step"]: r["loss"] for r in logged} == {s: expected[s]["loss"]
                                                       for s in range(1, STEPS + 1)}
+
+
+def test_metrics_are_fetched_only_when_the_loop_must_look(tmp_path, monkeypatch, reference):
+    """log_every=4, a checkpoint every 6, no evaluation: the loop waits for the devices at
+    steps 1, 5, 9 (logged), 6 (saved) and 10 (last) only, yet every step's row is in the
+    history with the losses of the run that fetched every step."""
+    from jaxpar import run
+
+    fetched = []
+    real_fetch = run._Window.fetch
+
+    def spy(self, last_step):
+        fetched.append((last_step, len(self.pending)))
+        return real_fetch(self, last_step)
+
+    monkeypatch.setattr(run._Window, "fetch", spy)
+    cfg = small_config(f"train.steps={STEPS}", "train.log_every=4", "checkpoint.every=6",
+                       "train.eval_every=0", "data.max_bytes=200000")
+    _, history = train(cfg, tmp_path / "run", progress=False)
+    assert fetched == [(1, 1), (5, 4), (6, 1), (9, 3), (10, 1)]
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    expected = reference[1]
+    assert [m["loss"] for m in history] == [expected[s]["loss"] for s in range(1, STEPS + 1)]
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 5, 9, 10]
+    window = [m["step_time_s"] for m in history[1:5]]
+    assert len(set(window)) == 1  # one wall-clock interval shared by its steps
