@@ -235,8 +235,11 @@ def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
         return RunStopped(f"{stop.name}: stopped after step {step} (no --out: nothing saved)",
                           stop.status)
     preempted = stop.signal == signal.SIGTERM and config.checkpoint.on_preempt
-    if preempted and ckpt.save(trainer, config=config, force=True) is not None:
-        _say(f"{stop.name}: saving checkpoint {step} (checkpoint.on_preempt)")
+    if preempted:
+        if ckpt.save(trainer, config=config, force=True) is not None:
+            _say(f"{stop.name}: saving checkpoint {step} (checkpoint.on_preempt)")
+        else:
+            _say(f"{stop.name}: checkpoint {step} already holds the current step")
     pending = ckpt.in_flight()
     if pending is not None:
         _say(f"{stop.name}: stopped after step {step}; finishing checkpoint {pending} "

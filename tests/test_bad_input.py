@@ -144,6 +144,10 @@ CASES = [
          ("model.sliding_window=-4",)),
     Case("mlp_activation_unknown", [*TRAIN, "model.mlp_activation=relu"],
          ("model.mlp_activation='relu'",)),
+    Case("attention_unknown", [*TRAIN, "model.attention=flash"],
+         ("model.attention='flash'", "chunked")),
+    Case("loss_chunk_negative", [*TRAIN, "model.loss_chunk=-8"],
+         ("model.loss_chunk=-8",)),
     Case("prior_run_unknown_key", [*TRAIN, "model.d_modle=32"], ("model.d_modle",),
          setup=prior_run),
     # --- config files ---------------------------------------------------------------------

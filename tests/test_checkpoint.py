@@ -203,7 +203,9 @@ def test_sigterm_saves_the_current_step(tmp_path, reference):
     assert "Traceback" not in stderr + stdout
     stopped, newest = map(int, _STOPPED.search(stderr.strip().splitlines()[-1]).groups())
     assert newest == stopped and stopped < 40
-    assert f"SIGTERM: saving checkpoint {stopped} (checkpoint.on_preempt)" in stdout
+    # Saved by on_preempt, or (when the stop falls on a step every 4) by the schedule.
+    assert (f"SIGTERM: saving checkpoint {stopped} (checkpoint.on_preempt)" in stdout
+            or f"SIGTERM: checkpoint {stopped} already holds the current step" in stdout), stdout
     _resume_and_check(out, stopped, reference)
 
 
