@@ -1,9 +1,12 @@
 """One of the processes of tests/test_hf_commands.py's multi-process test: joins the run
 (``JAXPAR_*`` environment), loads a Hugging Face folder sharded over all processes'
-devices, prints what it read and the logits, and saves the model back collectively."""
+devices, writes what it read and the logits to ``result-<process>.json`` beside the
+output folder (a file, not stdout: a long line there can be cut by other processes'
+logging), and saves the model back collectively."""
 
 import json
 import sys
+from pathlib import Path
 
 from jaxpar.launch import initialize
 
@@ -26,5 +29,6 @@ with plan.activate():
     logits = jax.jit(lambda m, x: m(x))(model, tokens)
 full = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
 hf.save(model, out)
-print("RESULT " + json.dumps({"process": jax.process_index(), "bytes_read": stats["bytes_read"],
-                              "logits": full.tolist()}), flush=True)
+result = {"process": jax.process_index(), "bytes_read": stats["bytes_read"],
+          "logits": full.tolist()}
+(Path(out).parent / f"result-{jax.process_index()}.json").write_text(json.dumps(result))
