@@ -18,6 +18,27 @@ Sources:
   "v5p-128" counts TensorCores: 64 chips. MaxText derives shapes from
   ``global_parameter_scale``; here they are Llama-style shapes of the same parameter count
   (head_dim 128, d_ff 3.5 d), so only the totals match.
+
+Long context and mixtures of experts (a second table, compared in tokens per second per
+chip, which does not depend on how a framework counts FLOPs; MaxText now counts causal
+attention at half the full ``s x s`` FLOPs this planner counts, so its MFU is not
+comparable at long sequences):
+
+* MaxText Mixtral 8x7B: github.com/AI-Hypercomputer/tpu-recipes,
+  training/trillium/Mixtral-8x7B-MaxText/README.md: v6e-256 (256 chips), workload
+  ``mixtral_8x7b_dropped`` (per-device batch 12, seq 4096, ``ici_fsdp_parallelism=-1``,
+  capacity factor 1.25, host-offloaded remat), step log "TFLOP/s/device: 302.311,
+  Tokens/s/device: 3645.203, total_weights: 12582912" (12582912 = 256 x 12 x 4096).
+* MaxText long context: github.com/AI-Hypercomputer/tpu-recipes,
+  training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md: a Llama 3.1 8B
+  variant (16 query heads of 256, 4 KV heads; otherwise stock) on v5p-128 (64 chips) with
+  ring context parallelism: 64K tokens at context 4 x fsdp 16, per-device batch 0.5
+  (global 32), 10.25 s a step; 256K at context 16 x fsdp 4, global batch 8, 26.31 s;
+  1M at context 64, global batch 2, 95.73 s (the recipe's "Measured Step Time").
+
+Not included, for want of a figure with its machine, batch and layout in the same source:
+Megatron-Core's Mixtral 8x7B "438 TFLOPS" (no GPU count or parallel layout beside it),
+and DeepSeek-V3 runs (FP8, MLA and pipeline schedules this planner does not model).
 """
 
 from __future__ import annotations
@@ -62,6 +83,51 @@ PUBLISHED = [
 ]
 
 
+def _llama31_8b_wide_heads(seq: int) -> TransformerConfig:
+    """The tpu-recipes long-context variant of Llama 3.1 8B (16 heads of 256, 4 KV)."""
+    return TransformerConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=16,
+                             n_kv_heads=4, head_dim=256, d_ff=14336, max_seq_len=seq,
+                             rope_theta=500000.0)
+
+
+def _mixtral(capacity: float = 1.25) -> TransformerConfig:
+    return TransformerConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=8, d_ff=14336, max_seq_len=4096, rope_theta=1e6,
+                             n_experts=8, experts_per_token=2, expert_capacity=capacity)
+
+
+# name, model, chips, global batch, seq, published layout, tokens/s per chip
+PUBLISHED_PARALLEL = [
+    ("MaxText Mixtral 8x7B", _mixtral(), "tpu-v6e:256", 256 * 12, 4096, "fsdp256 cf1.25",
+     3645.2),
+    ("MaxText 8B ctx 64K", _llama31_8b_wide_heads(65536), "tpu-v5p:64", 32, 65536,
+     "cp4 fsdp16", 32 * 65536 / 10.25 / 64),
+    ("MaxText 8B ctx 256K", _llama31_8b_wide_heads(262144), "tpu-v5p:64", 8, 262144,
+     "cp16 fsdp4", 8 * 262144 / 26.31 / 64),
+    ("MaxText 8B ctx 1M", _llama31_8b_wide_heads(1048576), "tpu-v5p:64", 2, 1048576,
+     "cp64", 2 * 1048576 / 95.73 / 64),
+]
+
+
+def _parallel_rows() -> list[dict]:
+    rows = []
+    for name, model, chips, batch, seq, layout, tokens in PUBLISHED_PARALLEL:
+        best = plan(model, chips=chips, global_batch=batch, seq=seq, top=1)[0]
+        n = best.candidate.n_devices
+        rows.append({
+            "run": name, "params_b": model.param_count() / 1e9, "chips": chips,
+            "batch": batch, "seq": seq, "published_layout": layout,
+            "published_tokens_per_s_chip": tokens, "plan": best.candidate.describe(),
+            "zero": best.candidate.zero_stage, "remat": best.candidate.remat,
+            "microbatches": best.candidate.microbatches,
+            "memory_gib": best.memory_per_device_bytes / 2**30,
+            "hbm_gib": best.hbm_bytes / 2**30, "fits": best.fits,
+            "planned_tokens_per_s_chip": batch * seq / best.step_time_s / n,
+            "planned_mfu": best.mfu,
+        })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -80,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             "planned_tflops": best.model_flops / best.step_time_s / 1e12,
             "planned_mfu": best.mfu,
         })
+    parallel = _parallel_rows()
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows + parallel, indent=1))
         return 0
     head = (f"{'run':22} {'params':>7} {'chips':>15} {'batch':>5} {'published':>10} "
             f"{'TF/s':>5} {'MFU':>5} | {'planned mesh':34} {'z':>1} {'remat':>12} {'mb':>3} "
@@ -95,6 +162,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['remat'][:12]:>12} {r['microbatches']:>3} "
               f"{r['memory_gib']:5.1f}/{r['hbm_gib']:5.1f} {'yes' if r['fits'] else 'NO':>4} "
               f"{r['planned_tflops']:5.0f} {r['planned_mfu'] * 100:4.1f}%")
+    head = (f"\n{'run':22} {'params':>7} {'chips':>12} {'batch':>5} {'seq':>8} "
+            f"{'published':>14} {'tok/s':>6} | {'planned mesh':44} {'z':>1} {'remat':>12} "
+            f"{'mb':>3} {'mem GiB':>11} {'fits':>4} {'tok/s':>6} {'MFU*':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in parallel:
+        print(f"{r['run']:22} {r['params_b']:6.1f}B {r['chips']:>12} {r['batch']:>5} "
+              f"{r['seq']:>8} {r['published_layout']:>14} "
+              f"{r['published_tokens_per_s_chip']:6.0f} | {r['plan'][:44]:44} {r['zero']:>1} "
+              f"{r['remat'][:12]:>12} {r['microbatches']:>3} "
+              f"{r['memory_gib']:5.1f}/{r['hbm_gib']:5.1f} {'yes' if r['fits'] else 'NO':>4} "
+              f"{r['planned_tokens_per_s_chip']:6.0f} {r['planned_mfu'] * 100:4.1f}%")
+    print("tok/s: tokens per second per chip. * model FLOPs with full s x s attention (the "
+          "PaLM convention); causal kernels run about half of it, so at long sequences "
+          "this exceeds the chips' real utilisation.")
     return 0
 
 

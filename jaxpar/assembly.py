@@ -108,7 +108,9 @@ def build_plan(config: Config, mesh: jax.sharding.Mesh) -> Plan:
     params, acts = preset(p.rules, strict=p.strict)
     return Plan(mesh=mesh, param_rules=params, act_rules=acts,
                 precision=Policy.parse(p.precision), zero_stage=p.zero_stage, remat=p.remat,
-                microbatches=p.microbatches, annotations=p.annotations, layouts=p.layouts)
+                microbatches=p.microbatches, annotations=p.annotations, layouts=p.layouts,
+                sequence_parallel=p.sequence_parallel, context_attention=p.context_attention,
+                context_balance=p.context_balance)
 
 
 def pipeline_schedule(config: Config, mesh: jax.sharding.Mesh) -> pipeline_lib.Schedule | None:

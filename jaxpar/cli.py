@@ -236,6 +236,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
     plan.add_argument("--catalog", help="YAML file with extra chip kinds")
+    plan.add_argument("--context", metavar="SIZES",
+                      help="context-axis sizes to consider, e.g. 1,4,8 (default: 1, and "
+                           "powers of two for sequences of 16384 or more)")
+    plan.add_argument("--expert", metavar="SIZES",
+                      help="expert-axis sizes to consider (default: the divisors of "
+                           "model.n_experts)")
     plan.add_argument("--top", type=int, default=5, help="plans to show")
     plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")

@@ -22,7 +22,8 @@ import yaml
 
 from jaxpar.errors import JaxparError
 from jaxpar.lora import LoraConfig
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.mesh import MESH_AXES
+from jaxpar.models.config import TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +55,24 @@ class MeshConfig:
     data: int = -1
     stage: int = 1
     fsdp: int = 1
+    expert: int = 1
+    context: int = 1
     tensor: int = 1
     dcn_data: int = 1
     dcn_stage: int = 1
     dcn_fsdp: int = 1
+    dcn_expert: int = 1
+    dcn_context: int = 1
     dcn_tensor: int = 1
     explicit: bool = False
 
     def ici(self) -> dict[str, int]:
         """Axis sizes inside one slice."""
-        return {"data": self.data, "stage": self.stage, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {a: getattr(self, a) for a in MESH_AXES}
 
     def dcn(self) -> dict[str, int] | None:
         """Slices per axis, or None for a single slice."""
-        d = {"data": self.dcn_data, "stage": self.dcn_stage, "fsdp": self.dcn_fsdp,
-             "tensor": self.dcn_tensor}
+        d = {a: getattr(self, f"dcn_{a}") for a in MESH_AXES}
         return d if any(v != 1 for v in d.values()) else None
 
 
@@ -81,7 +85,10 @@ class PlanConfig:
     :func:`jaxpar.annotate`). ``layouts``: ``[[path regex or "type:ClassName", [logical
     names]], ...]`` for module outputs (see :func:`jaxpar.constrain_outputs`). ``strict``:
     a dimension its rule's mesh axes do not divide is an error instead of falling through
-    to the next rule."""
+    to the next rule. ``sequence_parallel``: split the residual stream's sequence over the
+    tensor axis (Megatron sequence parallelism). ``context_attention``: ``allgather`` or
+    ``ring``, how attention spans a sequence split over the ``context`` mesh axis;
+    ``context_balance``: reorder sequence chunks so causal work is even across it."""
 
     rules: str = "fsdp_tp"
     zero_stage: int = 0
@@ -91,6 +98,9 @@ class PlanConfig:
     annotations: tuple = ()
     layouts: tuple = ()
     strict: bool = False
+    sequence_parallel: bool = False
+    context_attention: str = "allgather"
+    context_balance: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,19 @@ def count_collectives(hlo_text: str) -> Counter:
     return Counter(c.kind for c in parse_collectives(hlo_text))
 
 
+def count_reduce_scatters(hlo_text: str) -> int:
+    """Reduce-scatters in a compiled program: XLA's own instruction or, on a backend that
+    has none (CPU), an all-reduce every user of which slices out this device's part."""
+    count = sum(1 for c in parse_collectives(hlo_text) if c.kind == "reduce-scatter")
+    lines = hlo_text.splitlines()
+    for name in re.findall(r"(%all-reduce[\w.]*) = ", hlo_text):
+        uses = re.compile(re.escape(name) + r"[,)]")
+        users = [line for line in lines if uses.search(line) and f"{name} = " not in line]
+        if users and all("dynamic-slice" in line.split("=", 1)[0] for line in users):
+            count += 1
+    return count
+
+
 def group_axes(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes along which the devices of each group differ.
 

@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import JaxparError
-from jaxpar.plan import constrain
+from jaxpar.plan import constrain, current_plan
 
 Head = jax.Array | Callable[[jax.Array], jax.Array]
 """The unembedding: a kernel ``(d_model, vocab)``, or a callable mapping hidden states
@@ -33,6 +34,20 @@ as a LoRA-adapted head)."""
 
 _LSE = "loss_logsumexp"
 """Name of each chunk's log-sum-exp, the one thing its backward pass keeps."""
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of full ``logits`` ``(batch, seq, vocab)`` against integer
+    ``targets`` ``(batch, seq)``, in the active plan's output dtype (optax)."""
+    plan = current_plan()
+    out_dtype = plan.precision.output if plan is not None else jnp.float32
+    if plan is not None and plan.explicit:
+        # Sharding in types: logits and labels must agree on the batch split for the
+        # label lookup (GSPMD works that out itself on an Auto mesh).
+        logits = constrain(logits, ("batch", "seq", None))
+        targets = constrain(targets, ("batch", "seq"))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(out_dtype), targets).mean()
 
 
 def _project(head: Head, h: jax.Array) -> jax.Array:

@@ -1,10 +1,12 @@
-"""Device meshes with jaxpar's four named axes.
+"""Device meshes with jaxpar's named axes.
 
-A jaxpar mesh always has the axes ``data``, ``stage``, ``fsdp`` and ``tensor`` in that
-order: outermost is the most tolerant of slow links (plain data parallelism only
-all-reduces gradients once a step, pipeline stages send one activation per microbatch),
-innermost the least (tensor parallelism all-reduces inside every layer). Axes the user
-does not name have size 1, so rules can always refer to all four.
+A jaxpar mesh always has the axes ``data``, ``stage``, ``fsdp``, ``expert``, ``context``
+and ``tensor`` in that order: outermost is the most tolerant of slow links (plain data
+parallelism only all-reduces gradients once a step, pipeline stages send one activation
+per microbatch), innermost the least (tensor parallelism all-reduces inside every layer;
+context parallelism passes keys and values in every attention layer; expert parallelism
+exchanges tokens all-to-all in every MoE layer). Axes the user does not name have size 1,
+so rules can always refer to all of them.
 
 Meshes use ``AxisType.Auto`` so that GSPMD propagates shardings from the constraints
 jaxpar places, rather than requiring explicit sharding of every op.
@@ -22,10 +24,11 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import JaxparError
 
-MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "expert", "context", "tensor")
 """Mesh axis names, outermost (most communication-tolerant) first."""
 
-AXIS_ALIASES: dict[str, str] = {"dp": "data", "tp": "tensor", "mp": "tensor", "pp": "stage"}
+AXIS_ALIASES: dict[str, str] = {"dp": "data", "tp": "tensor", "mp": "tensor", "pp": "stage",
+                                 "ep": "expert", "cp": "context"}
 """Other names people give the same axes; accepted wherever a mesh axis is named."""
 
 
@@ -75,7 +78,9 @@ def resolve_sizes(axes: Mapping[str, int], n_devices: int, what: str) -> list[in
 
 
 def _arith(sizes: Sequence[int]) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s != -1)
+    """``data=4 x tensor=4``: the axes a user set (size-1 axes left out, unless all are)."""
+    named = [f"{n}={s}" for n, s in zip(MESH_AXES, sizes, strict=True) if s not in (-1, 1)]
+    return " x ".join(named) or "all axes 1"
 
 
 def mesh_sizes(axes: Mapping[str, int], dcn: Mapping[str, int] | None, n_devices: int

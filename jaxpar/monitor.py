@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from jaxpar.errors import JaxparError
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.models.config import TransformerConfig
 
 TAGS: dict[str, str] = {
     "loss": "train/loss", "eval_loss": "eval/loss", "lr": "train/lr",

@@ -38,6 +38,8 @@ from jaxpar.mesh import describe, is_explicit
 from jaxpar.precision import Policy
 from jaxpar.rules import LogicalNames, Rules
 
+CONTEXT_ATTENTION = ("allgather", "ring")
+_SEQUENCE_PARALLEL = ("residual_seq", ("context", "tensor"))
 _ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
 
 
@@ -59,6 +61,16 @@ class Plan:
         before they are placed (first matching pattern wins; see :func:`jaxpar.annotate`).
       layouts: ``(path regex or module type, logical names)`` pairs pinning module outputs
         (see :func:`jaxpar.constrain_outputs`).
+      sequence_parallel: Megatron sequence parallelism: the residual stream (logical
+        ``residual_seq``) is split over the ``tensor`` axis between blocks, so each tensor-
+        parallel all-reduce becomes a reduce-scatter and an all-gather and the norm and
+        residual activations shrink by the tensor degree.
+      context_attention: with a ``context`` mesh axis (sequence split across devices),
+        ``"allgather"`` (each device gathers all keys and values) or ``"ring"`` (key/value
+        blocks passed around the axis, online softmax); see :mod:`jaxpar.context`.
+      context_balance: under context parallelism, lay the sequence out in ``2 x context``
+        chunks, device ``i`` holding chunks ``i`` and ``2c - 1 - i``, so every device does
+        the same share of causal attention work.
     """
 
     mesh: Mesh
@@ -70,8 +82,18 @@ class Plan:
     microbatches: int = 1
     annotations: tuple = ()
     layouts: tuple = ()
+    sequence_parallel: bool = False
+    context_attention: str = "allgather"
+    context_balance: bool = True
 
     def __post_init__(self) -> None:
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise JaxparError(f"context_attention={self.context_attention!r}: choose one of "
+                              f"{list(CONTEXT_ATTENTION)}")
+        if (self.sequence_parallel
+                and Rules([_SEQUENCE_PARALLEL]).rules[0] not in self.act_rules.rules):
+            object.__setattr__(self, "act_rules",
+                               self.act_rules.extend([_SEQUENCE_PARALLEL], first=True))
         if self.zero_stage not in (0, 1, 2, 3):
             raise JaxparError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         remat_lib.check(self.remat)
@@ -163,12 +185,19 @@ class Plan:
         """A one-line summary for logs."""
         return (f"mesh {describe(self.mesh)}{' (explicit)' if self.explicit else ''}, "
                 f"zero {self.zero_stage}, precision {self.precision}"
-                f", remat {self.remat}, microbatches {self.microbatches}")
+                f", remat {self.remat}, microbatches {self.microbatches}"
+                + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", context attention {self.context_attention}"
+                   if self.mesh.shape.get("context", 1) > 1 else ""))
 
 
 def batch_names(ndim: int) -> tuple[str | None, ...]:
-    """Logical names of a batch leaf: ``batch`` on the leading axis, ``seq`` on the second."""
-    return ("batch", "seq", *(None,) * max(ndim - 2, 0))[:ndim]
+    """Logical names of a batch leaf: ``batch`` on the leading axis, the rest whole.
+
+    Token ids are small and their sequence (``seq + 1`` long, for next-token targets)
+    rarely splits evenly, so under context parallelism the model splits the sequence at
+    its first activation instead."""
+    return ("batch", *(None,) * max(ndim - 1, 0))[:ndim]
 
 
 def current_plan() -> Plan | None:

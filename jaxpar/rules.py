@@ -246,30 +246,43 @@ def _note(skipped: list[str] | None, final: str) -> str:
 
 # --- Presets ------------------------------------------------------------------------------
 # Logical names used by jaxpar's models. Weights: vocab, embed, mlp, heads, kv_heads,
-# head_dim, layers, stage, norm. Activations additionally: batch, seq, act_embed.
+# head_dim, layers, stage, norm, expert. Activations additionally: batch, seq (inside
+# attention and the MLP), residual_seq (the residual stream between blocks, which sequence
+# parallelism splits over tensor) and expert (tokens dispatched to experts).
+#
+# The sequence is split over the ``context`` axis (context parallelism) and experts over
+# the ``expert`` axis; both axes have size 1 unless a mesh asks for them, so these rules
+# change nothing otherwise. The expert axis also splits the batch outside MoE layers: an
+# activation with an expert dimension gives ``expert`` to it and its batch falls back to
+# the other batch axes, which is what makes dispatch an all-to-all.
 
 _UNSHARDED = [("stage", "stage"), ("head_dim", None), ("layers", None), ("repeat", None),
-              ("seq", None), ("norm", None), ("lora_rank", None)]
+              ("seq", "context"), ("residual_seq", "context"), ("norm", None),
+              ("lora_rank", None), ("capacity", None)]
 
 _PARAMS = {
-    "dp": [("vocab", None), ("embed", None), ("mlp", None), ("heads", None),
-           ("kv_heads", None)],
-    "fsdp": [("embed", "fsdp"), ("vocab", None), ("mlp", None), ("heads", None),
-             ("kv_heads", None)],
-    "tp": [("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"),
+    "dp": [("expert", "expert"), ("vocab", None), ("embed", None), ("mlp", None),
+           ("heads", None), ("kv_heads", None)],
+    "fsdp": [("expert", "expert"), ("embed", "fsdp"), ("vocab", None), ("mlp", None),
+             ("heads", None), ("kv_heads", None)],
+    "tp": [("expert", "expert"), ("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"),
            ("kv_heads", "tensor"), ("embed", None)],
-    "fsdp_tp": [("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"),
-                ("kv_heads", "tensor"), ("embed", "fsdp")],
+    "fsdp_tp": [("expert", "expert"), ("vocab", "tensor"), ("mlp", "tensor"),
+                ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", "fsdp")],
 }
 
 _ACTIVATIONS = {
-    "dp": [("batch", ("data", "fsdp", "tensor")), ("embed", None), ("vocab", None),
+    "dp": [("expert", "expert"), ("batch", ("data", "fsdp", "expert", "tensor")),
+           ("batch", ("data", "fsdp", "tensor")), ("embed", None), ("vocab", None),
            ("mlp", None), ("heads", None), ("kv_heads", None)],
-    "fsdp": [("batch", ("data", "fsdp")), ("embed", None), ("vocab", None), ("mlp", None),
+    "fsdp": [("expert", "expert"), ("batch", ("data", "fsdp", "expert")),
+             ("batch", ("data", "fsdp")), ("embed", None), ("vocab", None), ("mlp", None),
              ("heads", None), ("kv_heads", None)],
-    "tp": [("batch", "data"), ("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"),
+    "tp": [("expert", "expert"), ("batch", ("data", "expert")), ("batch", "data"),
+           ("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"),
            ("kv_heads", "tensor"), ("embed", None)],
-    "fsdp_tp": [("batch", ("data", "fsdp")), ("vocab", "tensor"), ("mlp", "tensor"),
+    "fsdp_tp": [("expert", "expert"), ("batch", ("data", "fsdp", "expert")),
+                ("batch", ("data", "fsdp")), ("vocab", "tensor"), ("mlp", "tensor"),
                 ("heads", "tensor"), ("kv_heads", "tensor"), ("embed", None)],
 }
 

@@ -26,9 +26,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar import loss as loss_lib
 from jaxpar.errors import JaxparError
 from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
-from jaxpar.plan import Plan, batch_names, constrain, current_plan
+from jaxpar.plan import Plan, batch_names
 from jaxpar.precision import DynamicLossScale
 from jaxpar.zero import formula_bytes, per_device_bytes, zero_shardings
 
@@ -65,7 +66,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
                           f"(batch, seq + 1), got a batch of {what}; {_CUSTOM_LOSS}")
     own = getattr(model, "next_token_loss", None)
     if callable(own) and (loss := own(tokens)) is not None:
-        return loss
+        return loss  # a scalar, or (scalar, metrics) for a mixture-of-experts model
     inputs = tokens[:, :-1]
     try:
         inspect.signature(model.__call__).bind(inputs)
@@ -83,16 +84,15 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
             f"next-token logits shaped (batch, seq, vocab) = {tuple(inputs.shape)} + (vocab,), "
             f"got {got}; a model that shifts its inputs itself or returns something else "
             f"needs its own loss: {_CUSTOM_LOSS}")
-    plan = current_plan()
-    out_dtype = plan.precision.output if plan is not None else jnp.float32
-    targets = tokens[:, 1:]
-    if plan is not None and plan.explicit:
-        # Sharding in types: logits and labels must agree on the batch split for the
-        # label lookup (GSPMD works that out itself on an Auto mesh).
-        logits = constrain(logits, ("batch", "seq", None))
-        targets = constrain(targets, ("batch", "seq"))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(out_dtype), targets).mean()
+    return loss_lib.cross_entropy(logits, tokens[:, 1:])
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A loss function's result as ``(loss, extra metrics)``: it may return the scalar loss
+    or ``(loss, {name: scalar})``, whose entries join the step's metrics."""
+    loss, extra = out if isinstance(out, tuple) else (out, {})
+    return (jnp.asarray(loss).astype(jnp.float32),
+            {name: jnp.asarray(v).astype(jnp.float32) for name, v in dict(extra).items()})
 
 
 _MUTABLE = nnx.Not(nnx.Param)
@@ -113,7 +113,8 @@ class Trainer:
         moved to the plan's shardings if they are not there already.
       optimizer: any optax ``GradientTransformation``.
       plan: mesh, rules and knobs.
-      loss_fn: ``loss_fn(model, batch) -> scalar``; defaults to next-token cross-entropy
+      loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, {name: scalar})``, whose
+        entries join the step's metrics); defaults to next-token cross-entropy
         (:func:`lm_loss`). It may advance RNG streams and change other non-parameter
         state; the step keeps those changes.
       trainable: an ``nnx`` filter selecting the variables to train (default ``nnx.Param``);
@@ -202,11 +203,12 @@ class Trainer:
                          self.policy.narrow_to_compute(frozen))
 
     def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch
-              ) -> tuple[jax.Array, nnx.State]:
-        """Loss of the model with these weights, and its non-parameter state afterwards."""
+              ) -> tuple[jax.Array, tuple[nnx.State, dict[str, jax.Array]]]:
+        """Loss of the model with these weights, and (its non-parameter state afterwards,
+        the loss function's extra metrics)."""
         model = self._merged(params, frozen)
-        loss = self.loss_fn(model, batch).astype(jnp.float32)
-        return loss, nnx.state(model, _MUTABLE)
+        loss, extra = _split_loss(self.loss_fn(model, batch))
+        return loss, (nnx.state(model, _MUTABLE), extra)
 
     @staticmethod
     def _keep_mutated(frozen: nnx.State, mutated: nnx.State) -> nnx.State:
@@ -225,22 +227,23 @@ class Trainer:
         return nnx.merge_state(frozen, nnx.from_flat_state(updated))
 
     def _gradients(self, state: dict[str, Any], batch: Batch
-                   ) -> tuple[jax.Array, Any, nnx.State]:
-        """Mean loss, gradients (scaled if loss scaling) and the non-parameter state after
-        the plan's microbatches."""
+                   ) -> tuple[jax.Array, Any, nnx.State, dict[str, jax.Array]]:
+        """Mean loss, gradients (scaled if loss scaling), the non-parameter state after
+        the plan's microbatches, and the loss function's extra metrics (their mean)."""
         scale = state["loss_scale"]["scale"] if self.loss_scale is not None else 1.0
 
         def loss_and_grads(frozen, micro):
             def scaled(p):
-                loss, mutated = self._loss(p, frozen, micro)
-                return loss * scale, mutated
+                loss, aux = self._loss(p, frozen, micro)
+                return loss * scale, aux
 
-            (loss, mutated), grads = jax.value_and_grad(scaled, has_aux=True)(state["params"])
-            return loss / scale, grads, self._keep_mutated(frozen, mutated)
+            (loss, (mutated, extra)), grads = jax.value_and_grad(scaled, has_aux=True)(
+                state["params"])
+            return loss / scale, grads, self._keep_mutated(frozen, mutated), extra
 
         k = self.plan.microbatches
         if k == 1:
-            loss, grads, frozen = loss_and_grads(state["frozen"], batch)
+            loss, grads, frozen, extra = loss_and_grads(state["frozen"], batch)
         else:
             rows = jax.tree.leaves(batch)[0].shape[0]
             if rows % (k * self.plan.data_parallel_size):
@@ -259,13 +262,14 @@ class Trainer:
 
             def accumulate(carry, one):
                 total_loss, total, frozen = carry
-                loss, grads, frozen = loss_and_grads(frozen, one)
+                loss, grads, frozen, extra = loss_and_grads(frozen, one)
                 total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
-                return (total_loss + loss, total, frozen), None
+                return (total_loss + loss, total, frozen), extra
 
-            (loss, grads, frozen), _ = jax.lax.scan(
+            (loss, grads, frozen), extras = jax.lax.scan(
                 accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]), micro)
             loss = loss / k
+            extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
             grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
         if self.plan.zero_stage >= 2 or k > 1:
             # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid
@@ -273,13 +277,13 @@ class Trainer:
             # hand-written step would (pinning them adds a collective: see
             # benchmarks/overhead.py).
             grads = self.plan.place(grads, self.grad_shardings)
-        return loss, grads, frozen
+        return loss, grads, frozen, extra
 
     def _step_impl(self, state: dict[str, Any], batch: Batch):
-        loss, grads, frozen = self._gradients(state, batch)
+        loss, grads, frozen, extra = self._gradients(state, batch)
         master = state["master"] if self.policy.mixed else state["params"]
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
-        metrics: dict[str, jax.Array] = {"loss": loss}
+        metrics: dict[str, jax.Array] = {"loss": loss, **extra}
         if self.loss_scale is not None:
             grads = jax.tree.map(lambda g: g / state["loss_scale"]["scale"], grads)
             finite = self.loss_scale.all_finite(grads)
@@ -305,7 +309,7 @@ class Trainer:
     def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
         model = self._merged(state["params"], state["frozen"])
         model.eval()  # dropout off, running statistics used
-        return self.loss_fn(model, batch).astype(jnp.float32)
+        return _split_loss(self.loss_fn(model, batch))[0]
 
     def gradients(self, batch: Batch) -> Any:
         """The gradients one step would apply, laid out as the ZeRO stage stores them."""

@@ -27,6 +27,7 @@ from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config, hf_folder
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import MESH_AXES, mesh_sizes
 from jaxpar.pipeline import Schedule
+from jaxpar.plan import CONTEXT_ATTENTION
 from jaxpar.precision import Policy
 from jaxpar.rules import PRESETS, preset
 
@@ -102,6 +103,9 @@ def _check_choices(config: Config) -> None:
         raise JaxparError(f"plan.precision: {err}") from None
     if p.remat not in remat.POLICIES:
         raise _bad("plan.remat", p.remat, f"choose one of {sorted(remat.POLICIES)}")
+    if p.context_attention not in CONTEXT_ATTENTION:
+        raise _bad("plan.context_attention", p.context_attention,
+                   f"choose one of {list(CONTEXT_ATTENTION)}")
     for key, items in (("plan.annotations", p.annotations), ("plan.layouts", p.layouts)):
         for pattern, _ in pairs(items, key):
             if isinstance(pattern, str) and not pattern.startswith("type:"):
@@ -190,6 +194,7 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
             f"train.global_batch={t.global_batch}{split} is not divisible by the "
             f"data-parallel size {dp} ({axes} under plan.rules={p.rules}): use a multiple "
             f"of {dp * p.microbatches}")
+    _check_sequence_and_experts(config, sizes)
     if sizes["stage"] > 1:
         if config.model.factory:
             raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory "
@@ -214,6 +219,33 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
                 param_rules.resolve((name,), mesh, shape=(size,), path=key)
             except JaxparError as err:
                 raise JaxparError(f"plan.strict=true: {err}") from None
+
+
+def _check_sequence_and_experts(config: Config, sizes: dict[str, int]) -> None:
+    """Context parallelism splits the sequence, expert parallelism the experts: both must
+    divide evenly (a silent fallback would replicate what the user asked to split)."""
+    m, t, model = config.mesh, config.train, config.model
+    c = sizes["context"]
+    if c > 1:
+        chunks = 2 * c if config.plan.context_balance else c
+        if t.seq_len % chunks:
+            why = (" (plan.context_balance lays it out in 2 x context chunks)"
+                   if config.plan.context_balance else "")
+            raise JaxparError(f"train.seq_len={t.seq_len} does not split into {chunks} equal "
+                              f"chunks over mesh.context={m.context}{why}: use a multiple "
+                              f"of {chunks}")
+        if sizes["stage"] > 1:
+            raise JaxparError("mesh.context > 1 with mesh.stage > 1 is not supported yet: "
+                              "use context parallelism without pipeline stages")
+    if sizes["stage"] > 1 and model.n_experts and not model.factory:
+        raise JaxparError("model.n_experts > 0 with mesh.stage > 1 is not supported yet: "
+                          "train a mixture of experts with expert, fsdp, tensor or context "
+                          "parallelism")
+    if (sizes["expert"] > 1 and model.n_experts and not model.factory
+            and model.n_experts % sizes["expert"]):
+        raise JaxparError(f"model.n_experts={model.n_experts} is not divisible by "
+                          f"mesh.expert={sizes['expert']}: every device must hold the "
+                          "same number of experts")
 
 
 def check_config(config: Config, *, devices: int | None = None, processes: int = 1) -> None:

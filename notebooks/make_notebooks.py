@@ -1,9 +1,9 @@
 """Write the tutorial notebooks in this folder (without outputs) from the cells below.
 
 Run ``python notebooks/make_notebooks.py`` after editing a cell here (or in
-``make_byo_notebook.py`` or ``make_hf_notebook.py``, which hold the fourth and fifth
-notebooks' cells); the ``.ipynb`` files are generated, and ``tests/test_notebooks.py``
-executes them on 8 simulated CPU devices.
+``make_byo_notebook.py``, ``make_hf_notebook.py`` or ``make_long_context_notebook.py``,
+which hold the fourth, fifth and sixth notebooks' cells); the ``.ipynb`` files are
+generated, and ``tests/test_notebooks.py`` executes them on 8 simulated CPU devices.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 from make_byo_notebook import bring_your_own_model
 from make_hf_notebook import finetune_hf
+from make_long_context_notebook import long_context_and_moe
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
@@ -563,6 +564,7 @@ NOTEBOOKS = {
     "03_pipeline_schedules.ipynb": PIPELINE_SCHEDULES,
     "04_bring_your_own_model.ipynb": bring_your_own_model(SETUP),  # make_byo_notebook.py
     "05_finetune_hf.ipynb": finetune_hf(SETUP),  # make_hf_notebook.py
+    "06_long_context_and_moe.ipynb": long_context_and_moe(SETUP),  # make_long_context_notebook.py
 }
 
 

@@ -9,13 +9,14 @@ from jaxpar.mesh import MESH_AXES, describe
 def test_axes_fixed_order_and_fill(devices):
     mesh = make_mesh({"tensor": 2, "data": -1})
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "expert": 1, "context": 1,
+                                "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert describe(mesh) == "data=4 x tensor=2 (8 devices)"
 
 
 def test_mismatch_shows_arithmetic(devices):
-    with pytest.raises(JaxparError, match=r"data=4 x stage=1 x fsdp=1 x tensor=4 needs 16 "
+    with pytest.raises(JaxparError, match=r"mesh data=4 x tensor=4 needs 16 "
                                           r"devices, but 8 are available"):
         make_mesh({"data": 4, "tensor": 4})
 
@@ -48,9 +49,11 @@ def test_hybrid_mesh_slices_are_outer(devices):
 
 def test_aliases_and_explicit_axes(devices):
     mesh = make_mesh({"fsdp": 4, "tp": 2})
-    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tensor": 2}
+    assert {a: s for a, s in mesh.shape.items() if s > 1} == {"fsdp": 4, "tensor": 2}
     assert dict(make_mesh({"dp": 2, "pp": 2, "mp": 2}).shape) == {
-        "data": 2, "stage": 2, "fsdp": 1, "tensor": 2}
+        "data": 2, "stage": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
+    assert {a: s for a, s in make_mesh({"ep": 4, "cp": 2}).shape.items() if s > 1} == {
+        "expert": 4, "context": 2}
     with pytest.raises(JaxparError, match="'tensor' is given twice"):
         make_mesh({"tp": 2, "tensor": 4})
     explicit = make_mesh({"data": 8}, explicit=True)

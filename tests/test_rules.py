@@ -86,8 +86,8 @@ def test_mesh_axis_names_and_aliases_are_direct_targets(mesh):
         ("data", "fsdp"), "tensor")
     with pytest.raises(JaxparError, match="used twice"):
         params.spec(("tp", "tensor"), mesh, shape=(8, 8))
-    with pytest.raises(JaxparError, match=r"mesh axis 'expert' in \('expert',\)"):
-        params.spec((("expert",),), mesh, shape=(8,))
+    with pytest.raises(JaxparError, match=r"mesh axis 'pod' in \('pod',\)"):
+        params.spec((("pod",),), mesh, shape=(8,))
     with pytest.raises(JaxparError, match="not divisible by mesh axes"):
         params.spec(("tp",), mesh, shape=(3,))
 

@@ -126,7 +126,8 @@ def test_megatron_block_has_one_all_reduce_per_sublayer(capfd):
 def test_from_config_builds_what_the_config_says(devices):
     cfg = small_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     trainer = build_trainer(cfg)
-    assert dict(trainer.plan.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
+    assert dict(trainer.plan.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1,
+                                              "context": 1, "tensor": 2}
     m = trainer.step(loader().batch(0))
     assert np.isfinite(m["loss"]) and m["step"] == 1
     assert isinstance(trainer.model, jaxpar.models.Transformer)

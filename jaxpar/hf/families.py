@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.errors import JaxparError
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.models.config import TransformerConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.models.config import TransformerConfig
 
 LAYER = "model.layers.{i}."
 """Prefix of one decoder layer's tensors."""

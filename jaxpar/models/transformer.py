@@ -19,144 +19,31 @@ so GSPMD keeps the batch split rather than inventing a layout of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import attention as attention_lib
+from jaxpar import context as context_lib
 from jaxpar import loss as loss_lib
+from jaxpar import moe as moe_lib
 from jaxpar import pipeline as pipeline_lib
 from jaxpar import remat as remat_lib
 from jaxpar.errors import JaxparError
+from jaxpar.models.config import MLP_ACTIVATIONS, TransformerConfig
 from jaxpar.plan import constrain, current_plan
 
-RESIDUAL = ("batch", "seq", "embed")
+RESIDUAL = ("batch", "residual_seq", "embed")
+"""Logical names of the residual stream between blocks (``residual_seq`` is split over the
+tensor axis under sequence parallelism, over ``context`` under context parallelism)."""
+BLOCK_INPUT = ("batch", "seq", "embed")
+"""Logical names of a sublayer's (normed) input."""
 _CARRIED = nnx.Any(nnx.RngCount, nnx.BatchStat)
 """Per-layer state a forward pass advances (dropout counters), kept across the scan."""
-
-
-ROPE_SCALINGS = ("none", "linear", "llama3")
-MLP_ACTIVATIONS = {"silu": jax.nn.silu,
-                   "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-                   "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Sizes and variants of the decoder.
-
-    ``head_dim=0`` means ``d_model // n_heads``. ``qkv_bias``: biases on the q/k/v
-    projections. ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys before RoPE.
-    ``rope_scaling``: ``none``, ``linear`` (frequencies divided by ``rope_factor``) or
-    ``llama3`` (low frequencies divided by ``rope_factor``, high ones kept, a smooth blend
-    between, set by ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
-    ``rope_original_max_len``). ``norm_offset``: norms scale by ``norm_offset + w`` (Gemma:
-    1, its weights stored as offsets from one). ``embed_scale``: multiply embeddings by
-    ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
-    ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
-    the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
-    ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``, ``splash``; see
-    :mod:`jaxpar.attention`), ``attention_block`` the key block of ``chunked``. These two
-    change how attention is computed, not what: any value gives the same model.
-    ``loss_chunk``: the default loss (:func:`jaxpar.train.lm_loss`, through
-    :meth:`Transformer.next_token_loss`) computes logits, softmax and their gradient this
-    many sequence positions at a time, never holding the full ``(batch, seq, vocab)``
-    logits (see :mod:`jaxpar.loss`); 0 materialises them. It too changes only how.
-    """
-
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 0
-    d_ff: int = 256
-    max_seq_len: int = 256
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    norm_offset: float = 0.0
-    embed_scale: bool = False
-    mlp_activation: str = "silu"
-    sliding_window: int = 0
-    attention: str = "auto"
-    attention_block: int = 512
-    loss_chunk: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise JaxparError(f"model.{name}={getattr(self, name)}: must be at least 1")
-        for name in ("rope_theta", "norm_eps", "init_std", "rope_factor",
-                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"):
-            if not getattr(self, name) > 0:
-                raise JaxparError(f"model.{name}={getattr(self, name)}: must be positive")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise JaxparError(f"model.rope_scaling={self.rope_scaling!r}: choose one of "
-                              f"{list(ROPE_SCALINGS)}")
-        if (self.rope_scaling == "llama3"
-                and not self.rope_high_freq_factor > self.rope_low_freq_factor):
-            raise JaxparError(
-                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be greater "
-                f"than model.rope_low_freq_factor={self.rope_low_freq_factor}")
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise JaxparError(f"model.mlp_activation={self.mlp_activation!r}: choose one of "
-                              f"{list(MLP_ACTIVATIONS)}")
-        if self.attention not in attention_lib.IMPLEMENTATIONS:
-            raise JaxparError(f"model.attention={self.attention!r}: choose one of "
-                              f"{list(attention_lib.IMPLEMENTATIONS)}")
-        if self.attention_block < 1:
-            raise JaxparError(f"model.attention_block={self.attention_block}: must be at "
-                              "least 1")
-        if self.loss_chunk < 0:
-            raise JaxparError(f"model.loss_chunk={self.loss_chunk}: must be 0 (full logits) "
-                              "or a positive number of sequence positions")
-        if self.sliding_window < 0:
-            raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
-                              "or a positive number of tokens")
-        if self.head_dim < 0:
-            raise JaxparError(f"model.head_dim={self.head_dim}: must be positive (or 0: "
-                              "d_model // n_heads)")
-        if self.head_dim == 0:
-            if self.d_model % self.n_heads:
-                raise JaxparError(
-                    f"model.d_model={self.d_model} is not divisible by model.n_heads="
-                    f"{self.n_heads}; set model.head_dim explicitly"
-                )
-            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise JaxparError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads="
-                f"{self.n_kv_heads} (grouped-query attention)"
-            )
-        if self.head_dim % 2:
-            raise JaxparError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-
-    def param_count(self) -> int:
-        """Number of parameters, embeddings included."""
-        d, h = self.d_model, self.head_dim
-        attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
-        if self.qkv_bias:
-            attn += h * (self.n_heads + 2 * self.n_kv_heads)
-        if self.qk_norm:
-            attn += 2 * h
-        mlp = 3 * d * self.d_ff
-        per_layer = attn + mlp + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * per_layer + d + head
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
@@ -204,12 +91,16 @@ def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float | None = None, *,
-                  freqs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  freqs: jax.Array | None = None, positions=None
+                  ) -> tuple[jax.Array, jax.Array]:
     """``(sin, cos)`` of shape ``(seq_len, head_dim // 2)``: of plain RoPE with base
-    ``theta``, or of the given per-pair ``freqs`` (see :func:`rope_frequencies`)."""
+    ``theta``, or of the given per-pair ``freqs`` (see :func:`rope_frequencies`), at
+    ``positions`` (default ``0 .. seq_len - 1``)."""
     if freqs is None:
         freqs = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs[None, :]
+    if positions is None:
+        positions = jnp.arange(seq_len)
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * freqs[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -268,10 +159,36 @@ class Attention(nnx.Module):
         q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = attention_lib.attention(q, k, v, implementation=self.implementation,
-                                    window=self.window, block=self.block)
+        o = self._attend(q, k, v)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
+
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Attention over the whole causal prefix; with the sequence split over the plan's
+        ``context`` axis, exact across the split (see :mod:`jaxpar.context`)."""
+        plan = current_plan()
+        if plan is None or plan.mesh.shape.get("context", 1) == 1:
+            return attention_lib.attention(q, k, v, implementation=self.implementation,
+                                           window=self.window, block=self.block)
+        order = sequence_order(q.shape[1])
+        positions = jnp.arange(q.shape[1]) if order is None else jnp.asarray(order)
+        return context_lib.context_attention(
+            q, k, v, positions, mesh=plan.mesh, kind=plan.context_attention,
+            window=self.window,
+            q_spec=plan.act_spec(("batch", "seq", "heads", "head_dim"), shape=q.shape),
+            kv_spec=plan.act_spec(("batch", "seq", "kv_heads", "head_dim"), shape=k.shape))
+
+
+def sequence_order(seq_len: int):
+    """The order positions are laid out in along the sequence under the active plan:
+    ``None`` for the natural order, or (context parallelism with ``context_balance``) the
+    balanced order of :func:`jaxpar.context.balanced_order`."""
+    plan = current_plan()
+    if plan is None or not plan.context_balance:
+        return None
+    c = plan.mesh.shape.get("context", 1)
+    return None if c == 1 else context_lib.balanced_order(seq_len, c)
 
 
 class MLP(nnx.Module):
@@ -299,11 +216,18 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = moe_lib.MoE(cfg, rngs=rngs) if cfg.n_experts else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), sin, cos)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array
+                 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+        """The layer's output; with experts, also the router statistics of this layer."""
+        # The sublayers see the whole sequence: under sequence parallelism this is where
+        # the split residual is all-gathered (and their outputs reduce-scattered back).
+        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos)
+        if isinstance(self.mlp, moe_lib.MoE):
+            y, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+            return x + y, aux
+        return x + self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
 
 
 class Transformer(nnx.Module):
@@ -321,6 +245,10 @@ class Transformer(nnx.Module):
         # outside any plan the model is an ordinary single-device one.
         with nnx.use_eager_sharding(False):
             self.config = cfg = config
+            if pipeline is not None and cfg.n_experts:
+                raise JaxparError("model.n_experts > 0 with pipeline stages (mesh.stage > 1) "
+                                  "is not supported yet: use expert, fsdp, tensor or "
+                                  "context parallelism")
             if pipeline is not None and pipeline.layers != cfg.n_layers:
                 raise JaxparError(
                     f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
@@ -366,26 +294,34 @@ class Transformer(nnx.Module):
         ``block_fn(block, x, sin, cos)`` may wrap the layer call (remat, for instance).
         A model built with a pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
         """
-        sin, cos = rotary_tables(x.shape[1], self.config.head_dim,
+        return self.apply_blocks_with_aux(x, block_fn)[0]
+
+    def apply_blocks_with_aux(self, x: jax.Array, block_fn=None
+                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """:meth:`apply_blocks`, also returning the mixture-of-experts router statistics
+        summed over layers (empty for a dense model; see :mod:`jaxpar.moe`)."""
+        order = sequence_order(x.shape[1])
+        sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=order,
                                  freqs=rope_frequencies(self.config))
         call = block_fn or (lambda block, h, s, c: block(h, s, c))
         schedule = getattr(self, "pipeline_schedule", None)
         if schedule is not None:
             return pipeline_lib.pipeline_module(
                 self.blocks, x, lambda block, h: call(block, h, sin, cos),
-                microbatches=schedule.microbatches, act_names=RESIDUAL)
+                microbatches=schedule.microbatches, act_names=RESIDUAL), {}
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            h = call(layer, h, sin, cos)
+            out = call(layer, h, sin, cos)
+            h, aux = out if isinstance(out, tuple) else (out, {})
             # Non-parameter state a layer changed (adapter dropout counters) leaves the scan.
-            return h, nnx.state(layer, _CARRIED)
+            return h, (nnx.state(layer, _CARRIED), aux)
 
-        x, mutated = jax.lax.scan(body, x, stacked)
+        x, (mutated, aux) = jax.lax.scan(body, x, stacked)
         if jax.tree.leaves(mutated):
             nnx.update(self.blocks, mutated)
-        return x
+        return x, {name: jnp.sum(values) for name, values in aux.items()}
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection (tied to the embedding if configured)."""
@@ -400,6 +336,15 @@ class Transformer(nnx.Module):
         """The decoder's output before the final norm: ``(batch, seq, embed)``.
 
         ``block_fn`` defaults to the active plan's remat policy."""
+        return self.hidden_states_with_aux(tokens, dtype=dtype, block_fn=block_fn)[0]
+
+    def hidden_states_with_aux(self, tokens: jax.Array, *, dtype=None, block_fn=None
+                               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """:meth:`hidden_states` and the router statistics of :meth:`apply_blocks_with_aux`.
+
+        Under context parallelism with ``context_balance`` the tokens are laid out in the
+        balanced order for the decoder layers (RoPE and the causal mask follow their true
+        positions) and put back in order at the end."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise JaxparError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
@@ -407,8 +352,14 @@ class Transformer(nnx.Module):
             )
         if block_fn is None and (plan := current_plan()) is not None:
             block_fn = remat_lib.block_wrapper(plan.remat)
+        order = sequence_order(tokens.shape[1])
+        if order is not None:
+            tokens = jnp.take(tokens, jnp.asarray(order), axis=1)
         x = self.embed_tokens(tokens, dtype)
-        return self.apply_blocks(x, block_fn)
+        x, aux = self.apply_blocks_with_aux(x, block_fn)
+        if order is not None:
+            x = constrain(jnp.take(x, jnp.asarray(np.argsort(order)), axis=1), RESIDUAL)
+        return x, aux
 
     def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
         """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy."""
@@ -429,20 +380,31 @@ class Transformer(nnx.Module):
             return None
         return head
 
-    def next_token_loss(self, tokens: jax.Array) -> jax.Array | None:
+    def next_token_loss(self, tokens: jax.Array
+                        ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]] | None:
         """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
         ``loss_chunk`` positions at a time (see :mod:`jaxpar.loss`), or None when
         ``model.loss_chunk`` is 0 or the head cannot be chunked: the caller then uses the
         full logits. :func:`jaxpar.train.lm_loss` calls it.
 
         Logits are cast to the active plan's output dtype before the softmax, as the
-        full-logits loss does."""
+        full-logits loss does. A mixture-of-experts model returns ``(loss, metrics)``: the
+        loss includes the weighted router losses, the metrics hold the router statistics
+        averaged over layers and ``moe_aux_loss``, their weighted sum."""
         chunk = self.config.loss_chunk
         head = self.unembedding() if chunk else None
-        if head is None:
+        if head is None and not self.config.n_experts:
             return None
         plan = current_plan()
         out_dtype = plan.precision.output if plan is not None else jnp.float32
-        x = self.final_norm(self.hidden_states(tokens[:, :-1]))
-        return loss_lib.chunked_cross_entropy(x, head, tokens[:, 1:], chunk=chunk,
-                                              dtype=out_dtype)
+        x, aux = self.hidden_states_with_aux(tokens[:, :-1])
+        if head is None:
+            loss = loss_lib.cross_entropy(self.logits(x), tokens[:, 1:])
+        else:
+            loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, tokens[:, 1:],
+                                                  chunk=chunk, dtype=out_dtype)
+        if not aux:
+            return loss
+        metrics = {name: value / self.config.n_layers for name, value in aux.items()}
+        metrics["moe_aux_loss"] = moe_lib.aux_loss(metrics, self.config)
+        return loss + metrics["moe_aux_loss"], metrics

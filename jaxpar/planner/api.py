@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxpar.config import Config, load_config
 from jaxpar.errors import JaxparError
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.mesh import MESH_AXES
+from jaxpar.models.config import TransformerConfig
 from jaxpar.planner.catalog import Chip, Machine, parse_chips
 from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.cost import estimate as _estimate
@@ -91,7 +92,8 @@ def _machine(chips: str | Machine, slices: int,
 
 def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
          slices: int = 1, catalog: str | Path | Mapping[str, Chip] | None = None,
-         top: int = 5, precision: str = "bfloat16", overrides: Iterable[str] = ()
+         top: int = 5, precision: str = "bfloat16", overrides: Iterable[str] = (),
+         context: int | Sequence[int] | None = None, expert: int | Sequence[int] | None = None
          ) -> list[Estimate]:
     """The best plans for training ``model`` on ``chips``, fastest first.
 
@@ -105,6 +107,10 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
       top: how many plans to return (at least two are computed, for the reason).
       precision: compute dtype; ``bfloat16`` means f32 master weights, bf16 compute.
       overrides: ``model.<field>=value`` for a YAML path or Config.
+      context: the ``context`` axis sizes allowed (one or several; default: 1, and for
+        sequences of 16384 or more, powers of two down to 1024 positions per device).
+      expert: the ``expert`` axis sizes allowed (default: the divisors of a mixture of
+        experts' ``n_experts`` that divide a slice; 1 for a dense model).
 
     Returns:
       :class:`Estimate` s, best first. Each has ``candidate`` (mesh and knobs),
@@ -121,11 +127,21 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
     machine = _machine(chips, slices, catalog)
     optimizer = resolved.config.train.optimizer if resolved.config else "adamw"
     result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
-                    optimizer=optimizer, top=top, pipeline=resolved.pipeline)
+                    optimizer=optimizer, top=top, pipeline=resolved.pipeline,
+                    contexts=_sizes(context, "context"), experts=_sizes(expert, "expert"))
     plans = result.plans
     for i, est in enumerate(plans):
         est.reason = reason(est, plans[i + 1] if i + 1 < len(plans) else None)
     return plans[:top]
+
+
+def _sizes(value: int | Sequence[int] | None, axis: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    sizes = (value,) if isinstance(value, int) else tuple(value)
+    if not sizes or any(not isinstance(v, int) or v < 1 for v in sizes):
+        raise JaxparError(f"{axis} sizes must be positive integers, got {value!r}")
+    return sizes
 
 
 def estimate(model: ModelLike, candidate: Candidate, *, chips: str | Machine,
@@ -153,6 +169,8 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "microbatches": c.microbatches,
         "pipeline_microbatches": c.pipeline_microbatches,
         "precision": c.precision,
+        "sequence_parallel": c.sequence_parallel and c.sizes["tensor"] > 1,
+        "context_attention": c.context_attention if c.context > 1 else None,
         "memory_per_device_bytes": int(est.memory_per_device_bytes),
         "memory": {k: int(v) for k, v in est.memory.items()},
         "hbm_bytes": int(est.hbm_bytes),
@@ -170,7 +188,9 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
 
 def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig | None,
                global_batch: int, seq: int) -> Config:
-    """The run config that trains with this plan (``jaxpar train --config`` accepts it)."""
+    """The run config that trains with this plan (``jaxpar train --config`` accepts it):
+    every mesh axis (``expert`` and ``context`` included), and the plan's ZeRO stage,
+    remat, microbatches, sequence parallelism and context attention kind."""
     c = est.candidate
     ici, dcn = dict(c.ici), dict(c.dcn)
     data: dict[str, Any] = base.to_dict() if base is not None else Config().to_dict()
@@ -178,12 +198,14 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
         data["model"] = dataclasses.asdict(model_cfg)
     data["model"]["max_seq_len"] = max(int(data["model"]["max_seq_len"]), seq)
     data["mesh"] = {"explicit": bool(data["mesh"].get("explicit", False)),
-                    **{a: ici[a] for a in ("data", "stage", "fsdp", "tensor")},
-                    **{f"dcn_{a}": dcn[a] for a in ("data", "stage", "fsdp", "tensor")}}
+                    **{a: ici[a] for a in MESH_AXES},
+                    **{f"dcn_{a}": dcn[a] for a in MESH_AXES}}
     compute = "bfloat16" if c.precision in ("bfloat16", "bf16") else c.precision
     data["plan"] = {**data["plan"], "rules": c.rules, "zero_stage": c.zero_stage,
                     "precision": f"params=float32,compute={compute},output=float32",
-                    "remat": c.remat, "microbatches": c.microbatches}
+                    "remat": c.remat, "microbatches": c.microbatches,
+                    "sequence_parallel": c.sequence_parallel and ici["tensor"] > 1,
+                    "context_attention": c.context_attention}
     data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}
     data["train"] = {**data["train"], "global_batch": global_batch, "seq_len": seq}
     from jaxpar.config import _build

@@ -23,13 +23,29 @@ def _mesh_text(mesh: dict) -> str:
     return " ".join(parts) or "single"
 
 
+def _allowed(text: str | int | None) -> tuple[int, ...] | None:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; None passes through."""
+    if text is None or isinstance(text, int):
+        return None if text is None else (text,)
+    try:
+        sizes = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise JaxparError(f"axis sizes must be positive integers separated by commas, got "
+                          f"{text!r}")
+    return sizes
+
+
 def table(rows: list[dict], header: str) -> str:
     """Plain aligned text: one line per plan, then the winner's reason."""
-    cols = ["#", "mesh (ici*dcn)", "zero", "remat", "mb", "pp_mb", "mem GiB", "fits",
-            "step s", "TFLOP/s", "MFU"]
+    cols = ["#", "mesh (ici*dcn)", "sp", "cp attn", "zero", "remat", "mb", "pp_mb", "mem GiB",
+            "fits", "step s", "TFLOP/s", "MFU"]
     lines = []
     for i, r in enumerate(rows, 1):
-        lines.append([str(i), _mesh_text(r["mesh"]), str(r["zero_stage"]), r["remat"],
+        lines.append([str(i), _mesh_text(r["mesh"]),
+                      "yes" if r.get("sequence_parallel") else "-",
+                      r.get("context_attention") or "-", str(r["zero_stage"]), r["remat"],
                       str(r["microbatches"]), str(r["pipeline_microbatches"] or "-"),
                       f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
                       "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
@@ -55,13 +71,16 @@ def command(args: argparse.Namespace) -> int:
     resolved = resolve_model(args.model, overrides)
     machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
     plans = plan(resolved.config, chips=machine, global_batch=args.global_batch, seq=args.seq,
-                 top=args.top)
+                 top=args.top, context=_allowed(args.context), expert=_allowed(args.expert))
     rows = [to_dict(p, args.global_batch, args.seq) for p in plans]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        n_params = resolved.spec_for(1).n_params
-        header = (f"plan: {n_params / 1e9:.2f}B params ({resolved.name}) on {machine.describe()}, "
+        spec = resolved.spec_for(1)
+        active = (f", {spec.n_active_dense / 1e9:.2f}B active in matmuls" if spec.is_moe
+                  else "")
+        header = (f"plan: {spec.n_params / 1e9:.2f}B params{active} ({resolved.name}) on "
+                  f"{machine.describe()}, "
                   f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
                   f"f32 master + Adam")
         print(table(rows, header))

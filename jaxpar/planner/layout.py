@@ -11,6 +11,13 @@ For every tensor it records the elements one device holds in four layouts:
 * ``compute``: what a matmul needs, the stored layout without data-parallel axes (weights
   sharded over ``fsdp`` or by ZeRO-3 are all-gathered to it, just in time);
 * and which data-parallel axes the stored gradient is split over.
+
+Expert weights are the exception to "data-parallel axes are gathered": the ``expert`` mesh
+axis splits the batch (it is a data-parallel axis) and also the experts' leading
+dimension, and a device computes only with the experts it holds, the tokens coming to it
+by all-to-all (see :mod:`jaxpar.moe`). So an axis that splits a tensor's ``expert``
+dimension stays in its compute layout, is never gathered, and its gradient is not reduced
+over it (:attr:`Placed.owned_axes`).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class Placed:
     store_dp_axes: tuple[str, ...]  # data-parallel axes the stored parameter is split over
     zero_axes: tuple[str, ...]  # axes ZeRO adds to optimizer state / gradients
     base_dp_axes: tuple[str, ...]  # data-parallel axes already in the base layout (FSDP)
+    owned_axes: tuple[str, ...] = ()  # axes splitting the expert dimension (never gathered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Layout:
     tp_axes: tuple[str, ...]
     placed: tuple[Placed, ...]
     zero_stage: int
+    cp_axes: tuple[str, ...] = ()  # axes the sequence is split over (context parallelism)
 
     def total(self, which: str) -> int:
         """Sum over tensors of one layout's per-device elements."""
@@ -92,19 +101,27 @@ def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], ru
     dp_axes = _axes(batch)
     dp = math.prod(sizes[a] for a in dp_axes)
     tp_axes = tuple(a for a in ("tensor",) if sizes.get(a, 1) > 1 and a not in dp_axes)
+    seq = act_rules.spec(("seq",), mesh)[0]
+    cp_axes = tuple(a for a in _axes(seq) if sizes[a] > 1 and a not in dp_axes)
     placed = []
     for t in spec.tensors:
         base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
+        entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
+        owned = tuple(a for name, e in zip(t.names, entries, strict=True) if name == "expert"
+                      for a in _axes(e) if a in dp_axes)
         zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
         store = zspec if zero_stage >= 3 else base_spec
-        store_dp = tuple(a for e in store for a in _axes(e) if a in dp_axes)
-        base_dp = tuple(a for e in base_spec for a in _axes(e) if a in dp_axes)
-        zero_axes = tuple(a for e in zspec for a in _axes(e) if a in dp_axes and a not in base_dp)
-        compute = _drop(store, dp_axes)
+        store_dp = tuple(a for e in store for a in _axes(e) if a in dp_axes and a not in owned)
+        base_dp = tuple(a for e in base_spec for a in _axes(e)
+                        if a in dp_axes and a not in owned)
+        zero_axes = tuple(a for e in zspec for a in _axes(e) if a in dp_axes and a not in base_dp
+                          and a not in owned)
+        compute = _drop(store, tuple(a for a in dp_axes if a not in owned))
         placed.append(Placed(t, local_elems(t.shape, base_spec, sizes),
                              local_elems(t.shape, zspec, sizes),
-                             local_elems(t.shape, compute, sizes), store_dp, zero_axes, base_dp))
-    return Layout(sizes, dp_axes, dp, tp_axes, tuple(placed), zero_stage)
+                             local_elems(t.shape, compute, sizes), store_dp, zero_axes, base_dp,
+                             owned))
+    return Layout(sizes, dp_axes, dp, tp_axes, tuple(placed), zero_stage, cp_axes)
 
 
 def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: int) -> Layout:

@@ -1,5 +1,6 @@
 """What the planner knows of a model: its parameter tensors (shape, logical axis names) and,
-for transformers, the sizes that drive activation memory and attention FLOPs.
+for transformers, the sizes that drive activation memory and attention FLOPs (and, for a
+mixture of experts, how many experts a token uses, which sets its FLOPs).
 
 Two sources: a :class:`jaxpar.models.TransformerConfig` (read analytically, in microseconds,
 so the search can evaluate thousands of candidates), or any Flax NNX model factory, read by
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxpar.errors import JaxparError
-from jaxpar.models.transformer import TransformerConfig
+from jaxpar.models.config import TransformerConfig
 from jaxpar.partitioning import path_str
 
 
@@ -61,6 +62,16 @@ class ModelSpec:
     attention: str = "auto"
     attention_block: int = 512
     loss_chunk: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_d_ff: int = 0
+    n_shared_experts: int = 0
+    capacity_factor: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts transformer."""
+        return self.n_experts > 0
 
     @property
     def n_params(self) -> int:
@@ -78,6 +89,20 @@ class ModelSpec:
         return self.n_params - skip
 
     @property
+    def n_expert_params(self) -> int:
+        """Parameters of the routed experts (the tensors with an ``expert`` axis)."""
+        return sum(t.size for t in self.tensors if "expert" in t.names)
+
+    @property
+    def n_active_dense(self) -> int:
+        """Matmul parameters one token uses: :attr:`n_dense` less the routed experts it is
+        not sent to (``n_experts - experts_per_token`` of every layer's)."""
+        if not self.is_moe:
+            return self.n_dense
+        idle = self.n_experts - self.experts_per_token
+        return self.n_dense - self.n_expert_params * idle // self.n_experts
+
+    @property
     def is_transformer(self) -> bool:
         """True when the activation sizes are known."""
         return self.n_layers > 0 and self.d_model > 0
@@ -87,6 +112,8 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
     """The parameter tensors of :class:`jaxpar.models.Transformer` for ``cfg``.
 
     With ``stages > 1`` the decoder layers use the pipeline layout ``(repeat, stage, ...)``.
+    With ``cfg.n_experts > 0`` each layer's MLP is the router, the stacked experts
+    ``(n_experts, ...)`` and the shared experts' dense MLP, as :mod:`jaxpar.moe` builds it.
     """
     d, h, L = cfg.d_model, cfg.head_dim, cfg.n_layers
     n, k, f, v = cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
@@ -103,6 +130,8 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
         ("attn/wv/kernel", (d, k, h), ("embed", "kv_heads", "head_dim")),
         ("attn/wo/kernel", (n, h, d), ("heads", "head_dim", "embed")),
         ("mlp_norm/scale", (d,), ("norm",)),
+    ]
+    layer += _moe_tensors(cfg) if cfg.n_experts else [
         ("mlp/w_gate/kernel", (d, f), ("embed", "mlp")),
         ("mlp/w_up/kernel", (d, f), ("embed", "mlp")),
         ("mlp/w_down/kernel", (f, d), ("mlp", "embed")),
@@ -114,7 +143,33 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
         tensors.append(Tensor("lm_head/kernel", (d, v), ("embed", "vocab")))
     return ModelSpec(tuple(tensors), L, d, n, k, h, f, v, cfg.tie_embeddings,
                      name=f"transformer d{d} L{L}", attention=cfg.attention,
-                     attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk)
+                     attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk,
+                     **_moe_fields(cfg))
+
+
+def _moe_tensors(cfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """One layer's mixture-of-experts weights as :class:`jaxpar.moe.MoE` names them."""
+    d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
+    out: list[tuple[str, tuple[int, ...], tuple]] = [
+        ("mlp/router/kernel", (d, e), ("embed", None)),
+        ("mlp/w_gate/kernel", (e, d, f), ("expert", "embed", "mlp")),
+        ("mlp/w_up/kernel", (e, d, f), ("expert", "embed", "mlp")),
+        ("mlp/w_down/kernel", (e, f, d), ("expert", "mlp", "embed")),
+    ]
+    if cfg.n_shared_experts:
+        w = cfg.n_shared_experts * f
+        out += [("mlp/shared_gate/kernel", (d, w), ("embed", "mlp")),
+                ("mlp/shared_up/kernel", (d, w), ("embed", "mlp")),
+                ("mlp/shared_down/kernel", (w, d), ("mlp", "embed"))]
+    return out
+
+
+def _moe_fields(cfg: TransformerConfig) -> dict[str, Any]:
+    if not cfg.n_experts:
+        return {}
+    return {"n_experts": cfg.n_experts, "experts_per_token": cfg.experts_per_token,
+            "expert_d_ff": cfg.moe_d_ff, "n_shared_experts": cfg.n_shared_experts,
+            "capacity_factor": float(cfg.expert_capacity)}
 
 
 def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:

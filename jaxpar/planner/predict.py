@@ -50,7 +50,9 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           remat=config.plan.remat, microbatches=config.plan.microbatches,
                           pipeline_microbatches=config.pipeline.microbatches,
                           precision=jnp.dtype(policy.compute).name,
-                          optimizer=config.train.optimizer)
+                          optimizer=config.train.optimizer,
+                          sequence_parallel=config.plan.sequence_parallel,
+                          context_attention=config.plan.context_attention)
 
 
 def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:

@@ -1,20 +1,28 @@
 """The search: enumerate meshes and knobs, drop what does not fit, rank by step time.
 
-Mesh shapes: every split of one slice's chips over ``data x stage x fsdp x tensor`` (tensor
-parallelism stays inside an ICI domain, at most 16 ways, and must divide heads, KV heads,
-d_ff and vocab; stages must divide the layers) times every split of the slices over
-``data x stage x fsdp`` (DCN). For each mesh: ZeRO stages 0-3, the remat policies, and the
-fewest gradient-accumulation microbatches that fit in HBM (more only cost time). Pruning
-keeps this to a few thousand cost-model evaluations, well under a second per thousand
-chips.
+Mesh shapes: a ``context`` size (a power of two, for long sequences or batches smaller
+than the machine) and an ``expert`` size (a divisor of the number of experts, for a
+mixture of experts) inside one slice, on the fast ICI links since they communicate in
+every layer; then every split of the rest of the slice over ``data x stage x fsdp x
+tensor`` (tensor parallelism stays inside an ICI domain, at most 16 ways, and must divide
+heads, KV heads, the MLP width and vocab; stages must divide the layers, and do not
+combine with experts or context parallelism) times every split of the slices over
+``data x stage x fsdp`` (DCN), and for a mixture of experts over ``expert`` too (an
+eight-GPU node holds too few experts of a large model; expert parallelism across nodes
+is the usual remedy, paid for by all-to-alls over the slower network). For each mesh:
+ZeRO stages 0-3, the remat policies, sequence parallelism on and off (with tensor
+parallelism), both context attention kinds (with a context axis), and the fewest
+gradient-accumulation microbatches that fit in HBM (more only cost time). Pruning keeps
+this to some thousands of cost-model evaluations: seconds, not minutes, for a pod.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from jaxpar.mesh import MESH_AXES
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.cost import Candidate, Estimate, check_divisible, estimate
 from jaxpar.planner.model import ModelSpec
@@ -22,6 +30,13 @@ from jaxpar.planner.model import ModelSpec
 REMATS = ("none", "save_attention_and_mlp_outputs", "dots_with_no_batch_dims_saveable", "full")
 MAX_TENSOR = 16
 MAX_STAGES = 16
+MIN_CONTEXT_SEQ = 16384
+"""Sequences shorter than this are not split over a context axis unless the batch is too
+small to give every device a sequence: below it, remat and data/FSDP splits bring the
+activations into HBM, and context parallelism would only add key/value traffic."""
+MIN_CONTEXT_SHARD = 1024
+"""Fewest positions of a sequence one context shard holds (smaller shards leave attention
+blocks too small to keep a chip busy)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,52 +53,143 @@ def _splits(n: int, k: int) -> Iterator[tuple[int, ...]]:
             yield (d, *rest)
 
 
-def meshes(spec: ModelSpec, machine: Machine, *, stages: bool = True
+def context_sizes(spec: ModelSpec, machine: Machine, seq: int, global_batch: int,
+                  allowed: Sequence[int] | None = None) -> list[int]:
+    """Context sizes worth trying: 1, and powers of two that divide a slice, split the
+    sequence into ``2 x context`` chunks of at least :data:`MIN_CONTEXT_SHARD` / 2
+    positions, for sequences of :data:`MIN_CONTEXT_SEQ` or more (or a batch smaller than
+    the machine). ``allowed`` restricts the choice."""
+    out = [1]
+    if spec.is_transformer and seq and (seq >= MIN_CONTEXT_SEQ or global_batch < machine.count):
+        c = 2
+        while c <= machine.per_slice and seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_SHARD:
+            if machine.per_slice % c == 0:
+                out.append(c)
+            c *= 2
+    return [c for c in out if allowed is None or c in allowed]
+
+
+def expert_sizes(spec: ModelSpec, machine: Machine, allowed: Sequence[int] | None = None
+                 ) -> list[int]:
+    """Expert sizes worth trying: the divisors of ``n_experts`` that divide a slice (1
+    only for a dense model, or dropless experts, which gather rather than exchange
+    tokens). ``allowed`` restricts the choice."""
+    out = [1]
+    if spec.is_moe and spec.capacity_factor:
+        out = [e for e in _divisors(spec.n_experts) if machine.per_slice % e == 0]
+    return [e for e in out if allowed is None or e in allowed]
+
+
+def meshes(spec: ModelSpec, machine: Machine, *, stages: bool = True, seq: int = 0,
+           global_batch: int = 0, contexts: Sequence[int] | None = None,
+           experts: Sequence[int] | None = None
            ) -> Iterator[tuple[dict[str, int], dict[str, int]]]:
     """(ICI sizes, DCN sizes) pairs worth evaluating for ``spec`` on ``machine``
-    (``stages=False``: no pipeline axis)."""
+    (``stages=False``: no pipeline axis; ``contexts``/``experts``: the sizes of those
+    axes allowed, default: see :func:`context_sizes` and :func:`expert_sizes`)."""
     per_slice = machine.per_slice
     layers = spec.n_layers or 1
-    for data, stage, fsdp, tensor in _splits(per_slice, 4):
-        if tensor > min(MAX_TENSOR, machine.chip.domain) or stage > MAX_STAGES:
-            continue
-        if stage > 1 and (not stages or not spec.is_transformer or layers % stage):
-            continue
-        for d_data, d_stage, d_fsdp in _splits(machine.slices, 3):
-            total_stage = stage * d_stage
-            if total_stage > 1 and (not stages or not spec.is_transformer or layers % total_stage
-                                    or total_stage > MAX_STAGES):
+    for context in context_sizes(spec, machine, seq, global_batch or machine.count, contexts):
+        for expert in expert_sizes(spec, machine, experts):
+            if per_slice % (context * expert):
                 continue
-            yield ({"data": data, "stage": stage, "fsdp": fsdp, "tensor": tensor},
-                   {"data": d_data, "stage": d_stage, "fsdp": d_fsdp, "tensor": 1})
+            no_stages = not stages or not spec.is_transformer or context > 1 or spec.is_moe
+            for data, stage, fsdp, tensor in _splits(per_slice // (context * expert), 4):
+                if tensor > min(MAX_TENSOR, machine.chip.domain) or stage > MAX_STAGES:
+                    continue
+                if stage > 1 and (no_stages or layers % stage):
+                    continue
+                for d_data, d_stage, d_fsdp, d_expert in _dcn_splits(spec, machine, expert,
+                                                                      experts):
+                    total_stage = stage * d_stage
+                    if total_stage > 1 and (no_stages or layers % total_stage
+                                            or total_stage > MAX_STAGES):
+                        continue
+                    yield ({"data": data, "stage": stage, "fsdp": fsdp, "expert": expert,
+                            "context": context, "tensor": tensor},
+                           {"data": d_data, "stage": d_stage, "fsdp": d_fsdp,
+                            "expert": d_expert})
+
+
+def _dcn_splits(spec: ModelSpec, machine: Machine, expert: int,
+                allowed: Sequence[int] | None) -> Iterator[tuple[int, ...]]:
+    """Splits of the slices over ``data x stage x fsdp x expert``: the expert axis may
+    cross slices (expert parallelism across GPU nodes, over InfiniBand, is common
+    practice), as long as its total size still divides the experts."""
+    if not spec.is_moe or not spec.capacity_factor or machine.slices == 1:
+        for split in _splits(machine.slices, 3):
+            yield (*split, 1)
+        return
+    for split in _splits(machine.slices, 4):
+        total = expert * split[3]
+        if spec.n_experts % total == 0 and (allowed is None or total in allowed):
+            yield split
 
 
 @dataclasses.dataclass
 class SearchResult:
-    """Ranked plans (fitting ones first, by step time) and how many were looked at."""
+    """Ranked plans (fitting ones first, by step time) and how many were looked at.
+
+    ``baselines`` holds, for ``"context"`` and ``"expert"``, the best plan without that
+    axis (the fastest that fits, else the one needing least memory; None when no such
+    plan was evaluated); :func:`reason` compares a winner that uses the axis with it.
+    """
 
     plans: list[Estimate]
     evaluated: int
     rejected: dict[str, int]
+    baselines: dict[str, Estimate | None] = dataclasses.field(default_factory=dict)
+
+
+class _Baseline:
+    """The fastest fitting, and the leanest, of the plans without one axis."""
+
+    def __init__(self) -> None:
+        self.fastest: Estimate | None = None
+        self.leanest: Estimate | None = None
+
+    def offer(self, est: Estimate) -> None:
+        if est.fits and (self.fastest is None or est.step_time_s < self.fastest.step_time_s):
+            self.fastest = est
+        if (self.leanest is None
+                or est.memory_per_device_bytes < self.leanest.memory_per_device_bytes):
+            self.leanest = est
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.fastest or self.leanest
+
+
+def _knobs(ici: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """(sequence_parallel, context_attention) pairs for a mesh."""
+    sps = (True, False) if ici["tensor"] > 1 else (False,)
+    kinds = ("ring", "allgather") if ici["context"] > 1 else ("allgather",)
+    for sp in sps:
+        for kind in kinds:
+            yield sp, kind
 
 
 def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
            seq: int, *, precision: str = "bfloat16", optimizer: str = "adamw",
-           top: int = 5, pipeline: bool = True) -> SearchResult:
+           top: int = 5, pipeline: bool = True, contexts: Sequence[int] | None = None,
+           experts: Sequence[int] | None = None) -> SearchResult:
     """Rank candidates; ``spec_for(stages)`` gives the model in the layout for that many
-    pipeline stages (the reference transformer stores stacked layers as (repeat, stage))."""
+    pipeline stages (the reference transformer stores stacked layers as (repeat, stage)).
+    ``contexts`` and ``experts`` restrict the sizes of those mesh axes."""
     base = spec_for(1)
     best: dict[tuple, Estimate] = {}
     overflow: list[Estimate] = []
     rejected: dict[str, int] = {}
+    baselines = {"context": _Baseline(), "expert": _Baseline()}
     evaluated = 0
     specs: dict[int, ModelSpec] = {}
-    for ici, dcn in meshes(base, machine, stages=pipeline):
+    for ici, dcn in meshes(base, machine, stages=pipeline, seq=seq, global_batch=global_batch,
+                           contexts=contexts, experts=experts):
         stages = ici["stage"] * dcn["stage"]
         if stages not in specs:
             specs[stages] = spec_for(stages)
         spec = specs[stages]
-        dp_max = ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"]
+        dp_max = ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"] * ici["expert"]
         if global_batch % dp_max:
             rejected["batch not divisible"] = rejected.get("batch not divisible", 0) + 1
             continue
@@ -96,33 +202,15 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
                     micro_cap = global_batch // dp_max // max(pm, 1)
                     if micro_cap < 1:
                         continue
-                    mb = 1
-                    while mb <= micro_cap:
-                        cand = Candidate.make(ici, dcn, rules="fsdp_tp", zero_stage=zero,
-                                              remat=remat, microbatches=mb,
-                                              pipeline_microbatches=pm, precision=precision,
-                                              optimizer=optimizer)
-                        why = check_divisible(spec, cand, global_batch)
-                        if why:
-                            key = why.split(" not ")[0] if " not " in why else why
-                            rejected[key] = rejected.get(key, 0) + 1
-                            break
-                        est = estimate(spec, machine, cand, global_batch, seq)
-                        evaluated += 1
-                        if est.fits:
-                            key = (tuple(ici.items()), tuple(dcn.items()), zero, remat, pm)
-                            best[key] = est
-                            break
-                        if mb == 1:
-                            overflow.append(est)
-                        # Only activations shrink with microbatching; stop when they
-                        # are already small next to the state.
-                        mem = est.memory
-                        if mem["activation_bytes"] + mem["working_bytes"] < 0.05 * mem[
-                                "total_bytes"]:
-                            break
-                        mb *= 2
-    # The fastest knobs per mesh, so the ranking compares layouts, not near-twins.
+                    for sp, kind in _knobs(ici):
+                        evaluated += _fewest_microbatches(
+                            spec, machine, global_batch, seq, micro_cap, rejected, best,
+                            overflow, baselines, ici=ici, dcn=dcn, zero_stage=zero,
+                            remat=remat, pipeline_microbatches=pm, precision=precision,
+                            optimizer=optimizer, sequence_parallel=sp, context_attention=kind)
+    # The fastest knobs per mesh, so the ranking compares layouts, not near-twins; of
+    # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
+    # parallelism before none: the same bytes as plain tensor parallelism, less memory).
     per_mesh: dict[tuple, Estimate] = {}
     for key, est in best.items():
         mesh_key = key[:2]
@@ -131,7 +219,54 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     ranked = _rank(list(per_mesh.values()))
     if not ranked:
         ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
-    return SearchResult(ranked[:max(top, 2)], evaluated, rejected)
+    result = SearchResult(ranked[:max(top, 2)], evaluated, rejected,
+                          {k: b.best for k, b in baselines.items()})
+    for est in result.plans:
+        est.notes.update({k: v for k, v in result.baselines.items() if v is not None})
+        cand = est.candidate
+        if cand.sequence_parallel and cand.sizes["tensor"] > 1:
+            twin = dataclasses.replace(cand, sequence_parallel=False)
+            est.notes["no_sp"] = estimate(specs[cand.sizes["stage"]], machine, twin,
+                                          global_batch, seq)
+    return result
+
+
+def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
+                         micro_cap: int, rejected: dict[str, int], best: dict[tuple, Estimate],
+                         overflow: list[Estimate], baselines: dict[str, _Baseline], *,
+                         ici: dict[str, int], dcn: dict[str, int], **knobs) -> int:
+    """Evaluate one mesh and knob set at 1, 2, 4, ... microbatches until it fits;
+    returns how many candidates were evaluated."""
+    evaluated = 0
+    mb = 1
+    while mb <= micro_cap:
+        cand = Candidate.make(ici, dcn, rules="fsdp_tp", microbatches=mb, **knobs)
+        why = check_divisible(spec, cand, global_batch, seq)
+        if why:
+            key = why.split(" not ")[0] if " not " in why else why
+            rejected[key] = rejected.get(key, 0) + 1
+            break
+        est = estimate(spec, machine, cand, global_batch, seq)
+        evaluated += 1
+        if cand.context == 1:
+            baselines["context"].offer(est)
+        if cand.expert == 1 and spec.is_moe:
+            baselines["expert"].offer(est)
+        if est.fits:
+            key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
+                   cand.pipeline_microbatches, cand.sequence_parallel,
+                   cand.context_attention)
+            best[key] = est
+            break
+        if mb == 1:
+            overflow.append(est)
+        # Only activations shrink with microbatching; stop when they are already small
+        # next to the state.
+        mem = est.memory
+        if mem["activation_bytes"] + mem["working_bytes"] < 0.05 * mem["total_bytes"]:
+            break
+        mb *= 2
+    return evaluated
 
 
 def _rank(estimates: list[Estimate]) -> list[Estimate]:
@@ -151,14 +286,95 @@ def _gib(b: float) -> str:
 
 
 def _where(key: str, cand: Candidate) -> str:
-    axes = key.split(" ", 1)[1].split("x") if " " in key else []
+    # The key joins axis names with "x" ("fsdpxtensor"), which "expert" and "context"
+    # also contain: match the names instead of splitting.
+    joined = key.split(" ", 1)[1] if " " in key else ""
+    axes = [a for a in MESH_AXES if a in joined]
     dcn = dict(cand.dcn)
     return "DCN" if any(dcn.get(a, 1) > 1 for a in axes) else "ICI"
 
 
+def _activations(est: Estimate) -> float:
+    return est.memory["activation_bytes"] + est.memory["working_bytes"]
+
+
+def _context_note(est: Estimate) -> str:
+    cand, base = est.candidate, est.notes.get("context")
+    c, kind = cand.context, cand.context_attention
+    how = ("key/value blocks passed round a ring, overlapped with attention"
+           if kind == "ring" else "keys and values all-gathered in every layer")
+    split = (f"{c}-way context parallelism ({how}) splits the activations to "
+             f"{_gib(_activations(est))} per device")
+    if base is None:
+        return (f"{split}; no layout without it was possible (every device would need a "
+                f"whole sequence of the {est.global_batch} in the batch)")
+    if not base.fits:
+        return (f"activations at seq {est.seq} do not fit without context parallelism (the "
+                f"leanest context=1 plan, {base.candidate.describe()}, needs "
+                f"{_gib(base.memory_per_device_bytes)} of {_gib(0.9 * base.hbm_bytes)} usable"
+                f"); {split}, {_gib(est.memory_per_device_bytes)} in all")
+    gain = 1 - est.step_time_s / base.step_time_s if base.step_time_s else 0.0
+    why = ""
+    if base.candidate.remat != cand.remat:
+        why = (f": shorter sequence shards let it run remat {cand.remat} where that plan "
+               f"needs remat {base.candidate.remat} to fit")
+    return (f"{split}; {gain * 100:.0f}% faster than the best context=1 plan "
+            f"({base.candidate.describe()}, {base.step_time_s:.3f} s){why}")
+
+
+def _expert_note(est: Estimate) -> str:
+    cand, base = est.candidate, est.notes.get("expert")
+    e = cand.expert
+    a2a = sum(t for k, t in est.comm_s.items() if k.startswith("all-to-all"))
+    text = (f"{e}-way expert parallelism keeps 1/{e} of the experts on each device "
+            f"({_gib(est.memory['expert_state_bytes'])} of expert weights and optimizer "
+            f"state) and moves tokens to them by all-to-all ({a2a:.3f} s a step)")
+    if base is None:
+        return text
+    if not base.fits:
+        return (f"{text}; without it the leanest plan ({base.candidate.describe()}) needs "
+                f"{_gib(base.memory_per_device_bytes)} per device")
+    gain = 1 - est.step_time_s / base.step_time_s if base.step_time_s else 0.0
+    return (f"{text}; {gain * 100:.0f}% faster than the best expert=1 plan "
+            f"({base.candidate.describe()}, {base.step_time_s:.3f} s, "
+            f"{_gib(base.memory['expert_state_bytes'])} of expert state)")
+
+
+def _sp_note(est: Estimate) -> str:
+    twin = est.notes.get("no_sp")
+    tp = est.candidate.sizes["tensor"]
+    text = (f"sequence parallelism splits the residual stream over tensor={tp} "
+            f"(reduce-scatter + all-gather: the all-reduce's bytes)")
+    if twin is None:
+        return text
+    return (f"{text}: activations {_gib(_activations(est))} instead of "
+            f"{_gib(_activations(twin))} per device")
+
+
+def parallelism_notes(est: Estimate) -> list[str]:
+    """Why ``est`` uses context, expert or sequence parallelism, one clause each (empty
+    when it uses none of them)."""
+    cand = est.candidate
+    notes = []
+    if cand.context > 1:
+        notes.append(_context_note(est))
+    if cand.expert > 1:
+        notes.append(_expert_note(est))
+    if cand.sequence_parallel and cand.sizes["tensor"] > 1:
+        notes.append(_sp_note(est))
+    return notes
+
+
 def reason(winner: Estimate, runner: Estimate | None) -> str:
     """One line on why ``winner`` beats ``runner``: step time, memory class, and the time
-    component that differs most (compute, bubble, or a named collective over ICI/DCN)."""
+    component that differs most (compute, bubble, or a named collective over ICI/DCN);
+    then, when the winner uses them, why context, expert or sequence parallelism
+    (:func:`parallelism_notes`)."""
+    notes = parallelism_notes(winner) if winner.fits else []
+    return "; ".join([_versus(winner, runner), *notes])
+
+
+def _versus(winner: Estimate, runner: Estimate | None) -> str:
     if runner is None:
         return "the only plan that fits"
     if not winner.fits:

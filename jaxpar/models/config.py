@@ -1,0 +1,175 @@
+"""The reference decoder's configuration: sizes, family variants and how to compute.
+
+Kept apart from the model so that configs, the planner and converters can read and check
+a model's shape without building it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxpar import attention as attention_lib
+from jaxpar.errors import JaxparError
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+MLP_ACTIVATIONS = {"silu": jax.nn.silu,
+                   "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                   "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and variants of the decoder.
+
+    ``head_dim=0`` means ``d_model // n_heads``. ``qkv_bias``: biases on the q/k/v
+    projections. ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys before RoPE.
+    ``rope_scaling``: ``none``, ``linear`` (frequencies divided by ``rope_factor``) or
+    ``llama3`` (low frequencies divided by ``rope_factor``, high ones kept, a smooth blend
+    between, set by ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+    ``rope_original_max_len``). ``norm_offset``: norms scale by ``norm_offset + w`` (Gemma:
+    1, its weights stored as offsets from one). ``embed_scale``: multiply embeddings by
+    ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
+    ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
+    the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
+    ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``, ``splash``; see
+    :mod:`jaxpar.attention`), ``attention_block`` the key block of ``chunked``. These two
+    change how attention is computed, not what: any value gives the same model.
+    ``loss_chunk``: the default loss (:func:`jaxpar.train.lm_loss`, through
+    :meth:`Transformer.next_token_loss`) computes logits, softmax and their gradient this
+    many sequence positions at a time, never holding the full ``(batch, seq, vocab)``
+    logits (see :mod:`jaxpar.loss`); 0 materialises them. It too changes only how.
+
+    Mixture of experts (``n_experts > 0``): every layer's MLP becomes ``n_experts`` gated
+    experts of width ``expert_d_ff`` (0: ``d_ff``), each token routed to
+    ``experts_per_token`` of them, plus ``n_shared_experts`` experts every token uses.
+    ``expert_capacity``: the capacity factor (each expert takes at most
+    ``capacity x tokens x experts_per_token / n_experts`` tokens of a sequence, the rest
+    pass through the residual); 0 is dropless. ``router_aux_loss`` and ``router_z_loss``
+    weigh the load-balancing and router z-losses added to the training loss (see
+    :mod:`jaxpar.moe`).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0
+    d_ff: int = 256
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    mlp_activation: str = "silu"
+    sliding_window: int = 0
+    attention: str = "auto"
+    attention_block: int = 512
+    loss_chunk: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_d_ff: int = 0
+    expert_capacity: float = 1.25
+    n_shared_experts: int = 0
+    router_aux_loss: float = 0.01
+    router_z_loss: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise JaxparError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        for name in ("rope_theta", "norm_eps", "init_std", "rope_factor",
+                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"):
+            if not getattr(self, name) > 0:
+                raise JaxparError(f"model.{name}={getattr(self, name)}: must be positive")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise JaxparError(f"model.rope_scaling={self.rope_scaling!r}: choose one of "
+                              f"{list(ROPE_SCALINGS)}")
+        if (self.rope_scaling == "llama3"
+                and not self.rope_high_freq_factor > self.rope_low_freq_factor):
+            raise JaxparError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must be greater "
+                f"than model.rope_low_freq_factor={self.rope_low_freq_factor}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise JaxparError(f"model.mlp_activation={self.mlp_activation!r}: choose one of "
+                              f"{list(MLP_ACTIVATIONS)}")
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise JaxparError(f"model.attention={self.attention!r}: choose one of "
+                              f"{list(attention_lib.IMPLEMENTATIONS)}")
+        if self.attention_block < 1:
+            raise JaxparError(f"model.attention_block={self.attention_block}: must be at "
+                              "least 1")
+        if self.loss_chunk < 0:
+            raise JaxparError(f"model.loss_chunk={self.loss_chunk}: must be 0 (full logits) "
+                              "or a positive number of sequence positions")
+        if self.n_experts < 0 or self.n_shared_experts < 0 or self.expert_d_ff < 0:
+            raise JaxparError("model.n_experts, model.n_shared_experts and model.expert_d_ff "
+                              "must not be negative")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise JaxparError(f"model.experts_per_token={self.experts_per_token}: must be "
+                              f"between 1 and model.n_experts={self.n_experts}")
+        if self.expert_capacity < 0 or self.router_aux_loss < 0 or self.router_z_loss < 0:
+            raise JaxparError("model.expert_capacity, model.router_aux_loss and "
+                              "model.router_z_loss must not be negative")
+        if self.sliding_window < 0:
+            raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
+                              "or a positive number of tokens")
+        if self.head_dim < 0:
+            raise JaxparError(f"model.head_dim={self.head_dim}: must be positive (or 0: "
+                              "d_model // n_heads)")
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise JaxparError(
+                    f"model.d_model={self.d_model} is not divisible by model.n_heads="
+                    f"{self.n_heads}; set model.head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise JaxparError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads="
+                f"{self.n_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise JaxparError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def moe_d_ff(self) -> int:
+        """Width of one expert's MLP."""
+        return self.expert_d_ff or self.d_ff
+
+    def active_param_count(self) -> int:
+        """Parameters one token uses (all of them for a dense model; with experts, only
+        ``experts_per_token`` routed experts and the shared ones count)."""
+        total = self.param_count()
+        if not self.n_experts:
+            return total
+        idle = self.n_experts - self.experts_per_token
+        return total - self.n_layers * 3 * self.d_model * self.moe_d_ff * idle
+
+    def param_count(self) -> int:
+        """Number of parameters, embeddings included."""
+        d, h = self.d_model, self.head_dim
+        attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.qkv_bias:
+            attn += h * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            attn += 2 * h
+        mlp = 3 * d * self.d_ff
+        if self.n_experts:
+            mlp = 3 * d * self.moe_d_ff * (self.n_experts + self.n_shared_experts)
+            mlp += d * self.n_experts  # the router
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * per_layer + d + head

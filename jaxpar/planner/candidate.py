@@ -1,0 +1,172 @@
+"""One candidate way to run a training step, and the per-device sizes it implies.
+
+:class:`Candidate` is a mesh (ICI and DCN part of every axis) plus the knobs the planner
+chooses; :func:`local_sizes` turns it into what one device computes on: sequences and
+tokens per microbatch, attention heads, MLP widths and vocabulary after tensor
+parallelism, the sequence after context parallelism, the expert slots of a
+mixture-of-experts layer. The memory, communication and time models all start from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxpar.errors import JaxparError
+from jaxpar.mesh import MESH_AXES
+from jaxpar.planner.layout import Layout
+from jaxpar.planner.model import ModelSpec
+
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 0}
+DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
+CONTEXT_ATTENTION = ("allgather", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run the step: mesh (ICI and DCN parts per axis) and knobs.
+
+    ``precision`` is the compute dtype (``float32``: no mixed precision; ``bfloat16``:
+    f32 master weights, bf16 working copy and compute). ``pipeline_microbatches`` 0 means
+    one per stage. ``sequence_parallel`` splits the residual stream's sequence over the
+    tensor axis (Megatron sequence parallelism); ``context_attention`` is how attention
+    spans a sequence split over the ``context`` axis (``allgather`` or ``ring``, see
+    :mod:`jaxpar.context`; it matters only when that axis is larger than 1).
+    """
+
+    ici: tuple[tuple[str, int], ...]
+    dcn: tuple[tuple[str, int], ...] = ()
+    rules: str = "fsdp_tp"
+    zero_stage: int = 0
+    remat: str = "none"
+    microbatches: int = 1
+    pipeline_microbatches: int = 0
+    precision: str = "bfloat16"
+    optimizer: str = "adamw"
+    sequence_parallel: bool = False
+    context_attention: str = "allgather"
+
+    @staticmethod
+    def make(ici: dict[str, int], dcn: dict[str, int] | None = None, **knobs: Any) -> Candidate:
+        """Build from dicts (axes left out have size 1)."""
+        i = tuple((a, int(ici.get(a, 1))) for a in MESH_AXES)
+        d = tuple((a, int((dcn or {}).get(a, 1))) for a in MESH_AXES)
+        return Candidate(i, d, **knobs)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Total size of each mesh axis (ICI x DCN)."""
+        dcn = dict(self.dcn)
+        return {a: s * dcn.get(a, 1) for a, s in self.ici}
+
+    @property
+    def n_devices(self) -> int:
+        """Devices the mesh spans."""
+        return math.prod(self.sizes.values())
+
+    @property
+    def context(self) -> int:
+        """Ways the sequence is split (the ``context`` axis)."""
+        return self.sizes.get("context", 1)
+
+    @property
+    def expert(self) -> int:
+        """Ways the experts are split (the ``expert`` axis)."""
+        return self.sizes.get("expert", 1)
+
+    def mesh_dict(self) -> dict[str, dict[str, int]]:
+        """``{axis: {"size", "ici", "dcn"}}`` for every axis."""
+        dcn = dict(self.dcn)
+        return {a: {"size": s * dcn.get(a, 1), "ici": s, "dcn": dcn.get(a, 1)}
+                for a, s in self.ici}
+
+    def describe(self) -> str:
+        """E.g. ``fsdp=16 x tensor=4 (dcn data=2)``, with ``+sp`` under sequence
+        parallelism and the context attention kind when the sequence is split."""
+        dcn = dict(self.dcn)
+        parts = [f"{a}={s}" for a, s in self.ici if s > 1] or ["single"]
+        slow = [f"{a}={s}" for a, s in dcn.items() if s > 1]
+        extra = (" +sp" if self.sequence_parallel and self.sizes["tensor"] > 1 else "") + (
+            f" ({self.context_attention})" if self.context > 1 else "")
+        return " x ".join(parts) + (f" (dcn {' x '.join(slow)})" if slow else "") + extra
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (a name in :data:`DTYPE_BYTES`)."""
+    if dtype not in DTYPE_BYTES:
+        raise JaxparError(f"unknown precision {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def pipe_microbatches(cand: Candidate, stages: int) -> int:
+    """Pipeline microbatches per step (``0`` in the candidate means one per stage)."""
+    return cand.pipeline_microbatches or stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """What one device works on per microbatch (see :func:`local_sizes`).
+
+    ``tokens`` are the positions a device holds (``seqs x seq / context``); ``seq`` is
+    the whole sequence (attention's key length), ``seq_local`` its share. For a mixture
+    of experts, ``slots`` is expert slots per routed token (``experts_per_token x
+    capacity factor``), ``expert_ff`` and ``shared_ff`` the per-device widths of one
+    routed expert and of the shared experts' MLP, and ``dispatched`` the token slots one
+    device's experts process (the dispatch buffer is not split over ``context``, so it
+    counts the whole sequence: each context shard computes the same expert slots).
+    """
+
+    seqs: float  # sequences per device per microbatch
+    tokens: float  # seqs x seq / context
+    heads: int
+    kv_heads: int
+    d_ff: int
+    vocab: int
+    seq: int = 0
+    context: int = 1
+    tp: int = 1
+    seq_parallel: bool = False
+    slots: float = 0.0
+    expert_ff: int = 0
+    shared_ff: int = 0
+    dispatched: float = 0.0
+
+    @property
+    def seq_local(self) -> int:
+        """Positions of one sequence a device holds."""
+        return self.seq // self.context
+
+    @property
+    def residual_split(self) -> int:
+        """Ways sequence parallelism splits the residual stream beyond ``tokens``."""
+        return self.tp if self.seq_parallel else 1
+
+    @property
+    def ff_per_token(self) -> float:
+        """MLP hidden elements per local token: ``d_ff`` for a dense MLP; for experts the
+        routed slots (duplicated across context shards) plus the shared experts."""
+        if not self.slots:
+            return self.d_ff
+        return self.dispatched / self.tokens * self.expert_ff + self.shared_ff
+
+
+def local_sizes(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int
+                ) -> Local:
+    """Per-device sizes of one microbatch of ``cand`` (see :class:`Local`)."""
+    tp = math.prod(lay.sizes[a] for a in lay.tp_axes)
+    split = lambda n: n // tp if tp > 1 and n % tp == 0 else n
+    stages = lay.sizes.get("stage", 1)
+    micro = cand.microbatches * (pipe_microbatches(cand, stages) if stages > 1 else 1)
+    seqs = global_batch / lay.dp / micro
+    context = math.prod(lay.sizes[a] for a in lay.cp_axes)
+    sp = cand.sequence_parallel and tp > 1
+    moe: dict[str, Any] = {}
+    if spec.is_moe:
+        cf = spec.capacity_factor or 1.0  # dropless: every routed choice, no padding
+        slots = spec.experts_per_token * cf
+        moe = {"slots": slots, "expert_ff": split(spec.expert_d_ff),
+               "shared_ff": split(spec.n_shared_experts * spec.expert_d_ff),
+               "dispatched": seqs * seq * slots}
+    return Local(seqs, seqs * seq / context, split(spec.n_heads), split(spec.n_kv_heads),
+                 split(spec.d_ff), split(spec.vocab_size), seq, context, tp, sp, **moe)

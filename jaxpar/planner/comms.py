@@ -1,0 +1,241 @@
+"""The collectives of one training step, and how long they take.
+
+Collectives are listed as XLA emits them for the reference transformer:
+
+* gradient reduction over the data-parallel axes: an all-reduce, or a reduce-scatter onto
+  the axes the stored gradient is split over (ZeRO 2-3, FSDP). XLA:CPU has no
+  reduce-scatter; it all-reduces the full gradient and slices (``backend="cpu"``).
+  Expert weights are not reduced over the axis that splits their experts. The shards of
+  a ``context`` axis compute partial gradients of the same weights: one more all-reduce
+  over it;
+* all-gathers of weights stored split over data-parallel axes (FSDP, ZeRO-3) to their
+  compute layout, in the forward and again in the backward pass;
+* ZeRO 1-2: one all-gather of the updated parameters from the sharded master weights;
+* Megatron tensor parallelism: all-reduces of the ``(tokens, d_model)`` activations: 2 per
+  layer forward (attention and MLP outputs) and, in the backward pass, one per
+  column-parallel projection (q, k, v, gate, up: 5), plus one for the vocab-parallel
+  embedding and one for the head's input gradient; remat reruns the forward's 2. Under
+  sequence parallelism each becomes a reduce-scatter and an all-gather of the same
+  activations: the same bytes on the wire. A mixture of experts all-reduces its experts'
+  outputs, ``dispatched slots x d_model``, in place of the MLP's;
+* context parallelism, per layer: ``allgather`` all-gathers K and V forward (again when
+  remat reruns the layer) and reduce-scatters their gradients backward; ``ring`` passes a
+  K/V block ``context - 1`` times forward and a block of K/V cotangents ``context - 1``
+  times backward (``collective-permute``), and reruns the forward ring under remat;
+* expert parallelism, per MoE layer: an all-to-all to dispatch tokens to their experts
+  and one to combine the results, forward and backward (and again under remat), each
+  moving the device's dispatch buffer (``tokens x experts_per_token x capacity factor x
+  d_model``). With the sequence also split over ``context``, the dispatch einsum sums
+  over it: one all-reduce of that buffer forward and one backward;
+* pipeline: one collective-permute of a microbatch's activations per iteration and
+  direction.
+
+Per-layer collectives sit inside the layer scan's loop body, so the optimized HLO text holds
+them once; ``bytes_per_device`` reports them that way (what :func:`jaxpar.inspect.
+parse_collectives` reads), and ``bytes_per_step`` multiplies by the executions.
+``exposed_bytes_per_step`` is the part the compute waits for (tensor-parallel and
+sequence-parallel collectives, the context all-gather, the expert all-to-alls, pipeline
+sends); the rest (gradient reductions, weight gathers, the context ring, whose transfers
+XLA overlaps with the block computations) can hide under compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxpar.mesh import MESH_AXES
+from jaxpar.planner.candidate import (
+    Candidate,
+    Local,
+    dtype_bytes,
+    local_sizes,
+    pipe_microbatches,
+)
+from jaxpar.planner.catalog import Machine
+from jaxpar.planner.layout import Layout
+from jaxpar.planner.model import ModelSpec
+
+
+class _Rows:
+    """Collective rows grouped by (kind, axes), as the HLO text groups them."""
+
+    def __init__(self, lay: Layout):
+        self.lay = lay
+        self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+
+    def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
+            exposed: bool = False) -> None:
+        axes = tuple(a for a in MESH_AXES if a in axes and self.lay.sizes[a] > 1)
+        if not axes or nbytes <= 0:
+            return
+        row = self.rows.setdefault((kind, axes), {
+            "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
+            "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0})
+        row["count"] += static
+        row["bytes_per_device"] += nbytes * static
+        row["bytes_per_step"] += nbytes * runs
+        row["executions"] += runs
+        if exposed:
+            row["exposed_bytes_per_step"] += nbytes * runs
+
+    def sorted(self) -> list[dict[str, Any]]:
+        return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
+
+
+def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
+             backend: str) -> None:
+    """Weight gathers and gradient reductions."""
+    micro = cand.microbatches
+    for p in lay.placed:
+        # A stacked layer weight: the loop body moves one layer's slice, ``per`` times.
+        per = layers if p.tensor.per_layer else 1
+        p = dataclasses.replace(p, compute=p.compute / per, base=p.base / per)
+        # Weights stored split over data-parallel axes: gathered for forward and backward
+        # (per microbatch); the embedding and head once when not inside the layer loop.
+        if p.store_dp_axes:
+            static = 2 if p.tensor.per_layer else 1
+            rows.add("all-gather", p.store_dp_axes, p.compute * wire, static, 2 * per * micro)
+        # ZeRO 1-2: the updated master shards are gathered into the working parameters.
+        if cand.zero_stage in (1, 2) and p.zero_axes:
+            rows.add("all-gather", p.zero_axes, p.base * per * wire, 1, 1)
+        # Gradient reduction over every data-parallel axis, except the axes that split
+        # the tensor's experts; then over the context axis, on its own (as XLA emits it).
+        reduce_axes = tuple(a for a in lay.dp_axes
+                            if lay.sizes[a] > 1 and a not in p.owned_axes)
+        grad_split = p.store_dp_axes if cand.zero_stage < 2 else (p.base_dp_axes + p.zero_axes)
+        grad_split = tuple(a for a in grad_split if a in reduce_axes)
+        rest = tuple(a for a in reduce_axes if a not in grad_split)
+        full = p.compute * wire
+        n = math.prod(lay.sizes[a] for a in grad_split)
+        if grad_split:
+            if backend == "cpu":
+                rows.add("all-reduce", grad_split, full, 1, per)
+            else:
+                rows.add("reduce-scatter", grad_split, full / n, 1, per)
+        rows.add("all-reduce", rest, full / n, 1, per)
+        rows.add("all-reduce", lay.cp_axes, full / n, 1, per)
+
+
+def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
+            runs_layer: int, runs_step: int, wire: int, backend: str) -> None:
+    """Megatron tensor parallelism's activation all-reduces (or, with sequence
+    parallelism, reduce-scatter + all-gather pairs; XLA:CPU all-reduces in place of the
+    reduce-scatter)."""
+    remat = cand.remat != "none"
+    tokens_b = loc.tokens * spec.d_model * wire
+    # (bytes, forward count, backward count) per layer: attention, then the MLP.
+    if spec.is_moe:
+        expert_b = loc.dispatched * spec.d_model * wire
+        parts = [(tokens_b, 1, 3 + (1 if remat else 0)), (expert_b, 1, 2 + (1 if remat else 0))]
+    else:
+        parts = [(tokens_b, 2, 5 + (2 if remat else 0))]
+    tp, sp = lay.tp_axes, loc.seq_parallel
+    # The vocab-parallel embedding's output and the head's input gradient.
+    for nbytes, n, runs in [*((b, f + w, runs_layer) for b, f, w in parts),
+                            (tokens_b, 2, runs_step)]:
+        if not sp:
+            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True)
+            continue
+        if backend == "cpu":
+            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True)
+        else:
+            rows.add("reduce-scatter", tp, nbytes / loc.tp, n, n * runs, exposed=True)
+        rows.add("all-gather", tp, nbytes, n, n * runs, exposed=True)
+
+
+def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
+             runs_layer: int, wire: int) -> None:
+    """Keys and values across the context axis, per layer."""
+    remat = cand.remat != "none"
+    kv_block = loc.tokens * loc.kv_heads * spec.head_dim * wire  # one of K or V, local
+    if cand.context_attention == "ring":
+        steps = loc.context - 1
+        fwd = steps * (2 if remat else 1)
+        rows.add("collective-permute", lay.cp_axes, kv_block, 2 * (1 + (1 if remat else 0) + 1),
+                 2 * (fwd + steps) * runs_layer)
+    else:
+        gathers = 2 if remat else 1
+        rows.add("all-gather", lay.cp_axes, kv_block * loc.context, 2 * gathers,
+                 2 * gathers * runs_layer, exposed=True)
+        rows.add("reduce-scatter", lay.cp_axes, kv_block, 2, 2 * runs_layer, exposed=True)
+
+
+def _experts(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
+             runs_layer: int, wire: int) -> None:
+    """Token dispatch and combine over the expert axis, per MoE layer."""
+    n = 4 + (2 if cand.remat != "none" else 0)
+    buf = loc.dispatched * spec.d_model * wire
+    rows.add("all-to-all", ("expert",), buf, n, n * runs_layer, exposed=True)
+    # The dispatch einsum contracts the sequence, split over context: partial sums.
+    rows.add("all-reduce", lay.cp_axes, buf, 2, 2 * runs_layer, exposed=True)
+
+
+def collectives(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
+                backend: str = "tpu") -> list[dict[str, Any]]:
+    """The collectives of one step, grouped by (kind, axes).
+
+    Each row: ``kind``, ``axes``, ``count`` (instructions in the HLO text),
+    ``bytes_per_device`` (their result bytes, loop bodies once, as the HLO text reads),
+    ``bytes_per_step`` / ``executions`` (what actually runs, every layer and microbatch)
+    and ``exposed_bytes_per_step`` (the part on the critical path; see the module
+    docstring).
+    """
+    c = dtype_bytes(cand.precision)
+    wire = 4 if backend == "cpu" else c  # XLA:CPU upcasts bf16 before communicating
+    stages = lay.sizes.get("stage", 1)
+    layers = spec.n_layers // stages if spec.n_layers else 1
+    micro = cand.microbatches
+    rows = _Rows(lay)
+    _weights(rows, lay, cand, layers, wire, backend)
+    if not spec.is_transformer:
+        return rows.sorted()
+    loc = local_sizes(spec, lay, cand, global_batch, seq)
+    n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
+    runs_layer = layers * micro * n_pipe
+    if lay.tp_axes:
+        _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)
+    if lay.cp_axes:
+        _context(rows, spec, lay, cand, loc, runs_layer, wire)
+    if spec.is_moe:
+        _experts(rows, spec, lay, cand, loc, runs_layer, wire)
+    if stages > 1:
+        m = pipe_microbatches(cand, stages)
+        repeats = max(spec.n_layers // stages, 1)
+        iters = repeats * m + stages - 1
+        send = loc.tokens * spec.d_model * c
+        rows.add("collective-permute", ("stage",), send, 2, 2 * iters * micro, exposed=True)
+    return rows.sorted()
+
+
+def collective_time(row: dict[str, Any], cand: Candidate, machine: Machine) -> float:
+    """Ring-algorithm time of one row's executed bytes, hierarchical over ICI then DCN."""
+    dcn = dict(cand.dcn)
+    ici = dict(cand.ici)
+    n_ici = math.prod(ici[a] for a in row["axes"])
+    n_dcn = math.prod(dcn.get(a, 1) for a in row["axes"])
+    nbytes = row["bytes_per_step"]
+    kind = row["kind"]
+    chip = machine.chip
+    if kind == "collective-permute":
+        bw = chip.dcn_bw if n_dcn > 1 else chip.ici_bw
+        return nbytes / bw
+    # Bytes each device sends, as a multiple of the payload (result bytes for all-gather,
+    # input for reduce-scatter, the buffer for all-reduce and all-to-all).
+    if kind == "all-reduce":
+        payload = nbytes
+        factor = lambda n: 2 * (n - 1) / n
+    elif kind == "reduce-scatter":
+        payload = nbytes * n_ici * n_dcn
+        factor = lambda n: (n - 1) / n
+    else:  # all-gather, all-to-all
+        payload = nbytes
+        factor = lambda n: (n - 1) / n
+    t = factor(n_ici) * payload / chip.ici_bw if n_ici > 1 else 0.0
+    if n_dcn > 1:
+        # Hierarchical reductions and gathers cross the DCN with 1/n_ici of the payload
+        # per device; an all-to-all sends each device's share for other slices itself.
+        share = payload if kind == "all-to-all" else payload / n_ici
+        t += factor(n_dcn) * share / chip.dcn_bw
+    return t

@@ -1,0 +1,249 @@
+"""Per-device memory of one candidate: model state, and what the compiled step holds on top.
+
+Memory follows the Trainer's state layout: working parameters (compute dtype under mixed
+precision), f32 master weights (mixed precision only), optimizer moments, each sharded as
+the ZeRO stage says; plus what the compiled step needs on top (XLA's "temp"): gradient
+buffers, the activations saved for the backward pass (by remat policy), and the working
+set of one layer's backward pass and of the loss.
+
+Per token, activations are counted on the positions a device holds: context parallelism
+divides them by the ``context`` size (only attention sees the whole sequence: its key
+length), sequence parallelism divides the residual-stream tensors by the tensor size, and
+a mixture-of-experts layer adds its routed token slots (see :class:`~jaxpar.planner.
+candidate.Local`). The formulas for the dense, single-sequence-shard case are calibrated
+against XLA:CPU (``tests/test_planner.py``); the rest follow the code paths of
+:mod:`jaxpar.context` and :mod:`jaxpar.moe` tensor by tensor, unmeasured.
+"""
+
+from __future__ import annotations
+
+from jaxpar.planner.candidate import (
+    OPTIMIZER_MOMENTS,
+    Candidate,
+    Local,
+    dtype_bytes,
+    local_sizes,
+    pipe_microbatches,
+)
+from jaxpar.planner.layout import Layout
+from jaxpar.planner.model import ModelSpec
+
+FLASH_ATTENTION = ("chunked", "cudnn", "splash")
+"""Attention implementations that never hold a ``seq x seq`` score matrix: their backward
+pass recomputes scores from the saved output and log-sum-exp (see :mod:`jaxpar.attention`)."""
+
+_KEEPS_LAYER = ("none",)
+"""Remat policies under which the ring's per-step carries (not matmul outputs) stay saved
+for the backward pass; the others recompute them while the layer's backward runs."""
+
+
+def attention_kind(spec: ModelSpec, cand: Candidate, backend: str) -> str:
+    """The implementation attention runs as. With the sequence split over ``context``
+    it is the candidate's context attention (``allgather``: the local queries against all
+    gathered keys in one go, scores materialised; ``ring``: blockwise with an online
+    softmax, see :mod:`jaxpar.context`). Otherwise ``spec.attention``, where ``auto`` is
+    splash on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's (scores
+    materialised) elsewhere (see :func:`jaxpar.attention.resolve`)."""
+    if cand.context > 1:
+        return cand.context_attention
+    if spec.attention != "auto":
+        return spec.attention
+    if backend == "tpu":
+        return "splash"
+    return "cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2 else "xla"
+
+
+def _ring_carry(loc: Local, spec: ModelSpec, act: int) -> float:
+    """Bytes per local token the ring's scan keeps for its backward pass: at each of its
+    ``context`` steps the key/value block it held and, for each of the two merges of a
+    query half with a key half, both f32 partial outputs (``heads x head_dim``) and their
+    maxima and sums (the block's scores are recomputed)."""
+    n, k, h = loc.heads, loc.kv_heads, spec.head_dim
+    return loc.context * (2 * k * h * act + 4 * (4 * n * h + 4 * n))
+
+
+def _moe_saved(spec: ModelSpec, loc: Local, act: int, routing: bool) -> float:
+    """Bytes per local token a mixture-of-experts layer adds to what is saved: the
+    dispatched tokens and the experts' outputs (``embed`` wide per slot), with
+    ``routing`` also the one-hot dispatch/combine tensors and the choice mask
+    (``(2 + k) x slots x seq`` elements; capacity path only) and the f32 router logits
+    and probabilities."""
+    if not loc.slots:
+        return 0.0
+    per_slot = loc.dispatched / loc.tokens
+    out = act * 2 * per_slot * spec.d_model
+    if routing:
+        if spec.capacity_factor:
+            out += act * (2 + spec.experts_per_token) * loc.slots * loc.seq
+        out += 8 * spec.n_experts
+    return out
+
+
+def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
+                           attention: str = "xla") -> float:
+    """Bytes per layer kept from the forward pass for the backward pass.
+
+    Without remat, the tensors the backward of a Llama block reads (XLA keeps them, per
+    token): the attention logits (f32) and probabilities (``heads x seq`` each), q and the
+    attention output (``heads x head_dim`` each), k and v, and six ``d_model``- and six
+    ``d_ff``-sized tensors (norm inputs and outputs, residual branches; gate, up, their
+    activations and product). ``full`` keeps only the block input; the other policies
+    keep the matmul outputs they name. Flash-style ``attention`` (:data:`FLASH_ATTENTION`)
+    keeps no score-sized tensor, only an f32 log-sum-exp per head; ``allgather`` keeps its
+    f32 probabilities against the whole sequence and the gathered keys and values;
+    ``ring`` keeps one key/value block and the partial outputs it merged per step.
+
+    The ``d_model``-sized tensors are the residual stream's, split over ``tensor`` under
+    sequence parallelism. A mixture of experts replaces the ``d_ff`` terms by its routed
+    slots and shared experts and adds the dispatch buffers (:func:`_moe_saved`).
+    """
+    d, h = spec.d_model, spec.head_dim
+    n, k, f = loc.heads, loc.kv_heads, loc.ff_per_token
+    dr = d / loc.residual_split
+    # Per token: what attention keeps beyond q, k, v and its output (f32 scores, and
+    # probabilities in the compute dtype; flash-style: one f32 log-sum-exp per head).
+    if attention in FLASH_ATTENTION:
+        scores, probs = n * 4, 0
+    elif attention == "ring":
+        scores, probs = _ring_carry(loc, spec, act) if remat in _KEEPS_LAYER else 0, 0
+    elif attention == "allgather":  # f32 probabilities and the gathered keys and values
+        scores, probs = n * seq * 4 + 2 * k * h * act * loc.context, 0
+    else:
+        scores, probs = n * seq * 4, n * seq * act
+    if remat == "none":
+        per_token = (scores + probs + act * (6 * f + 6 * dr + 2 * n * h + 2 * k * h)
+                     + _moe_saved(spec, loc, act, True))
+    elif remat == "full":
+        per_token = act * dr
+    elif remat in ("dots_saveable", "offload_dots"):
+        per_token = (scores + act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f)
+                     + _moe_saved(spec, loc, act, False))
+    elif remat == "dots_with_no_batch_dims_saveable":
+        per_token = (act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f)
+                     + _moe_saved(spec, loc, act, False))
+    else:  # save_attention_and_mlp_outputs
+        per_token = act * 3 * dr
+    if remat == "offload_dots":
+        per_token = act * dr
+    return per_token * loc.tokens
+
+
+def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
+                        attention: str = "xla", remat: str = "none") -> float:
+    """Transient bytes while one layer runs its backward pass.
+
+    Attention's backward holds score-sized (``heads x seq`` per token) f32 buffers: the
+    recomputed softmax, its gradient and the logits' gradient, plus two more d_ff-sized
+    and several d_model-sized gradients. Flash-style ``attention`` holds those for one key
+    block at a time (``heads x attention_block`` per token), plus f32 copies of q, the
+    output's gradient and the q, k, v gradients it accumulates. ``allgather`` holds them
+    against the whole sequence, with the gathered keys and values and their f32
+    gradients; ``ring`` for one half-block pair at a time, with two key/value blocks in
+    flight and (when ``remat`` recomputes the layer) the ring's per-step carries.
+    A mixture of experts adds its dispatch buffers and routing tensors.
+    """
+    d, h = spec.d_model, spec.head_dim
+    n, k = loc.heads, loc.kv_heads
+    if attention in FLASH_ATTENTION:
+        block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
+        score = 3 * n * block * 4 + 4 * (4 * n * h + 2 * k * h)
+    elif attention == "ring":
+        # One pair of half blocks at a time: half the local queries against half a block
+        # of keys; f32 copies of q, the output gradient and the accumulated q, k, v
+        # gradients; and two key/value blocks (the one in use, the one arriving).
+        score = (3 * n * max(loc.seq_local // 2, 1) * 4 / 2 + 4 * (4 * n * h + 2 * k * h)
+                 + 2 * 2 * k * h * act)
+        if remat not in _KEEPS_LAYER:
+            score += _ring_carry(loc, spec, act)
+    elif attention == "allgather":
+        score = 3 * n * seq * 4 + 2 * k * h * (act + 4) * loc.context
+    else:
+        score = 3 * n * seq * 4
+    return loc.tokens * (score + act * (4 * loc.ff_per_token + 8 * d)
+                         + _moe_saved(spec, loc, act, True))
+
+
+def loss_working_bytes(spec: ModelSpec, loc: Local, seq: int) -> float:
+    """Transient bytes of the loss and its gradient: f32 logits and their gradient
+    (``vocab`` per token each) for every token; with ``loss_chunk``, for ``loss_chunk``
+    positions of each sequence at a time, plus the chunk's softmax (the gradient of a
+    recomputed chunk does not reuse its logits' buffer; measured on XLA:CPU). Under
+    context parallelism a device holds ``seq / context`` positions of each sequence."""
+    if spec.loss_chunk:
+        return loc.seqs * min(spec.loss_chunk, loc.seq_local or seq) * 3 * loc.vocab * 4
+    return loc.tokens * 2 * loc.vocab * 4
+
+
+def working_set_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
+                      attention: str = "xla") -> float:
+    """Transient bytes while one layer runs its backward pass, or while the loss runs
+    (the larger: they never coexist); see :func:`layer_working_bytes` and
+    :func:`loss_working_bytes`."""
+    return max(layer_working_bytes(spec, loc, seq, act, attention),
+               loss_working_bytes(spec, loc, seq))
+
+
+def _expert_state_bytes(lay: Layout, cand: Candidate) -> float:
+    """Per-device bytes of the routed experts' parameters, master weights and moments."""
+    c = dtype_bytes(cand.precision)
+    mixed = c != 4
+    moments = OPTIMIZER_MOMENTS.get(cand.optimizer, 2)
+    total = 0.0
+    for p in lay.placed:
+        if "expert" not in p.tensor.names:
+            continue
+        store = p.zero if cand.zero_stage >= 3 else p.base
+        opt = p.zero if cand.zero_stage >= 1 else p.base
+        total += store * (c if mixed else 4) + (opt * 4 if mixed else 0) + moments * opt * 4
+    return total
+
+
+def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
+           backend: str = "tpu") -> dict[str, float]:
+    """Per-device bytes: state (``argument``), XLA temporaries (``temp``) and their sum;
+    ``expert_state_bytes`` is the part of the state that belongs to routed experts."""
+    c = dtype_bytes(cand.precision)
+    mixed = c != 4
+    stage = cand.zero_stage
+    base, zero = lay.total("base"), lay.total("zero")
+    store = zero if stage >= 3 else base
+    opt_elems = zero if stage >= 1 else base
+    moments = OPTIMIZER_MOMENTS.get(cand.optimizer, 2)
+    params = store * (c if mixed else 4)
+    master = opt_elems * 4 if mixed else 0
+    opt = moments * opt_elems * 4
+    loc = local_sizes(spec, lay, cand, global_batch, seq)
+    batch = global_batch * (seq + 1) * 4 / lay.dp / loc.context
+    act = c
+    stages = lay.sizes.get("stage", 1)
+    if spec.is_transformer:
+        layers = spec.n_layers / stages
+        attention = attention_kind(spec, cand, backend)
+        saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention)
+        if stages > 1:  # the pipeline keeps every in-flight microbatch's activations
+            saved *= min(pipe_microbatches(cand, stages), stages)
+        # XLA:CPU runs bf16 matmuls in f32, so its transients are f32 whatever the policy.
+        layer_work = layer_working_bytes(spec, loc, seq, 4 if backend == "cpu" else c,
+                                         attention, cand.remat)
+        loss_work = loss_working_bytes(spec, loc, seq)
+    else:
+        saved = layer_work = loss_work = 0.0
+    # Gradients: the backward pass accumulates them in the compute layout (f32 on CPU,
+    # compute dtype elsewhere); with gradient accumulation an f32 running sum as well.
+    grads = lay.total("compute") * (4 if backend == "cpu" else c)
+    if cand.microbatches > 1:
+        grads += base * 4
+    # The update: clipped gradients and Adam's new moments in the optimizer's layout.
+    update = opt_elems * 4
+    # The loss runs first in the backward pass and the update after it, so the update's
+    # buffers never meet the loss's working set (counting them with a layer's is the
+    # calibrated approximation).
+    work = max(layer_work, loss_work)
+    temp = grads + saved + max(layer_work + update, loss_work)
+    argument = params + master + opt + batch
+    return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
+            "batch_bytes": batch, "grad_bytes": grads, "activation_bytes": saved,
+            "working_bytes": work, "update_bytes": update, "argument_bytes": argument,
+            "output_bytes": argument - batch, "temp_bytes": temp,
+            "total_bytes": argument + temp,
+            "expert_state_bytes": _expert_state_bytes(lay, cand)}
