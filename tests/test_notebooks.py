@@ -35,7 +35,8 @@ def test_every_notebook_is_committed_without_outputs():
     assert {p.name for p in NOTEBOOKS} >= {"01_rules_and_meshes.ipynb", "02_planning.ipynb",
                                            "03_pipeline_schedules.ipynb",
                                            "04_bring_your_own_model.ipynb",
-                                           "05_finetune_hf.ipynb"}
+                                           "05_finetune_hf.ipynb",
+                                           "06_long_context_and_moe.ipynb"}
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         first = nb.cells[1] if nb.cells[0].cell_type == "markdown" else nb.cells[0]
