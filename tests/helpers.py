@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import jaxpar
 from jaxpar.assembly import make_optimizer
 from jaxpar.data import TokenLoader, load_tokens
 from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.models.transformer import RESIDUAL, rotary_tables
 
 SMALL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                           d_ff=128, max_seq_len=64)
@@ -43,3 +45,20 @@ def loader(batch: int = BATCH, seq: int = SEQ) -> TokenLoader:
 
 def one_device():
     return jax.devices()[:1]
+
+
+def block_forward_hlo(plan: jaxpar.Plan, seq: int = 16) -> str:
+    """Optimized HLO of the forward pass of one :data:`SMALL` decoder block under
+    ``plan``, its input laid out as the residual stream."""
+    model = jaxpar.init_sharded(lambda: Transformer(SMALL, rngs=nnx.Rngs(0)), plan)
+    blocks_def, blocks_state = nnx.split(model.blocks)
+    layer0 = jax.tree.map(lambda x: x[0], blocks_state)
+    sin, cos = rotary_tables(seq, SMALL.head_dim, SMALL.rope_theta)
+
+    def block_forward(state, x):
+        return nnx.merge(blocks_def, state)(x, sin, cos)
+
+    with plan.activate():
+        x = jax.device_put(jnp.ones((8, seq, SMALL.d_model)),
+                           plan.sharding(plan.act_spec(RESIDUAL)))
+        return jax.jit(block_forward).lower(layer0, x).compile().as_text()

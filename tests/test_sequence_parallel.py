@@ -9,35 +9,20 @@ numbers. Checked in the compiled HLO and against the run without it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxpar
 from jaxpar.inspect import collective_table, count_collectives, count_reduce_scatters
-from jaxpar.models import Transformer
-from jaxpar.models.transformer import rotary_tables
-from tests.helpers import SMALL, loader, make_trainer
+from tests.helpers import block_forward_hlo, loader, make_trainer
 
 
 def _block_hlo(capfd, sequence_parallel: bool) -> tuple[str, jaxpar.Plan]:
     """Compiled forward of one decoder block under Megatron TP over 4 devices."""
     mesh = jaxpar.make_mesh({"data": 2, "tensor": 4})
     plan = jaxpar.Plan.from_preset(mesh, "tp", sequence_parallel=sequence_parallel)
-    model = jaxpar.init_sharded(lambda: Transformer(SMALL, rngs=nnx.Rngs(0)), plan)
-    blocks_def, blocks_state = nnx.split(model.blocks)
-    layer0 = jax.tree.map(lambda x: x[0], blocks_state)
-    sin, cos = rotary_tables(16, SMALL.head_dim, SMALL.rope_theta)
-
-    def block_forward(state, x):
-        return nnx.merge(blocks_def, state)(x, sin, cos)
-
-    with plan.activate():
-        spec = plan.act_spec(("batch", "residual_seq", "embed"))
-        x = jax.device_put(jnp.ones((8, 16, SMALL.d_model)), plan.sharding(spec))
-        capfd.readouterr()
-        hlo = jax.jit(block_forward).lower(layer0, x).compile().as_text()
+    capfd.readouterr()
+    hlo = block_forward_hlo(plan)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     return hlo, plan
 

@@ -4,13 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxpar
 from jaxpar.assembly import build_trainer
 from jaxpar.inspect import collective_table, count_collectives
-from jaxpar.models.transformer import rotary_tables
-from tests.helpers import SMALL, loader, make_trainer, one_device, small_config
+from tests.helpers import block_forward_hlo, loader, make_trainer, one_device, small_config
 
 STEPS = 5
 STRATEGIES = {
@@ -105,19 +103,8 @@ def test_compiled_collectives_match_strategy(capfd, name):
 def test_megatron_block_has_one_all_reduce_per_sublayer(capfd):
     """Forward of one decoder block under TP: exactly 2 all-reduces (attention, MLP)."""
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2, "tensor": 4}), "tp")
-    model = jaxpar.init_sharded(lambda: jaxpar.models.Transformer(SMALL, rngs=nnx.Rngs(0)), plan)
-    blocks_def, blocks_state = nnx.split(model.blocks)
-    layer0 = jax.tree.map(lambda x: x[0], blocks_state)
-    sin, cos = rotary_tables(16, SMALL.head_dim, SMALL.rope_theta)
-
-    def block_forward(state, x):
-        return nnx.merge(blocks_def, state)(x, sin, cos)
-
-    x = jnp.ones((8, 16, SMALL.d_model))
-    with plan.activate():
-        x = jax.device_put(x, plan.sharding(plan.act_spec(("batch", "seq", "embed"))))
-        capfd.readouterr()
-        hlo = jax.jit(block_forward).lower(layer0, x).compile().as_text()
+    capfd.readouterr()
+    hlo = block_forward_hlo(plan)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     assert count_collectives(hlo) == {"all-reduce": 2}
     assert collective_table(hlo, plan.mesh)[0]["axes"] == ["tensor"]

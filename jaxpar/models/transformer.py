@@ -383,9 +383,9 @@ class Transformer(nnx.Module):
     def next_token_loss(self, tokens: jax.Array
                         ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]] | None:
         """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
-        ``loss_chunk`` positions at a time (see :mod:`jaxpar.loss`), or None when
-        ``model.loss_chunk`` is 0 or the head cannot be chunked: the caller then uses the
-        full logits. :func:`jaxpar.train.lm_loss` calls it.
+        ``loss_chunk`` positions at a time (see :mod:`jaxpar.loss`; from the full logits
+        when it is 0 or the head cannot be chunked), or None in that case for a dense
+        model: the caller then uses the full logits. :func:`jaxpar.train.lm_loss` calls it.
 
         Logits are cast to the active plan's output dtype before the softmax, as the
         full-logits loss does. A mixture-of-experts model returns ``(loss, metrics)``: the
@@ -395,12 +395,12 @@ class Transformer(nnx.Module):
         head = self.unembedding() if chunk else None
         if head is None and not self.config.n_experts:
             return None
-        plan = current_plan()
-        out_dtype = plan.precision.output if plan is not None else jnp.float32
         x, aux = self.hidden_states_with_aux(tokens[:, :-1])
         if head is None:
             loss = loss_lib.cross_entropy(self.logits(x), tokens[:, 1:])
         else:
+            plan = current_plan()
+            out_dtype = plan.precision.output if plan is not None else jnp.float32
             loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, tokens[:, 1:],
                                                   chunk=chunk, dtype=out_dtype)
         if not aux:
