@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import context as context_lib
 from jaxpar import remat as remat_lib
 from jaxpar import rules as rules_lib
 from jaxpar.annotate import pairs
@@ -38,7 +39,8 @@ from jaxpar.mesh import describe, is_explicit
 from jaxpar.precision import Policy
 from jaxpar.rules import LogicalNames, Rules
 
-CONTEXT_ATTENTION = ("allgather", "ring")
+CONTEXT_ATTENTION = context_lib.KINDS
+"""The ways attention can span a sequence split over the ``context`` axis."""
 _SEQUENCE_PARALLEL = ("residual_seq", ("context", "tensor"))
 _ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
 
