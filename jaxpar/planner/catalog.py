@@ -1,32 +1,33 @@
-"""Device catalog: what one chip of each kind can compute, hold and send.
+"""Device catalog: what one chip of each kind computes, holds, reads and sends.
 
-Every figure is per chip. Bandwidths are one-directional bytes per second that one chip
-can push into a collective: ``ici_bw`` over the fast in-slice fabric (TPU ICI, NVLink),
-``dcn_bw`` over the data-centre network between slices (or InfiniBand between GPU
-nodes). ``domain`` is how many chips one ICI domain holds (a TPU slice or pod, an NVLink
-node); axes that span more chips than that must cross the DCN.
+Every figure is per chip and comes from a public source named beside it (each entry's
+``source``). The roofline cost model (:mod:`jaxpar.planner.roofline`) reads:
 
-Sources (each entry below repeats its own):
-
-* TPU v4: cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16, 32 GiB HBM2, 4096-chip pod);
-  ICI: six links of 50 GB/s per chip (Jouppi et al., "TPU v4", ISCA 2023).
-* TPU v5e: cloud.google.com/tpu/docs/v5e and the v5e column of .../tpu/docs/v6e
-  (197 TFLOP/s, 16 GB, ICI 1600 Gbps, 256-chip pod, DCN 6.4 Tbps per pod).
-* TPU v5p: cloud.google.com/tpu/docs/v5p (459 TFLOP/s, 95 GiB, ICI 4800 Gbps,
-  DCN 50 Gbps per chip, 8960-chip pod, largest slice 6144 chips).
-* TPU v6e: cloud.google.com/tpu/docs/v6e (918 TFLOP/s, 32 GB, ICI 3584 Gbps, 256-chip
-  pod, DCN 25.6 Tbps per pod).
-* A100-80GB: NVIDIA A100 datasheet (312 TFLOP/s dense bf16, 80 GB, NVLink 600 GB/s);
-  DGX A100: 8 GPUs per NVLink domain, one 200 Gb/s HDR InfiniBand port per GPU.
-* H100: NVIDIA H100 datasheet, SXM (989 TFLOP/s dense bf16, 80 GB, NVLink 900 GB/s);
-  DGX H100: 8 GPUs, one 400 Gb/s NDR InfiniBand port per GPU.
-* H200: NVIDIA H200 datasheet, SXM (989 TFLOP/s dense bf16, 141 GB, NVLink 900 GB/s);
-  HGX H200: 8 GPUs, 400 Gb/s per GPU.
+* ``peak_flops`` (dense bf16), ``f32_flops`` (the matmul rate in float32: bf16 passes on a
+  TPU's MXU, plain FP32 on a GPU's CUDA cores), ``matmul_tile`` (the MXU's or tensor
+  cores' tile: a matmul dimension is padded up to a multiple of it);
+* ``hbm_bw``: bytes/s between HBM and the cores (the roof of memory-bound work);
+* the interconnect: ``torus_dims``, ``ici_links`` and ``ici_link_bw`` (bytes/s one way
+  per link) for a TPU slice (a mesh axis gets the links of the torus dimensions it spans),
+  or for a switched fabric (NVLink) ``ici_bw``, bytes/s one way per chip whatever the axis
+  size; ``domain`` chips share one ICI domain (a slice, an NVLink node); ``dcn_bw``,
+  bytes/s one way per chip across domains (TPU DCN, InfiniBand between GPU nodes);
+  ``ici_latency_s`` / ``dcn_latency_s`` per step of a collective's ring; ``host_bw``
+  (PCIe, host <-> device);
+* and the efficiencies a chip reaches, which are not on datasheets:
+  ``matmul_efficiency`` (fraction of the peak that large, well-shaped matmuls sustain in
+  a training step), ``memory_efficiency`` (of ``hbm_bw``), ``collective_efficiency`` (of
+  the link bandwidth), ``overlap`` (whether collectives run asynchronously beside compute:
+  1 on TPUs and GPUs, 0 on XLA:CPU) and ``op_overhead_s`` (fixed cost per kernel launch).
+  The built-in values are fitted on published runs (``benchmarks/published.py --fit``
+  prints how; its half of the rows held out is the check), and ``jaxpar calibrate``
+  measures them on the machine it runs on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,21 +39,35 @@ from jaxpar.errors import JaxparError
 
 GB = 1e9
 GiB = 2**30
+_GBPS = GB / 8  # one gigabit per second, in bytes per second
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator kind.
+    """One accelerator kind (see the module docstring for what each figure means).
 
     Attributes:
       name: catalog key, e.g. ``tpu-v5p``.
-      peak_flops: dense bf16 FLOP/s of one chip.
-      hbm_bytes: device memory of one chip.
-      ici_bw: bytes/s one chip sends into collectives inside an ICI domain.
-      dcn_bw: bytes/s one chip sends across domains (slices, nodes).
+      peak_flops: dense bf16 FLOP/s.
+      hbm_bytes: device memory.
+      ici_bw: bytes/s one way one chip sends into a collective on a switched fabric
+        (NVLink); on a torus, the sum over its links (used when ``ici_links`` is 0).
+      dcn_bw: bytes/s one way per chip across ICI domains.
       domain: chips per ICI domain (slice / NVLink node).
-      efficiency: fraction of peak a well-tuned dense transformer step sustains on
-        matmuls; the cost model divides FLOPs by ``peak_flops * efficiency``.
+      hbm_bw: HBM bytes/s.
+      f32_flops: float32 matmul FLOP/s (0: a third of ``peak_flops``, three bf16 passes).
+      matmul_tile: matmul dimensions are padded to a multiple of this.
+      torus_dims: 2 or 3 for a TPU torus, 0 for a switched fabric.
+      ici_links: ICI links per chip (torus).
+      ici_link_bw: bytes/s one way per link (torus).
+      ici_latency_s: seconds per ring step of a collective inside a domain.
+      dcn_latency_s: seconds per ring step across domains.
+      host_bw: host <-> device bytes/s (PCIe).
+      matmul_efficiency: fraction of the peak large matmuls sustain.
+      memory_efficiency: fraction of ``hbm_bw`` streaming work sustains.
+      collective_efficiency: fraction of link bandwidth collectives sustain.
+      overlap: 1 when collectives run beside compute (asynchronously), 0 when they block.
+      op_overhead_s: fixed seconds per kernel (launch, pipeline fill).
       source: where the figures come from.
     """
 
@@ -62,55 +77,120 @@ class Chip:
     ici_bw: float
     dcn_bw: float
     domain: int
-    efficiency: float = 0.6
+    hbm_bw: float = 1e12
+    f32_flops: float = 0.0
+    matmul_tile: int = 128
+    torus_dims: int = 0
+    ici_links: int = 0
+    ici_link_bw: float = 0.0
+    ici_latency_s: float = 2e-6
+    dcn_latency_s: float = 2e-5
+    host_bw: float = 32 * GB
+    matmul_efficiency: float = 0.75
+    memory_efficiency: float = 0.85
+    collective_efficiency: float = 0.8
+    overlap: float = 1.0
+    op_overhead_s: float = 0.0
     source: str = ""
 
+    @property
+    def matmul_flops_f32(self) -> float:
+        """float32 matmul FLOP/s."""
+        return self.f32_flops or self.peak_flops / 3
 
-_GBPS = GB / 8  # one gigabit per second, in bytes per second
+    def axis_bandwidth(self, n: int, per_slice: int) -> float:
+        """Bytes/s one way one chip puts into a collective over ``n`` chips of one ICI
+        domain of ``per_slice`` chips.
+
+        On a torus of ``torus_dims`` dimensions each ``per_slice ** (1 / torus_dims)``
+        long, an axis of ``n`` chips spans ``ceil(log n / log side)`` of them and sends
+        both ways on each (a bidirectional ring): ``2 x ici_link_bw`` per dimension. A
+        switched fabric gives every axis ``ici_bw``.
+        """
+        if n <= 1:
+            return math.inf
+        if not self.torus_dims or not self.ici_links:
+            return self.ici_bw
+        side = max(per_slice ** (1 / self.torus_dims), 2.0)
+        dims = min(self.torus_dims, max(1, math.ceil(math.log(n) / math.log(side) - 1e-9)))
+        return 2 * dims * self.ici_link_bw
+
 
 BUILTIN: dict[str, Chip] = {
-    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2, pod of 4096 chips.
-    # ICI: 6 links x 50 GB/s (Jouppi et al., ISCA 2023); DCN per chip is not published,
-    # 25 Gbps assumed (the v5e per-chip share of its 6.4 Tbps pod DCN).
-    "tpu-v4": Chip("tpu-v4", 275e12, 32 * GiB, 300 * GB, 25 * _GBPS, 4096,
-                   source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper"),
-    # cloud.google.com/tpu/docs/v5e (and v6e page's comparison table): 197 TFLOP/s bf16,
-    # 16 GB HBM, ICI 1600 Gbps, pod of 256, DCN 6.4 Tbps per pod = 25 Gbps per chip.
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s, 3D torus,
+    # 4096-chip pod. ICI: six links of 50 GB/s (Jouppi et al., "TPU v4", ISCA 2023); MXU
+    # 128x128. DCN per chip is not published for v4: 25 Gbps assumed.
+    "tpu-v4": Chip("tpu-v4", 275e12, 32 * GiB, 300 * GB, 25 * _GBPS, 4096, hbm_bw=1200 * GB,
+                   matmul_tile=128, torus_dims=3, ici_links=6, ici_link_bw=45 * GB,
+                   host_bw=16 * GB,
+                   source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper; "
+                          "jax-ml.github.io/scaling-book (TPUs)"),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI
+    # 1600 Gbps over 4 links (2D torus), pod of 256, DCN 6.4 Tbps per pod (25 Gbps a chip);
+    # MXU 128x128.
     "tpu-v5e": Chip("tpu-v5e", 197e12, 16 * GB, 1600 * _GBPS, 25 * _GBPS, 256,
-                    source="cloud.google.com/tpu/docs/v5e"),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e, ICI 4800 Gbps
-    # (1200 GB/s bidirectional), DCN 50 Gbps per chip, slices up to 6144 chips.
+                    hbm_bw=819 * GB, matmul_tile=128, torus_dims=2, ici_links=4,
+                    ici_link_bw=45 * GB, host_bw=16 * GB,
+                    source="cloud.google.com/tpu/docs/v5e; scaling-book (TPUs)"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI
+    # 4800 Gbps over 6 links (3D torus), DCN 50 Gbps per chip, slices up to 6144 chips;
+    # MXU 128x128.
     "tpu-v5p": Chip("tpu-v5p", 459e12, 95 * GiB, 4800 * _GBPS, 50 * _GBPS, 6144,
-                    source="cloud.google.com/tpu/docs/v5p"),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM, ICI 3584 Gbps, pod of
-    # 256, DCN 25.6 Tbps per pod = 100 Gbps per chip.
+                    hbm_bw=2765 * GB, matmul_tile=128, torus_dims=3, ici_links=6,
+                    ici_link_bw=90 * GB, host_bw=16 * GB,
+                    source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, ICI
+    # 3584 Gbps over 4 links (2D torus), pod of 256, DCN 25.6 Tbps per pod (100 Gbps a
+    # chip); MXU 256x256.
     "tpu-v6e": Chip("tpu-v6e", 918e12, 32 * GB, 3584 * _GBPS, 100 * _GBPS, 256,
-                    source="cloud.google.com/tpu/docs/v6e"),
-    # NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 80 GB HBM2e, NVLink 600 GB/s
-    # (bidirectional; 300 GB/s each way); DGX A100: 8 GPUs per NVLink domain and one
-    # 200 Gb/s HDR InfiniBand adapter per GPU.
+                    hbm_bw=1640 * GB, matmul_tile=256, torus_dims=2, ici_links=4,
+                    ici_link_bw=90 * GB, host_bw=32 * GB,
+                    source="cloud.google.com/tpu/docs/v6e; scaling-book (TPUs)"),
+    # cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16 (4614 fp8), 192 GB
+    # GiB HBM3e at 7.38 TB/s, a 3D torus of 4x4x4 cubes (links as v5p's: scaling-book),
+    # 9216-chip superpod; MXU 256x256 (not published: taken as v6e's).
+    "tpu-v7": Chip("tpu-v7", 2307e12, 192 * GiB, 540 * GB, 100 * _GBPS, 9216,
+                   hbm_bw=7380 * GB, matmul_tile=256, torus_dims=3, ici_links=6,
+                   ici_link_bw=90 * GB, host_bw=32 * GB,
+                   source="cloud.google.com/tpu/docs/tpu7x"),
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s dense bf16, 19.5 TFLOP/s FP32, 80 GB
+    # HBM2e at 2039 GB/s, NVLink 600 GB/s (300 each way); DGX A100: 8 GPUs per NVLink
+    # domain, one 200 Gb/s HDR InfiniBand port per GPU, PCIe Gen4 x16.
     "a100-80gb": Chip("a100-80gb", 312e12, 80 * GB, 300 * GB, 200 * _GBPS, 8,
+                      hbm_bw=2039 * GB, f32_flops=19.5e12, matmul_tile=128,
+                      ici_latency_s=5e-6, dcn_latency_s=1e-5, host_bw=32 * GB,
                       source="NVIDIA A100 datasheet; DGX A100 user guide"),
-    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16 (1979 with sparsity), 80 GB
-    # HBM3, NVLink 900 GB/s (450 GB/s each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU.
-    "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8,
-                 source="NVIDIA H100 datasheet; DGX H100 user guide"),
-    # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e, NVLink 900 GB/s;
-    # HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU.
-    "h200": Chip("h200", 989e12, 141 * GB, 450 * GB, 400 * _GBPS, 8,
-                 source="NVIDIA H200 datasheet"),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 80 GB HBM3 at
+    # 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU,
+    # PCIe Gen5 x16.
+    "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=3350 * GB,
+                 f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
+                 host_bw=64 * GB, source="NVIDIA H100 datasheet; DGX H100 user guide"),
+    # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU.
+    "h200": Chip("h200", 989e12, 141 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=4800 * GB,
+                 f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
+                 host_bw=64 * GB, source="NVIDIA H200 datasheet"),
+    # NVIDIA DGX B200 datasheet: 8 GPUs, 1440 GB HBM3e (180 GB each) at 8 TB/s a GPU,
+    # 72 PFLOP/s FP8 training for eight (4.5 PFLOP/s dense FP8, 2.25 dense bf16 a GPU),
+    # NVLink 5 at 1.8 TB/s (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
+    "b200": Chip("b200", 2250e12, 180 * GB, 900 * GB, 400 * _GBPS, 8, hbm_bw=8000 * GB,
+                 f32_flops=75e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
+                 host_bw=64 * GB, source="NVIDIA DGX B200 datasheet"),
 }
 
 ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
-           "a100": "a100-80gb", "h100-80gb": "h100", "trillium": "tpu-v6e"}
+           "a100": "a100-80gb", "h100-80gb": "h100", "trillium": "tpu-v6e", "v7": "tpu-v7",
+           "tpu7x": "tpu-v7", "ironwood": "tpu-v7"}
 
 
 def cpu_chip(n_devices: int) -> Chip:
-    """The host CPU split into ``n_devices`` simulated devices.
+    """The host CPU split into ``n_devices`` simulated devices, uncalibrated.
 
-    Peak FLOP/s is a rough figure (cores x 2 GHz x 32 f32 FLOP/cycle for AVX2 FMA, shared
-    by the simulated devices); memory is host RAM over the devices; "collectives" are
-    memory copies, so the ICI bandwidth is a few GB/s.
+    Rough figures: cores x 2 GHz x 32 f32 FLOP/cycle (AVX2 FMA) and about 8 GB/s of
+    memory traffic a core, shared by the simulated devices; host RAM over the devices;
+    collectives are memory copies that block (``overlap`` 0). ``jaxpar calibrate`` measures
+    the real figures (``jaxpar plan --catalog``).
     """
     cores = os.cpu_count() or 1
     try:
@@ -118,16 +198,52 @@ def cpu_chip(n_devices: int) -> Chip:
     except (ValueError, OSError, AttributeError):
         ram = 16 * GiB
     n = max(n_devices, 1)
-    return Chip("cpu", cores * 2e9 * 32 / n, ram / n, 5 * GB, 5 * GB, 1 << 30,
-                efficiency=0.3, source="host estimate")
+    flops = cores * 2e9 * 32 / n
+    return Chip("cpu", flops, ram / n, 5 * GB, 5 * GB, 1 << 30, hbm_bw=cores * 8 * GB / n,
+                f32_flops=flops, matmul_tile=8, ici_latency_s=2e-5, dcn_latency_s=2e-5,
+                host_bw=cores * 8 * GB / n, matmul_efficiency=0.5, memory_efficiency=1.0,
+                collective_efficiency=1.0, overlap=0.0, op_overhead_s=5e-6,
+                source="host estimate (uncalibrated)")
+
+
+_REQUIRED = ("peak_flops", "hbm_bytes", "ici_bw", "dcn_bw", "domain")
+
+
+def chip_from_mapping(name: str, entry: Mapping[str, Any], *, where: str = "") -> Chip:
+    """A :class:`Chip` from a mapping of its fields (a catalog file's entry).
+
+    Raises:
+      JaxparError: naming the entry, for an unknown or missing field or a value of the
+        wrong type.
+    """
+    types = {f.name: f.type for f in dataclasses.fields(Chip)}
+    fields = set(types) - {"name"}
+    unknown = set(entry) - fields
+    if unknown:
+        raise JaxparError(f"catalog entry {name!r} has unknown field {sorted(unknown)[0]!r}"
+                          f"; fields are {sorted(fields)}")
+    missing = [k for k in _REQUIRED if k not in entry]
+    if missing:
+        raise JaxparError(f"catalog entry {name!r} lacks {missing}")
+    values: dict[str, Any] = {}
+    for key, value in entry.items():
+        kind = {"int": int, "str": str}.get(str(types[key]), float)
+        try:
+            values[key] = kind(value)
+        except (TypeError, ValueError):
+            raise JaxparError(f"catalog entry {name!r}: {key}={value!r} is not a number"
+                              ) from None
+    values.setdefault("source", where)
+    return Chip(name=str(name), **values)
 
 
 def load_catalog(path: str | Path | None) -> dict[str, Chip]:
     """The built-in chips plus those in a YAML file.
 
     The file maps names to fields of :class:`Chip` (``peak_flops``, ``hbm_bytes``,
-    ``ici_bw``, ``dcn_bw``, ``domain``, optional ``efficiency`` and ``source``); an
-    entry may also ``base: <known kind>`` and override only some fields.
+    ``ici_bw``, ``dcn_bw`` and ``domain`` required, the rest optional); an entry may also
+    ``base: <known kind>`` and override only some fields. ``jaxpar calibrate`` writes such
+    a file.
     """
     chips = dict(BUILTIN)
     if path is None:
@@ -135,10 +251,12 @@ def load_catalog(path: str | Path | None) -> dict[str, Chip]:
     p = Path(path)
     if not p.is_file():
         raise JaxparError(f"catalog file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise JaxparError(f"catalog file {str(p)!r} is not YAML: {err}") from None
     if not isinstance(data, Mapping):
         raise JaxparError(f"catalog file {str(p)!r} must map chip names to their figures")
-    fields = {f.name for f in dataclasses.fields(Chip)} - {"name"}
     for name, entry in data.items():
         if not isinstance(entry, Mapping):
             raise JaxparError(f"catalog entry {name!r} must be a mapping of figures")
@@ -147,23 +265,7 @@ def load_catalog(path: str | Path | None) -> dict[str, Chip]:
         if "base" in entry:
             parent = resolve_kind(str(entry.pop("base")), chips)
             base = {k: v for k, v in dataclasses.asdict(chips[parent]).items() if k != "name"}
-        unknown = set(entry) - fields
-        if unknown:
-            raise JaxparError(f"catalog entry {name!r} has unknown field {sorted(unknown)[0]!r}"
-                              f"; fields are {sorted(fields)}")
-        merged = {**base, **entry}
-        missing = {"peak_flops", "hbm_bytes", "ici_bw", "dcn_bw", "domain"} - set(merged)
-        if missing:
-            raise JaxparError(f"catalog entry {name!r} lacks {sorted(missing)}")
-        try:
-            chips[str(name)] = Chip(
-                name=str(name), peak_flops=float(merged["peak_flops"]),
-                hbm_bytes=float(merged["hbm_bytes"]), ici_bw=float(merged["ici_bw"]),
-                dcn_bw=float(merged["dcn_bw"]), domain=int(merged["domain"]),
-                efficiency=float(merged.get("efficiency", 0.6)),
-                source=str(merged.get("source", str(p))))
-        except (TypeError, ValueError) as err:
-            raise JaxparError(f"catalog entry {name!r}: {err}") from None
+        chips[str(name)] = chip_from_mapping(str(name), {**base, **entry}, where=str(p))
     return chips
 
 

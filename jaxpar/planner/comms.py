@@ -58,18 +58,46 @@ from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
 
 
+PHASES = ("forward", "backward", "gradient", "exposed", "update")
+"""When a transfer runs, which sets what it can overlap: ``forward`` and ``backward``:
+inside the layers' forward or backward pass, prefetched or issued asynchronously beside
+their compute (FSDP weight gathers, the context ring); ``gradient``: a gradient reduction,
+issued as each layer's backward finishes (it hides under the backward of the step's last
+microbatch only); ``exposed``: the compute waits for it (tensor- and sequence-parallel
+activations, the context all-gather, expert all-to-alls, pipeline sends); ``update``:
+after the optimizer step (ZeRO 1-2's parameter gather)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective as it runs: ``nbytes`` per execution (result bytes), ``runs``
+    executions per step, over ``axes``, in ``phase`` (:data:`PHASES`)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+    runs: int
+    phase: str
+
+
 class _Rows:
     """Collective rows grouped by (kind, axes), as the HLO text groups them."""
 
     def __init__(self, lay: Layout):
         self.lay = lay
+        self.transfers: list[Transfer] = []
         self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
-            exposed: bool = False) -> None:
+            exposed: bool = False, phase: str = "") -> None:
+        """One collective: ``nbytes`` result bytes, ``static`` instructions in the HLO
+        text, ``runs`` executions per step; ``phase`` is what compute it can hide under
+        (:data:`PHASES`; default ``exposed`` when ``exposed`` else ``forward``)."""
         axes = tuple(a for a in MESH_AXES if a in axes and self.lay.sizes[a] > 1)
         if not axes or nbytes <= 0:
             return
+        phase = phase or ("exposed" if exposed else "forward")
+        self.transfers.append(Transfer(kind, axes, nbytes, runs, phase))
         row = self.rows.setdefault((kind, axes), {
             "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
             "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0})
@@ -95,11 +123,13 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         # Weights stored split over data-parallel axes: gathered for forward and backward
         # (per microbatch); the embedding and head once when not inside the layer loop.
         if p.store_dp_axes:
-            static = 2 if p.tensor.per_layer else 1
-            rows.add("all-gather", p.store_dp_axes, p.compute * wire, static, 2 * per * micro)
+            nbytes = p.compute * wire
+            rows.add("all-gather", p.store_dp_axes, nbytes, 1, per * micro, phase="forward")
+            rows.add("all-gather", p.store_dp_axes, nbytes, 1 if p.tensor.per_layer else 0,
+                     per * micro, phase="backward")
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
-            rows.add("all-gather", p.zero_axes, p.base * per * wire, 1, 1)
+            rows.add("all-gather", p.zero_axes, p.base * per * wire, 1, 1, phase="update")
         # Gradient reduction over every data-parallel axis, except the axes that split
         # the tensor's experts; then over the context axis, on its own (as XLA emits it).
         reduce_axes = tuple(a for a in lay.dp_axes
@@ -111,11 +141,11 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         n = math.prod(lay.sizes[a] for a in grad_split)
         if grad_split:
             if backend == "cpu":
-                rows.add("all-reduce", grad_split, full, 1, per)
+                rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")
             else:
-                rows.add("reduce-scatter", grad_split, full / n, 1, per)
-        rows.add("all-reduce", rest, full / n, 1, per)
-        rows.add("all-reduce", lay.cp_axes, full / n, 1, per)
+                rows.add("reduce-scatter", grad_split, full / n, 1, per, phase="gradient")
+        rows.add("all-reduce", rest, full / n, 1, per, phase="gradient")
+        rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
 
 
 def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
@@ -153,8 +183,10 @@ def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Lo
     if cand.context_attention == "ring":
         steps = loc.context - 1
         fwd = steps * (2 if remat else 1)
-        rows.add("collective-permute", lay.cp_axes, kv_block, 2 * (1 + (1 if remat else 0) + 1),
-                 2 * (fwd + steps) * runs_layer)
+        rows.add("collective-permute", lay.cp_axes, kv_block, 2 * (1 + (1 if remat else 0)),
+                 2 * fwd * runs_layer, phase="forward")
+        rows.add("collective-permute", lay.cp_axes, kv_block, 2, 2 * steps * runs_layer,
+                 phase="backward")
     else:
         gathers = 2 if remat else 1
         rows.add("all-gather", lay.cp_axes, kv_block * loc.context, 2 * gathers,
@@ -174,6 +206,20 @@ def _experts(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Lo
 
 def collectives(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
                 backend: str = "tpu") -> list[dict[str, Any]]:
+    """The collectives of one step grouped by (kind, axes); see :func:`transfers`."""
+    return _collect(spec, lay, cand, global_batch, seq, backend).sorted()
+
+
+def transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
+              backend: str = "tpu") -> tuple[list[dict[str, Any]], list[Transfer]]:
+    """The step's collectives both ways: rows grouped by (kind, axes), as the HLO text
+    groups them, and each :class:`Transfer` with its phase, for the time model."""
+    rows = _collect(spec, lay, cand, global_batch, seq, backend)
+    return rows.sorted(), rows.transfers
+
+
+def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
+             backend: str = "tpu") -> _Rows:
     """The collectives of one step, grouped by (kind, axes).
 
     Each row: ``kind``, ``axes``, ``count`` (instructions in the HLO text),
@@ -190,7 +236,7 @@ def collectives(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int
     rows = _Rows(lay)
     _weights(rows, lay, cand, layers, wire, backend)
     if not spec.is_transformer:
-        return rows.sorted()
+        return rows
     loc = local_sizes(spec, lay, cand, global_batch, seq)
     n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
     runs_layer = layers * micro * n_pipe
@@ -206,36 +252,45 @@ def collectives(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int
         iters = repeats * m + stages - 1
         send = loc.tokens * spec.d_model * c
         rows.add("collective-permute", ("stage",), send, 2, 2 * iters * micro, exposed=True)
-    return rows.sorted()
+    return rows
 
 
-def collective_time(row: dict[str, Any], cand: Candidate, machine: Machine) -> float:
-    """Ring-algorithm time of one row's executed bytes, hierarchical over ICI then DCN."""
-    dcn = dict(cand.dcn)
-    ici = dict(cand.ici)
-    n_ici = math.prod(ici[a] for a in row["axes"])
-    n_dcn = math.prod(dcn.get(a, 1) for a in row["axes"])
-    nbytes = row["bytes_per_step"]
-    kind = row["kind"]
+_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "collective-permute": lambda n: 1}
+"""Sequential steps of a collective's ring over ``n`` devices (each pays the link
+latency): ``n - 1`` for gathers, scatters and all-to-all, ``2 (n - 1)`` for an all-reduce
+(a reduce-scatter, then an all-gather), 1 for a permute to a neighbour."""
+
+
+def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
+    """Seconds of one transfer's executions in a step: per execution, latency x ring steps
+    plus bytes on the wire over the bandwidth the axes get, hierarchically: inside a
+    slice over ICI (:meth:`~jaxpar.planner.catalog.Chip.axis_bandwidth`: the torus links
+    the axes span, or the NVLink switch), then across slices over the DCN with ``1 /
+    n_ici`` of the payload per device (an all-to-all sends its share for other slices
+    itself). Bytes on the wire per device, as a multiple of the payload: ``2 (n-1)/n`` for
+    an all-reduce, ``(n-1)/n`` for the others (the payload is the result for an
+    all-gather, the input for a reduce-scatter, the buffer for an all-reduce or
+    all-to-all), the block itself for a permute."""
+    dcn, ici = dict(cand.dcn), dict(cand.ici)
+    n_ici = math.prod(ici[a] for a in tr.axes)
+    n_dcn = math.prod(dcn.get(a, 1) for a in tr.axes)
     chip = machine.chip
-    if kind == "collective-permute":
-        bw = chip.dcn_bw if n_dcn > 1 else chip.ici_bw
-        return nbytes / bw
-    # Bytes each device sends, as a multiple of the payload (result bytes for all-gather,
-    # input for reduce-scatter, the buffer for all-reduce and all-to-all).
-    if kind == "all-reduce":
-        payload = nbytes
-        factor = lambda n: 2 * (n - 1) / n
-    elif kind == "reduce-scatter":
-        payload = nbytes * n_ici * n_dcn
-        factor = lambda n: (n - 1) / n
-    else:  # all-gather, all-to-all
-        payload = nbytes
-        factor = lambda n: (n - 1) / n
-    t = factor(n_ici) * payload / chip.ici_bw if n_ici > 1 else 0.0
+    eff = chip.collective_efficiency
+    steps = _STEPS.get(tr.kind, lambda n: n - 1)
+    if tr.kind == "collective-permute":
+        if n_dcn > 1:
+            bw, lat = chip.dcn_bw, chip.dcn_latency_s
+        else:
+            bw = chip.axis_bandwidth(n_ici, machine.per_slice)
+            bw, lat = (bw / 2 if chip.torus_dims else bw), chip.ici_latency_s
+        return tr.runs * (lat + tr.nbytes / (bw * eff))
+    factor = (lambda n: 2 * (n - 1) / n) if tr.kind == "all-reduce" else (lambda n: (n - 1) / n)
+    payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
+    t = 0.0
+    if n_ici > 1:
+        bw = chip.axis_bandwidth(n_ici, machine.per_slice) * eff
+        t += steps(n_ici) * chip.ici_latency_s + factor(n_ici) * payload / bw
     if n_dcn > 1:
-        # Hierarchical reductions and gathers cross the DCN with 1/n_ici of the payload
-        # per device; an all-to-all sends each device's share for other slices itself.
-        share = payload if kind == "all-to-all" else payload / n_ici
-        t += factor(n_dcn) * share / chip.dcn_bw
-    return t
+        share = payload if tr.kind == "all-to-all" else payload / n_ici
+        t += steps(n_dcn) * chip.dcn_latency_s + factor(n_dcn) * share / (chip.dcn_bw * eff)
+    return tr.runs * t

@@ -2,9 +2,10 @@
 
 Pure Python arithmetic over the model's tensor shapes (see :mod:`jaxpar.planner.layout`);
 no devices, no compilation. Everything is per device and per training step. Memory is in
-:mod:`jaxpar.planner.memory`, collectives in :mod:`jaxpar.planner.comms`; this module
-counts FLOPs, turns them and the collectives into a step time, and says whether a
-candidate can run at all (:func:`check_divisible`).
+:mod:`jaxpar.planner.memory`, collectives in :mod:`jaxpar.planner.comms`, the roofline
+price of each operation in :mod:`jaxpar.planner.roofline`; this module counts FLOPs,
+composes compute and collectives into a step time (:func:`estimate`, which gives the
+formula), and says whether a candidate can run at all (:func:`check_divisible`).
 
 FLOPs: model FLOPs follow the PaLM convention (``6 N`` per token plus full ``s x s``
 attention) with ``N`` the matmul parameters a token actually uses, so a mixture of experts
@@ -26,10 +27,13 @@ from jaxpar.planner.candidate import (
     DTYPE_BYTES,
     OPTIMIZER_MOMENTS,
     Candidate,
+    dtype_bytes,
+    local_sizes,
     pipe_microbatches,
 )
 from jaxpar.planner.catalog import Machine
-from jaxpar.planner.comms import collective_time, collectives
+from jaxpar.planner import roofline
+from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
 from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
@@ -41,6 +45,7 @@ from jaxpar.planner.memory import (
     working_set_bytes,
 )
 from jaxpar.planner.model import ModelSpec
+from jaxpar.planner.roofline import MOE_IMBALANCE
 from jaxpar.remat import POLICIES
 
 __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTION",
@@ -48,15 +53,6 @@ __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTI
            "causal_fraction", "check_divisible", "collectives", "estimate", "hardware_flops",
            "layer_working_bytes", "loss_working_bytes", "memory", "model_flops",
            "saved_activation_bytes", "working_set_bytes"]
-
-MOE_IMBALANCE = 0.10
-"""Extra time on the routed experts' matmuls under expert parallelism. With capacity
-dispatch every expert computes a fixed number of slots (the capacity factor already pays
-for uneven routing, in padding), but the step now meets at four all-to-alls per layer, so
-any device that runs late (a fuller all-to-all, a slower chip, host jitter) holds all of
-its expert group up. 10% is the low end of the 10-20% straggler margin commonly allowed
-for expert-parallel steps; it is an assumption, not a measurement."""
-
 
 @dataclasses.dataclass
 class Estimate:
@@ -78,6 +74,7 @@ class Estimate:
     global_batch: int = 0
     seq: int = 0
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -190,19 +187,39 @@ def hardware_flops(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,
     return dense + expert
 
 
+def _hidden(comm: float, compute: float, overlap: float) -> float:
+    """What of ``comm`` seconds stays exposed beside ``compute`` seconds it can run under
+    (``overlap``: 1 when collectives run asynchronously, 0 when they block)."""
+    return comm - overlap * min(comm, compute)
+
+
 def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int, seq: int,
              *, backend: str | None = None, hbm_headroom: float = 0.9) -> Estimate:
     """Memory, collectives and step time of ``cand`` on ``machine``.
 
-    Step time = (compute + the exposed collectives: tensor- and sequence-parallel,
-    context all-gather, expert all-to-all, pipeline sends) / (1 - pipeline bubble) + the
-    part of the remaining communication (gradient reductions, weight gathers, the context
-    ring) that the compute cannot hide. Compute is the executed FLOPs at the chip's
-    sustained rate, the routed experts' share stretched by :data:`MOE_IMBALANCE` under
-    expert parallelism. MFU = model FLOPs / (step time x peak x chips); since model FLOPs
-    count full ``s x s`` attention and causal-skipping kernels execute about half of it,
-    MFU can exceed the hardware utilisation (``flops / (step time x peak)``), by up to
-    about 2x when attention dominates (very long sequences).
+    The computation is priced operation by operation on the chip's roofline
+    (:func:`jaxpar.planner.roofline.compute_times`): ``C_f`` and ``C_b``, the layers'
+    forward and backward (with remat's recomputation) over every microbatch, ``C_h`` the
+    embedding, head and loss, ``U`` the optimizer update. Each collective is priced as
+    latency plus bytes over the bandwidth its axes get
+    (:func:`jaxpar.planner.comms.transfer_time`) and hides where it runs
+    (:data:`jaxpar.planner.comms.PHASES`): weight gathers of the forward pass ``O_f``
+    under ``C_f + C_h``; backward gathers ``O_b`` and gradient reductions ``O_g`` under
+    ``C_b``, the reductions only under the last microbatch's ``C_b / microbatches``;
+    what the compute waits for (``E``: tensor, sequence and expert parallelism, the
+    context all-gather, pipeline sends) never hides; ZeRO 1-2's parameter gather ``O_u``
+    follows the update. With ``x(O, C) = O - overlap x min(O, C)``::
+
+        core = C_f + C_b + C_h + E + x(O_f, C_f + C_h)
+               + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches))
+        step = core / (1 - bubble) + U + O_u
+
+    with the pipeline bubble ``(p - 1) / (r m + p - 1)`` (``p`` stages, ``r`` repeats,
+    ``m`` microbatches). MFU = model FLOPs / (step x peak x chips) is a result, never an
+    input. Since model FLOPs count full ``s x s`` attention and causal-skipping kernels
+    execute about half of it, MFU can exceed the hardware utilisation at long sequences.
+    ``breakdown`` says where the step goes (compute by operation, exposed collectives by
+    kind and axes, bubble, update).
 
     Raises:
       JaxparError: when a dimension does not divide over its mesh axes.
@@ -210,39 +227,80 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     backend = backend or ("cpu" if machine.chip.name == "cpu" else "tpu")
     lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
     mem = memory(spec, lay, cand, global_batch, seq, backend)
-    rows = collectives(spec, lay, cand, global_batch, seq, backend)
+    rows, moves = transfers(spec, lay, cand, global_batch, seq, backend)
     n = cand.n_devices
-    mflops = model_flops(spec, global_batch, seq)
-    dense, expert = flops_parts(spec, global_batch, seq, cand.remat, context=cand.context,
-                                attention=attention_kind(spec, cand, backend))
-    # Expert work is split over every axis but context, whose shards repeat it.
-    expert_local = expert * cand.context / n
-    hflops = dense / n + expert_local
     chip = machine.chip
-    rate = chip.peak_flops * chip.efficiency
-    imbalance = MOE_IMBALANCE if cand.expert > 1 else 0.0
-    compute = (dense / n + expert_local * (1 + imbalance)) / rate
-    comm: dict[str, float] = {}
-    critical = 0.0
-    for row in rows:
-        t = collective_time(row, cand, machine)
-        row["time_s"] = t
-        key = f"{row['kind']} {'x'.join(row['axes'])}"
-        comm[key] = comm.get(key, 0.0) + t
-        if row["bytes_per_step"]:
-            critical += t * row["exposed_bytes_per_step"] / row["bytes_per_step"]
+    mflops = model_flops(spec, global_batch, seq)
+    attention = attention_kind(spec, cand, backend)
+    dense, expert = flops_parts(spec, global_batch, seq, cand.remat, context=cand.context,
+                                attention=attention)
+    # Expert work is split over every axis but context, whose shards repeat it.
+    hflops = dense / n + expert * cand.context / n
     stages = cand.sizes.get("stage", 1)
+    pipe_m = pipe_microbatches(cand, stages) if stages > 1 else 1
+    micro = cand.microbatches * pipe_m
+    opt_elems = lay.total("zero") if cand.zero_stage >= 1 else lay.total("base")
+    breakdown: dict[str, float] = {}
+    if spec.is_transformer:
+        loc = local_sizes(spec, lay, cand, global_batch, seq)
+        times = roofline.compute_times(
+            spec, loc, cand, chip, attention=attention,
+            causal=causal_fraction(spec, seq, attention, cand.context),
+            recomputed=_RECOMPUTED.get(cand.remat, ()), local_state=opt_elems,
+            local_grads=lay.total("compute"))
+        runs = micro * spec.n_layers / stages
+        c_f, c_b, c_h = runs * times.layer_fwd, runs * times.layer_bwd, micro * times.head
+        for part, t in times.parts.items():
+            if t:
+                breakdown[f"compute {part}"] = runs * t
+        breakdown["compute embedding, head and loss"] = c_h
+        update = times.update
+    else:  # a generic model: FLOPs at the matmul rate, a third forward
+        rate = (chip.matmul_flops_f32 if dtype_bytes(cand.precision) >= 4 else chip.peak_flops)
+        total = hflops / (rate * chip.matmul_efficiency)
+        c_f, c_b, c_h = total / 3, 2 * total / 3, 0.0
+        breakdown["compute matmuls"] = total
+        update = roofline.update_time(chip, cand, opt_elems, lay.total("compute"))
+    comm: dict[str, float] = {}
+    by_phase = dict.fromkeys(PHASES, 0.0)
+    timed = []
+    for tr in moves:
+        t = transfer_time(tr, cand, machine)
+        key = f"{tr.kind} {'x'.join(tr.axes)}"
+        comm[key] = comm.get(key, 0.0) + t
+        by_phase[tr.phase] += t
+        timed.append((tr, key, t))
+    for row in rows:
+        key = f"{row['kind']} {'x'.join(row['axes'])}"
+        row["time_s"] = comm.get(key, 0.0)
+    ov = chip.overlap
+    o_f, o_b, o_g = by_phase["forward"], by_phase["backward"], by_phase["gradient"]
+    x_f = _hidden(o_f, c_f + c_h, ov)
+    x_b = max(_hidden(o_b + o_g, c_b, ov), _hidden(o_g, c_b / cand.microbatches, ov), 0.0)
+    exposed_frac = {"forward": x_f / o_f if o_f else 0.0,
+                    "backward": x_b / (o_b + o_g) if o_b + o_g else 0.0,
+                    "exposed": 1.0, "update": 1.0}
+    exposed_frac["gradient"] = exposed_frac["backward"]
+    for tr, key, t in timed:
+        share = t * exposed_frac[tr.phase]
+        if share > 0:
+            where = "DCN" if any(dict(cand.dcn).get(a, 1) > 1 for a in tr.axes) else "ICI"
+            name = f"exposed {key} ({where})"
+            breakdown[name] = breakdown.get(name, 0.0) + share
+    compute = c_f + c_b + c_h
+    core = compute + by_phase["exposed"] + x_f + x_b
     bubble = 0.0
     if stages > 1:
         repeats = max(spec.n_layers // stages, 1)
-        m = pipe_microbatches(cand, stages)
-        bubble = (stages - 1) / (repeats * m + stages - 1)
-    hidden = sum(comm.values()) - critical
-    step = (compute + critical) / (1 - bubble) + max(0.0, hidden - 0.8 * compute)
+        bubble = (stages - 1) / (repeats * pipe_m + stages - 1)
+        breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
+    breakdown["optimizer update"] = update
+    step = core / (1 - bubble) + update + by_phase["update"]
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
     fits = mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
-    return Estimate(cand, mem, rows, hflops, mflops / n, compute, comm, bubble, step, mfu,
-                    fits, chip.hbm_bytes, global_batch=global_batch, seq=seq)
+    return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
+                    mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
+                    breakdown=breakdown)
 
 
 def check_divisible(spec: ModelSpec, cand: Candidate, global_batch: int, seq: int = 0
