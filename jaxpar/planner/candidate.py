@@ -33,6 +33,9 @@ class Candidate:
     tensor axis (Megatron sequence parallelism); ``context_attention`` is how attention
     spans a sequence split over the ``context`` axis (``allgather`` or ``ring``, see
     :mod:`jaxpar.context`; it matters only when that axis is larger than 1).
+    ``pipeline_repeats`` is how many model chunks each stage holds in its schedule: 0
+    (jaxpar's circular schedule) means one per layer of the stage; 1 is a plain GPipe or
+    1F1B schedule; ``v`` Megatron's interleaved one with ``v`` virtual stages.
     """
 
     ici: tuple[tuple[str, int], ...]
@@ -46,6 +49,7 @@ class Candidate:
     optimizer: str = "adamw"
     sequence_parallel: bool = False
     context_attention: str = "allgather"
+    pipeline_repeats: int = 0
 
     @staticmethod
     def make(ici: dict[str, int], dcn: dict[str, int] | None = None, **knobs: Any) -> Candidate:

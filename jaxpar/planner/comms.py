@@ -162,17 +162,23 @@ def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Loc
     else:
         parts = [(tokens_b, 2, 5 + (2 if remat else 0))]
     tp, sp = lay.tp_axes, loc.seq_parallel
+    # On a TPU, XLA runs these asynchronously and decomposes the neighbouring matmuls
+    # (collective matmul), so they overlap the layer's compute; elsewhere the matmul
+    # waits for them.
+    overlapped = backend == "tpu"
     # The vocab-parallel embedding's output and the head's input gradient.
     for nbytes, n, runs in [*((b, f + w, runs_layer) for b, f, w in parts),
                             (tokens_b, 2, runs_step)]:
+        phase = "backward" if overlapped else "exposed"
         if not sp:
-            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True)
+            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True, phase=phase)
             continue
         if backend == "cpu":
-            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True)
+            rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True, phase=phase)
         else:
-            rows.add("reduce-scatter", tp, nbytes / loc.tp, n, n * runs, exposed=True)
-        rows.add("all-gather", tp, nbytes, n, n * runs, exposed=True)
+            rows.add("reduce-scatter", tp, nbytes / loc.tp, n, n * runs, exposed=True,
+                     phase=phase)
+        rows.add("all-gather", tp, nbytes, n, n * runs, exposed=True, phase=phase)
 
 
 def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,

@@ -31,7 +31,7 @@ from jaxpar.planner.candidate import (
     local_sizes,
     pipe_microbatches,
 )
-from jaxpar.planner.catalog import Machine
+from jaxpar.planner.catalog import Chip, Machine
 from jaxpar.planner import roofline
 from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
 from jaxpar.planner.layout import layout
@@ -150,7 +150,7 @@ def flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,
     if not spec.is_transformer:
         return model_flops(spec, global_batch, seq) * (4 / 3 if remat == "full" else 1), 0.0
     parts = _layer_forward_flops(spec, seq)
-    redo = _RECOMPUTED.get(remat, ())
+    redo = recomputed_parts(remat)
     dense = sum(v for p, v in parts.items() if p != "attention")  # forward, per layer
     dense_extra = sum(parts[p] for p in redo if p != "attention")
     # Attention: forward 1, backward 2 (x 4 n h s); a remat policy that reruns attention
@@ -185,6 +185,30 @@ def hardware_flops(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,
     dense, expert = flops_parts(spec, global_batch, seq, remat, attention=attention,
                                 context=context)
     return dense + expert
+
+
+def chip_backend(chip: Chip) -> str:
+    """``cpu``, ``tpu`` (a torus) or ``gpu`` (a switched fabric): which XLA backend the
+    chip runs, which sets attention's default kernel and the collectives' forms."""
+    if chip.name.startswith("cpu"):
+        return "cpu"
+    return "tpu" if chip.torus_dims else "gpu"
+
+
+def recomputed_parts(remat: str) -> tuple[str, ...]:
+    """The layer parts (``qkv``, ``wo``, ``gate_up``, ``down``, ``attention``) a remat
+    policy reruns in the backward pass: a policy of :mod:`jaxpar.remat`, or
+    ``recompute=part+part`` for another framework's selective policy (the published
+    runs' ``save_qkv_proj``, MaxText's per-tensor lists, Megatron's selective
+    recomputation of the attention core)."""
+    if remat.startswith("recompute="):
+        parts = tuple(p for p in remat.split("=", 1)[1].split("+") if p)
+        unknown = set(parts) - set(_RECOMPUTED["full"])
+        if unknown:
+            raise JaxparError(f"remat {remat!r}: unknown part {sorted(unknown)[0]!r}; parts "
+                              f"are {', '.join(_RECOMPUTED['full'])}")
+        return parts
+    return _RECOMPUTED.get(remat, ())
 
 
 def _hidden(comm: float, compute: float, overlap: float) -> float:
@@ -224,7 +248,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     Raises:
       JaxparError: when a dimension does not divide over its mesh axes.
     """
-    backend = backend or ("cpu" if machine.chip.name == "cpu" else "tpu")
+    backend = backend or chip_backend(machine.chip)
     lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
     mem = memory(spec, lay, cand, global_batch, seq, backend)
     rows, moves = transfers(spec, lay, cand, global_batch, seq, backend)
@@ -246,7 +270,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         times = roofline.compute_times(
             spec, loc, cand, chip, attention=attention,
             causal=causal_fraction(spec, seq, attention, cand.context),
-            recomputed=_RECOMPUTED.get(cand.remat, ()), local_state=opt_elems,
+            recomputed=recomputed_parts(cand.remat), local_state=opt_elems,
             local_grads=lay.total("compute"))
         runs = micro * spec.n_layers / stages
         c_f, c_b, c_h = runs * times.layer_fwd, runs * times.layer_bwd, micro * times.head
@@ -291,7 +315,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     core = compute + by_phase["exposed"] + x_f + x_b
     bubble = 0.0
     if stages > 1:
-        repeats = max(spec.n_layers // stages, 1)
+        repeats = cand.pipeline_repeats or max(spec.n_layers // stages, 1)
         bubble = (stages - 1) / (repeats * pipe_m + stages - 1)
         breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
     breakdown["optimizer update"] = update
