@@ -13,7 +13,8 @@ import jaxpar
 from jaxpar.assembly import build_trainer
 from jaxpar.cli import main
 from jaxpar.inspect import collective_table, memory_stats
-from jaxpar.planner import Candidate, estimate, parse_chips, plan, predict
+from jaxpar.models import TransformerConfig
+from jaxpar.planner import BUILTIN, Candidate, estimate, parse_chips, plan, predict
 from jaxpar.planner.cost import model_flops
 from jaxpar.planner.model import from_nnx, from_transformer
 from jaxpar.validate import check_config
@@ -186,10 +187,11 @@ def test_llama_7b_on_v5p_256_fits_and_is_sane():
     best = plans[0]
     assert best.fits and best.memory_per_device_bytes < 95 * 2**30
     assert best.candidate.n_devices == 256
-    # Executed FLOPs never beat the sustained rate; MFU counts full s x s attention, which
-    # splash halves by skipping masked blocks, so it may sit a little above it.
-    assert best.flops / (best.step_time_s * 459e12) <= 0.61
-    assert 0.2 < best.mfu <= 0.66
+    # Executed FLOPs never beat the chip's sustained matmul rate; MFU counts full s x s
+    # attention, which splash halves by skipping masked blocks, so it may sit above it.
+    eff = BUILTIN["tpu-v5p"].matmul_efficiency
+    assert best.flops / (best.step_time_s * 459e12) <= eff
+    assert 0.2 < best.mfu <= eff + 0.05
     assert best.reason and all(p.step_time_s >= best.step_time_s * 0.99 for p in plans)
     # 6 N D: the step must take at least the FLOPs at peak.
     assert best.step_time_s > 6 * 6.7e9 * 512 * 4096 / (459e12 * 256)
@@ -376,7 +378,8 @@ def test_cli_mixtral_table_shows_expert_axis(capsys):
     header, first = out.splitlines()[1], out.splitlines()[3]
     assert "sp" in header.split() and "expert=" in first
     assert "active" in out.splitlines()[0]
-    assert "expert parallelism" in out.splitlines()[-1]
+    why = next(line for line in out.splitlines() if line.startswith("why #1:"))
+    assert "expert parallelism" in why
 
 
 def test_cli_write_carries_context_and_sequence_parallel(tmp_path, capsys):
@@ -392,3 +395,96 @@ def test_cli_write_carries_context_and_sequence_parallel(tmp_path, capsys):
     assert config.plan.sequence_parallel == (config.mesh.tensor > 1)
     assert config.train.seq_len == config.model.max_seq_len == 131072
     check_config(config, devices=512)  # the run config is valid for the machine
+
+
+# --- the roofline cost model -----------------------------------------------------------------
+def _llama8b(seq: int = 8192) -> TransformerConfig:
+    return TransformerConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=8, d_ff=14336, max_seq_len=seq)
+
+
+def _tokens_per_chip(model, chips: str, cand: Candidate, batch: int, seq: int, **kw) -> float:
+    est = estimate(model, cand, chips=chips, global_batch=batch, seq=seq, **kw)
+    return batch * seq / est.step_time_s / cand.n_devices
+
+
+def test_throughput_depends_on_batch_and_machine_size():
+    # The old model gave the same tokens/s per chip at every per-device batch and on 8 or
+    # 256 chips; the roofline's latency, per-kernel overhead and FSDP gathers do not.
+    model = _llama8b(4096)
+    small = {b: _tokens_per_chip(model, "tpu-v5p:8", Candidate.make({"fsdp": 8}), 8 * b, 4096)
+             for b in (1, 2, 4)}
+    assert small[1] < small[2] < small[4]
+    big = _tokens_per_chip(model, "tpu-v5p:256", Candidate.make({"fsdp": 256}), 256, 4096)
+    assert big < small[1]
+
+
+def test_v6e_head_dim_padding_and_memory_bound_matmuls():
+    from jaxpar.planner.roofline import matmul_time
+
+    v6e, v5p = BUILTIN["tpu-v6e"], BUILTIN["tpu-v5p"]
+    # A contraction of 128 fills half of v6e's 256-wide MXU, all of v5p's 128-wide one.
+    assert matmul_time(v6e, 4096, 128, 4096) == pytest.approx(
+        matmul_time(v6e, 4096, 256, 4096), rel=1e-3)
+    assert matmul_time(v5p, 4096, 128, 4096) < 0.6 * matmul_time(v5p, 4096, 256, 4096)
+    # A matrix-vector product is bound by HBM, not the MXU.
+    gemv = matmul_time(v5p, 1, 8192, 8192)
+    assert gemv == pytest.approx(8192 * 8192 * 2 / (v5p.hbm_bw * v5p.memory_efficiency),
+                                 rel=0.01)
+
+
+def test_collective_time_is_latency_plus_bytes_over_the_axis_bandwidth():
+    from jaxpar.planner.comms import Transfer, transfer_time
+
+    machine = parse_chips("tpu-v5p:64")
+    cand = Candidate.make({"fsdp": 64})
+    chip = machine.chip
+    small = transfer_time(Transfer("all-gather", ("fsdp",), 1.0, 1, "forward"), cand, machine)
+    assert small == pytest.approx(63 * chip.ici_latency_s, rel=0.01)
+    big = transfer_time(Transfer("all-gather", ("fsdp",), 1e9, 1, "forward"), cand, machine)
+    # 64 chips of a 4x4x4 torus: the axis spans all three dimensions, 2 links each.
+    bw = 6 * chip.ici_link_bw * chip.collective_efficiency
+    assert big == pytest.approx(63 * chip.ici_latency_s + 63 / 64 * 1e9 / bw, rel=0.01)
+    # An 8-GPU axis inside an NVLink node is faster than one across nodes.
+    h100 = parse_chips("h100:16")
+    inside = transfer_time(Transfer("all-reduce", ("fsdp",), 1e9, 1, "gradient"),
+                           Candidate.make({"fsdp": 8}, {"data": 2}), h100)
+    across = transfer_time(Transfer("all-reduce", ("data",), 1e9, 1, "gradient"),
+                           Candidate.make({"fsdp": 8}, {"data": 2}), h100)
+    assert across > 3 * inside
+
+
+def test_estimate_breakdown_explains_the_step():
+    est = estimate(_llama8b(), Candidate.make({"fsdp": 16}, remat="full"),
+                   chips="tpu-v6e:16", global_batch=48, seq=8192)
+    parts = est.breakdown
+    assert parts["compute recompute"] > 0 and parts["compute attention"] > 0
+    assert parts["optimizer update"] > 0
+    # Compute by operation plus exposed collectives plus the update is the step.
+    assert sum(parts.values()) == pytest.approx(est.step_time_s, rel=1e-6)
+    assert est.mfu == pytest.approx(est.model_flops / (est.step_time_s * 918e12), rel=1e-9)
+
+
+def test_cli_explains_the_winner_with_the_breakdown(capsys):
+    assert main(["plan", "--model", "configs/llama-7b.yaml", "--chips", "h100:16",
+                 "--global-batch", "32", "--seq", "4096", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "where #1's step goes" in out and "compute gate_up" in out
+
+
+def test_published_runs_fit_is_what_the_catalog_holds():
+    """The catalog's efficiencies are the fit of the fit half (so the check half's error
+    the benchmark reports is out of sample), and the check half stays as good as reported:
+    a change that breaks the cost model on real machines fails here."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import published
+
+    rows = published.load_runs()
+    assert len(rows) >= 30
+    check = [r for r in rows if r["half"] == "check"]
+    errors = [published.error(r, published.predict_tokens(r)) for r in check]
+    within = sum(abs(e) <= 0.15 for e in errors) / len(errors)
+    assert within >= 0.70
+    assert sorted(abs(e) for e in errors)[len(errors) // 2] <= 0.11

@@ -178,6 +178,7 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "step_time_s": est.step_time_s,
         "compute_s": est.compute_s,
         "comm_s": est.comm_s,
+        "breakdown": est.breakdown,
         "bubble": est.bubble,
         "tokens_per_s": global_batch * seq / est.step_time_s,
         "tflops_per_device": est.model_flops / est.step_time_s / 1e12,

@@ -55,7 +55,25 @@ def table(rows: list[dict], header: str) -> str:
     out = [header, fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines)]
     if rows:
         out.append(f"why #1: {rows[0]['reason']}")
+        out.append(breakdown_text(rows[0]))
     return "\n".join(out)
+
+
+def breakdown_text(row: dict, top: int = 10) -> str:
+    """Where a plan's step goes: its largest parts (compute by operation, exposed
+    collectives by kind and axes, pipeline bubble, optimizer update) in seconds and
+    shares of the step, then the MFU that follows from them."""
+    step = row["step_time_s"]
+    parts = sorted(row["breakdown"].items(), key=lambda kv: -kv[1])
+    lines = [f"where #1's step goes ({step:.3f} s):"]
+    for name, t in parts[:top]:
+        lines.append(f"  {name:48} {t:9.4f} s  {t / step * 100:5.1f}%")
+    rest = sum(t for _, t in parts[top:])
+    if rest:
+        lines.append(f"  {'(the rest)':48} {rest:9.4f} s  {rest / step * 100:5.1f}%")
+    lines.append(f"  MFU {row['mfu'] * 100:.1f}% = model FLOPs / (step x peak), from the "
+                 "times above")
+    return "\n".join(lines)
 
 
 def command(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from jaxpar.errors import JaxparError
+from jaxpar.planner import roofline
 from jaxpar.planner.candidate import (
     CONTEXT_ATTENTION,
     DTYPE_BYTES,
@@ -32,7 +33,6 @@ from jaxpar.planner.candidate import (
     pipe_microbatches,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner import roofline
 from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
 from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
