@@ -57,7 +57,6 @@ from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
 
-
 PHASES = ("forward", "backward", "gradient", "exposed", "update")
 """When a transfer runs, which sets what it can overlap: ``forward`` and ``backward``:
 inside the layers' forward or backward pass, prefetched or issued asynchronously beside
