@@ -3,6 +3,7 @@
 ``jaxpar train --config configs/tiny.yaml [--devices N] [--out DIR] [--resume] [key=value ...]``
 ``jaxpar plan --model configs/llama-7b.yaml --chips tpu-v5p:256 --global-batch 512 --seq 4096``
 ``jaxpar inspect --config configs/tiny.yaml --devices 8 [--json]``
+``jaxpar calibrate [--out chip.yaml] [--name NAME] [--devices N] [--quick]``
 ``jaxpar launch --processes 2 --devices-per-process 4 -- train --config ...``
 ``jaxpar sample --run runs/tiny --prompt "def " [--max-tokens 64] [--temperature 0] [--top-k 0]``
 ``jaxpar convert --from-hf HF_FOLDER --out RUN [--devices N] [key=value ...]``
@@ -130,6 +131,58 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from jaxpar.planner import command as plan_command
 
     return plan_command(args)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxpar.errors import JaxparError
+
+    if args.out:
+        folder = Path(args.out).parent
+        if not folder.is_dir():
+            raise JaxparError(f"--out {args.out}: folder {str(folder)!r} does not exist")
+        if Path(args.out).is_dir():
+            raise JaxparError(f"--out {args.out} is a folder; give a file name")
+    if args.name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._\-]*", args.name):
+        raise JaxparError(f"--name {args.name!r}: use lower-case letters, digits, '.', '_' "
+                          "and '-'")
+    _simulate_devices(args.devices)
+    import jax
+    import yaml
+
+    from jaxpar.planner.calibrate import calibrate, default_name, summary, write_entry
+
+    devices = jax.devices()
+    name = args.name or default_name(devices)
+    if devices[0].platform == "cpu" and not name.startswith("cpu"):
+        raise JaxparError(f"--name {name!r}: the planner prices chips named cpu* as XLA:CPU "
+                          "(blocking collectives); name CPU entries cpu...")
+    print(f"jaxpar: calibrating {len(devices)} {devices[0].platform} devices "
+          f"({devices[0].device_kind}){' (quick)' if args.quick else ''}...", flush=True)
+    entry = calibrate(devices, quick=args.quick)
+    print(summary(entry))
+    if args.out:
+        raw = write_entry(entry, name, args.out)
+        print(f"jaxpar: wrote {args.out} (entry {name!r}) and {raw}; use it with "
+              f"jaxpar plan --catalog {args.out} --chips {name}:{len(devices)} ...")
+    else:
+        figures = {k: v for k, v in entry.items() if k != "measurements"}
+        print("\n" + yaml.safe_dump({name: figures}, sort_keys=False), end="")
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser("calibrate", help="measure this machine's devices and write a "
+                         "catalog entry for jaxpar plan --catalog")
+    cal.add_argument("--out", help="catalog YAML to write (raw timings go beside it, in "
+                                   "OUT.measurements.json); default: print the entry")
+    cal.add_argument("--name", help="catalog key (default: cpuN for N CPU devices, else "
+                                    "the device kind)")
+    cal.add_argument("--devices", type=_devices, help="simulate N CPU devices")
+    cal.add_argument("--quick", action="store_true",
+                     help="a smaller grid and shorter timings (a few seconds)")
+    cal.set_defaults(func=_cmd_calibrate)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -295,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
     _add_plan(sub)
     _add_inspect(sub)
+    _add_calibrate(sub)
     _add_launch(sub)
     _add_sample(sub)
     _add_hf(sub)

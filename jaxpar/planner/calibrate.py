@@ -1,0 +1,381 @@
+"""``jaxpar calibrate``: measure this machine's devices and write a catalog entry.
+
+Short microbenchmarks run on every given device at once (each device works on its own
+shard inside one ``shard_map``), so a rate is what one device sustains while all of them
+are busy, as in a training step; on simulated CPU devices, which share the host's
+cores, that is the host's rate split among them.
+
+* matmuls ``(m x k) @ (k x n)`` per device over a grid of shapes, float32 and bfloat16:
+  ``f32_flops`` and ``peak_flops`` are the best rates of the large shapes;
+  ``matmul_tile`` and ``op_overhead_s`` are fitted (least squares on log time) so that
+  :func:`jaxpar.planner.roofline.matmul_time`, with ``matmul_efficiency`` 1, reproduces
+  the whole grid;
+* memory: a large elementwise update, ``hbm_bw`` = bytes read and written per second
+  (``memory_efficiency`` 1);
+* collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute)
+  at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
+  ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
+  :func:`jaxpar.planner.comms.transfer_time`'s formula, ``latency x ring steps + wire
+  bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1).
+
+Every timed operation runs ``R`` times inside one compiled loop (each iteration depends
+on the previous one), so dispatch costs are not counted; ``R`` is chosen from a first
+short run to make each timing last a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpar.planner.catalog import Chip, GiB, chip_from_mapping
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+MATMUL_GRID = ((16, 256, 256), (64, 64, 128), (128, 64, 128), (128, 256, 256),
+               (128, 256, 1024), (128, 1024, 256), (256, 256, 4096), (512, 512, 512),
+               (1024, 256, 1024), (512, 1024, 512))
+QUICK_GRID = ((16, 256, 256), (128, 64, 128), (128, 256, 1024), (512, 512, 512))
+LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak
+TILES = (1, 8, 16, 32, 64, 128)
+
+
+def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: int
+               ) -> tuple[float, int]:
+    """Seconds per iteration of ``fn(r, *args)`` (a compiled loop of ``r`` iterations) and
+    the ``r`` used: ``(T(r) - T(1)) / (r - 1)``, which leaves out the dispatch, with
+    ``T(r)`` the fastest of ``repeats`` timings and ``r`` chosen to last about
+    ``target_s``."""
+    import jax
+    import jax.numpy as jnp
+
+    def once(r: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(jnp.int32(r), *args))
+        return time.perf_counter() - t0
+
+    once(1)  # compile
+    base = min(once(1) for _ in range(3))  # dispatch and one iteration
+    per = max((once(9) - base) / 8, 1e-7)
+    r = int(min(max(target_s / per, 2), 10000))
+    total = min(once(r) for _ in range(repeats))
+    per = (total - base) / (r - 1)
+    # A noisy base (a slow first call) can eat the difference: then keep the plain mean.
+    return (per if per > 0.5 * total / r else total / r), r
+
+
+def _mesh(devices: Sequence[Any], shape: tuple[int, ...], names: tuple[str, ...]):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices).reshape(shape), names)
+
+
+def measure_matmuls(devices: Sequence[Any], grid: Sequence[tuple[int, int, int]],
+                    dtypes: Sequence[str], target_s: float, repeats: int
+                    ) -> list[dict[str, Any]]:
+    """Per-device seconds of each ``(m, k, n)`` matmul of ``grid`` in each dtype, every
+    device computing its own at once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    mesh = _mesh(devices, (n,), ("d",))
+    rows = []
+    for dtype in dtypes:
+        for m, k, nn in grid:
+            def local(r, x, w):
+                def body(_, c):
+                    s, _y = c
+                    y = jnp.dot(x * s, w, preferred_element_type=x.dtype)
+                    return (s + y[0, 0] * 1e-30).astype(x.dtype), y
+                s0 = jnp.ones((), x.dtype)
+                out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+                return jax.lax.fori_loop(0, r, body, (s0, out))[1]
+
+            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                                       out_specs=P("d"), check_vma=False))
+            x = jax.device_put(jnp.ones((n * m, k), dtype) * 0.01,
+                               NamedSharding(mesh, P("d")))
+            w = jax.device_put(jnp.ones((n * k, nn), dtype) * 0.01,
+                               NamedSharding(mesh, P("d")))
+            t, r = _time_loop(fn, (x, w), target_s, repeats)
+            rows.append({"dtype": dtype, "m": m, "k": k, "n": nn, "seconds": t, "loops": r,
+                         "flops_per_s": 2 * m * k * nn / t})
+    return rows
+
+
+def measure_memory(devices: Sequence[Any], elements: int, target_s: float, repeats: int
+                   ) -> dict[str, Any]:
+    """Bytes/s per device of ``x = x * a + b`` over ``elements`` float32 per device (4
+    bytes read and 4 written per element)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    mesh = _mesh(devices, (n,), ("d",))
+
+    def local(r, x):
+        return jax.lax.fori_loop(0, r, lambda _, y: y * 0.999 + 0.001, x)
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"),
+                               check_vma=False))
+    x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("d")))
+    t, r = _time_loop(fn, (x,), target_s, repeats)
+    return {"elements": elements, "seconds": t, "loops": r, "bytes_per_s": 8 * elements / t}
+
+
+def _collective_body(kind: str, axis: str, size: int) -> Callable[[Any], Any]:
+    """One iteration of ``kind`` over ``axis`` on the carried local buffer (its shape
+    kept: gathered results are sliced back, scattered ones written into the buffer)."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(_, x):
+        if kind == "all-gather":
+            y = jax.lax.all_gather(x, axis, tiled=True)
+            return y[: x.shape[0]]
+        if kind == "reduce-scatter":
+            y = jax.lax.psum_scatter(x, axis, tiled=True)
+            return jax.lax.dynamic_update_slice(x, y, (0,))
+        if kind == "all-reduce":
+            return jax.lax.psum(x, axis) * (1.0 / size)
+        if kind == "all-to-all":
+            return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+        perm = [(i, (i + 1) % size) for i in range(size)]
+        return jax.lax.ppermute(x, axis, perm)
+
+    del jnp
+    return body
+
+
+def measure_collectives(devices: Sequence[Any], sizes_bytes: Sequence[int], target_s: float,
+                        repeats: int) -> list[dict[str, Any]]:
+    """Seconds per execution of each collective kind at each payload size (bytes per
+    device: the gathered result, the scattered input, the reduced or exchanged buffer,
+    the sent block) over a 1-D mesh of all devices and each axis of a 2-D one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    meshes: list[tuple[tuple[int, ...], tuple[str, ...], str]] = [((n,), ("a",), "a")]
+    if n >= 4 and n % 2 == 0:
+        meshes += [((2, n // 2), ("a", "b"), "a"), ((2, n // 2), ("a", "b"), "b")]
+    rows = []
+    for shape, names, axis in meshes:
+        mesh = _mesh(devices, shape, names)
+        size = mesh.shape[axis]
+        if size < 2:
+            continue
+        for kind in KINDS:
+            for nbytes in sizes_bytes:
+                elems = max(nbytes // 4 // size, 1) * size
+                local_elems = elems // size if kind == "all-gather" else elems
+                body = _collective_body(kind, axis, size)
+
+                def local(r, x, body=body):
+                    return jax.lax.fori_loop(0, r, body, x)
+
+                fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(names)),
+                                           out_specs=P(names), check_vma=False))
+                x = jax.device_put(jnp.ones((n * local_elems,), jnp.float32),
+                                   NamedSharding(mesh, P(names)))
+                t, r = _time_loop(fn, (x,), target_s, repeats)
+                rows.append({"kind": kind, "axis_size": size, "mesh": list(shape),
+                             "payload_bytes": 4 * elems, "seconds": t, "loops": r})
+    return rows
+
+
+def _steps_and_wire(kind: str, n: int, payload: float) -> tuple[float, float]:
+    """(ring steps paying latency, bytes on the wire per device) of one execution, as
+    :func:`jaxpar.planner.comms.transfer_time` counts them."""
+    if kind == "collective-permute":
+        return 1.0, payload
+    if kind == "all-reduce":
+        return 2.0 * (n - 1), 2 * (n - 1) / n * payload
+    return float(n - 1), (n - 1) / n * payload
+
+
+def fit_collectives(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(seconds per ring step, bytes/s) minimising the squared relative error of
+    ``steps x latency + wire / bandwidth`` over the measured collectives."""
+    a = np.array([[*_steps_and_wire(r["kind"], r["axis_size"], r["payload_bytes"])]
+                  for r in rows])
+    t = np.array([r["seconds"] for r in rows])
+    w = a / t[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(w, np.ones_like(t), rcond=None)
+    if lat <= 0 or inv_bw <= 0:  # one of them is negligible: fit the other alone
+        col = 1 if lat <= 0 else 0
+        coef = float(np.linalg.lstsq(w[:, col:col + 1], np.ones_like(t), rcond=None)[0][0])
+        lat, inv_bw = (1e-9, coef) if col == 1 else (coef, 1e-15)
+    return float(max(lat, 1e-9)), float(1 / max(inv_bw, 1e-15))
+
+
+def fit_matmuls(rows: Sequence[dict[str, Any]], hbm_bw: float) -> dict[str, Any]:
+    """``f32_flops``, ``peak_flops`` (bf16), ``matmul_tile`` and ``op_overhead_s`` so
+    that :func:`~jaxpar.planner.roofline.matmul_time` (efficiency 1) fits ``rows`` best
+    in log time; the peaks are the best rates of the large shapes."""
+    from jaxpar.planner.roofline import matmul_time
+
+    peaks = {}
+    for dtype in ("float32", "bfloat16"):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        large = [r for r in mine if 2 * r["m"] * r["k"] * r["n"] >= LARGE_FLOPS] or mine
+        peaks[dtype] = max((r["flops_per_s"] for r in large), default=0.0)
+    f32 = peaks["float32"] or peaks["bfloat16"]
+    bf16 = peaks["bfloat16"] or f32
+    best = (math.inf, 1, 0.0)
+    overheads = [0.0, *np.logspace(-7, -3, 41)]
+    for tile in TILES:
+        for ov in overheads:
+            chip = Chip("cpu-fit", bf16, 1.0, 1.0, 1.0, 1, hbm_bw=hbm_bw, f32_flops=f32,
+                        matmul_tile=tile, matmul_efficiency=1.0, memory_efficiency=1.0,
+                        op_overhead_s=float(ov))
+            err = sum(math.log(matmul_time(chip, r["m"], r["k"], r["n"],
+                                           act_bytes=4 if r["dtype"] == "float32" else 2)
+                               / r["seconds"]) ** 2 for r in rows)
+            if err < best[0] - 1e-12:
+                best = (err, tile, float(ov))
+    rms = math.exp(math.sqrt(best[0] / max(len(rows), 1))) - 1
+    return {"f32_flops": f32, "peak_flops": bf16, "matmul_tile": best[1],
+            "op_overhead_s": best[2], "rms_log_error": rms}
+
+
+def _hbm_bytes(devices: Sequence[Any]) -> float:
+    """Device memory: the runtime's limit where it reports one, else host RAM / devices."""
+    try:
+        stats = devices[0].memory_stats() or {}
+    except (RuntimeError, NotImplementedError):
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * GiB
+    return float(ram) / len(devices)
+
+
+def default_name(devices: Sequence[Any]) -> str:
+    """``cpu8`` for 8 CPU devices; the device kind (``nvidia-h100-80gb-hbm3``) else."""
+    d = devices[0]
+    if d.platform == "cpu":
+        return f"cpu{len(devices)}"
+    kind = "".join(c if c.isalnum() else "-" for c in str(d.device_kind).lower())
+    return "-".join(p for p in kind.split("-") if p) or d.platform
+
+
+def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> dict[str, Any]:
+    """Measure ``devices`` (default: all) at once and return the catalog entry's fields
+    (:class:`~jaxpar.planner.catalog.Chip`, without ``name``) plus ``measurements``, the
+    raw timings and how well the fitted figures reproduce them.
+
+    ``quick`` runs a smaller grid with shorter timings (a few seconds, for tests).
+    """
+    import jax
+
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    target, repeats = (0.01, 3) if quick else (0.04, 3)
+    start = time.perf_counter()
+    memory = measure_memory(devices, (1 << 20) if quick else (1 << 22), target, repeats)
+    hbm_bw = memory["bytes_per_s"]
+    grid = QUICK_GRID if quick else MATMUL_GRID
+    matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats)
+    fit = fit_matmuls(matmuls, hbm_bw)
+    colls: list[dict[str, Any]] = []
+    lat, bw = 2e-5, 5e9
+    if n > 1:
+        sizes = (1 << 14, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+        colls = measure_collectives(devices, sizes, target, repeats)
+        lat, bw = fit_collectives(colls)
+        for r in colls:
+            steps, wire = _steps_and_wire(r["kind"], r["axis_size"], r["payload_bytes"])
+            r["fitted_s"] = steps * lat + wire / bw
+    platform = devices[0].platform
+    entry: dict[str, Any] = {
+        "peak_flops": fit["peak_flops"], "f32_flops": fit["f32_flops"],
+        "hbm_bytes": _hbm_bytes(devices), "hbm_bw": hbm_bw,
+        "ici_bw": bw, "dcn_bw": bw, "domain": n, "torus_dims": 0,
+        "ici_latency_s": lat, "dcn_latency_s": lat,
+        "host_bw": hbm_bw if platform == "cpu" else 32e9,
+        "matmul_tile": fit["matmul_tile"], "matmul_efficiency": 1.0,
+        "memory_efficiency": 1.0, "collective_efficiency": 1.0,
+        "overlap": 0.0 if platform == "cpu" else 1.0,
+        "op_overhead_s": fit["op_overhead_s"],
+        "source": f"jaxpar calibrate on {n} {platform} devices "
+                  f"({devices[0].device_kind}), {time.strftime('%Y-%m-%d')}",
+    }
+    chip = chip_from_mapping("calibrated", entry)  # checks the fields
+    from jaxpar.planner.roofline import matmul_time
+
+    for r in matmuls:
+        r["fitted_s"] = matmul_time(chip, r["m"], r["k"], r["n"],
+                                    act_bytes=4 if r["dtype"] == "float32" else 2)
+    entry["measurements"] = {
+        "devices": n, "platform": platform, "device_kind": str(devices[0].device_kind),
+        "quick": quick, "seconds": time.perf_counter() - start, "memory": memory,
+        "matmuls": matmuls, "matmul_fit_rms_error": fit["rms_log_error"],
+        "collectives": colls}
+    return entry
+
+
+def summary(entry: dict[str, Any]) -> str:
+    """A table of the measured figures and how the fit reproduces the raw timings."""
+    m = entry.get("measurements", {})
+    lines = [f"{'figure':22} value",
+             f"{'f32 matmul':22} {entry['f32_flops'] / 1e9:10.2f} GFLOP/s per device",
+             f"{'bf16 matmul (peak)':22} {entry['peak_flops'] / 1e9:10.2f} GFLOP/s per device",
+             f"{'matmul tile':22} {entry['matmul_tile']:10d}",
+             f"{'op overhead':22} {entry['op_overhead_s'] * 1e6:10.2f} us",
+             f"{'memory bandwidth':22} {entry['hbm_bw'] / 1e9:10.2f} GB/s per device",
+             f"{'collective bandwidth':22} {entry['ici_bw'] / 1e9:10.2f} GB/s per device",
+             f"{'collective latency':22} {entry['ici_latency_s'] * 1e6:10.2f} us per ring step",
+             f"{'device memory':22} {entry['hbm_bytes'] / GiB:10.2f} GiB",
+             f"{'overlap':22} {entry['overlap']:10.0f}"]
+    if m.get("matmuls"):
+        lines += ["", f"{'dtype':9} {'m':>5} {'k':>5} {'n':>5} {'measured':>11} "
+                      f"{'fitted':>11} {'GFLOP/s':>8}"]
+        for r in m["matmuls"]:
+            lines.append(f"{r['dtype']:9} {r['m']:5d} {r['k']:5d} {r['n']:5d} "
+                         f"{r['seconds'] * 1e6:9.1f}us {r['fitted_s'] * 1e6:9.1f}us "
+                         f"{r['flops_per_s'] / 1e9:8.2f}")
+    if m.get("collectives"):
+        lines += ["", f"{'collective':19} {'axis':>4} {'bytes':>9} {'measured':>11} "
+                      f"{'fitted':>11}"]
+        for r in m["collectives"]:
+            lines.append(f"{r['kind']:19} {r['axis_size']:4d} {r['payload_bytes']:9d} "
+                         f"{r['seconds'] * 1e6:9.1f}us {r['fitted_s'] * 1e6:9.1f}us")
+    if m:
+        lines.append(f"\ncalibration took {m['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def write_entry(entry: dict[str, Any], name: str, out: str | Path) -> Path:
+    """Write ``entry`` as the catalog file ``out`` (``{name: figures}``, what
+    :func:`~jaxpar.planner.catalog.load_catalog` reads) and its raw ``measurements`` as
+    ``<out>.measurements.json`` beside it; returns the JSON's path."""
+    import json
+
+    import yaml
+
+    out = Path(out)
+    figures = {k: v for k, v in entry.items() if k != "measurements"}
+    figures = {k: (float(v) if isinstance(v, (float, np.floating)) else v)
+               for k, v in figures.items()}
+    text = (f"# Written by jaxpar calibrate; raw timings in {out.name}.measurements.json.\n"
+            f"# Use: jaxpar plan --catalog {out} --chips {name}:{figures['domain']} ...\n")
+    out.write_text(text + yaml.safe_dump({name: figures}, sort_keys=False))
+    raw = Path(f"{out}.measurements.json")
+    raw.write_text(json.dumps(entry.get("measurements", {}), indent=1) + "\n")
+    return raw
