@@ -89,10 +89,24 @@ def model_config(run: dict) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
-def predict_tokens(run: dict, chips: dict | None = None) -> float:
-    """Estimated tokens per second per chip of ``run``'s own layout."""
-    machine = parse_chips(run["chips"], slices=run.get("slices", 1),
-                          catalog=chips if chips is not None else BUILTIN)
+SOFTWARE = {"xla": 1.0, "megatron": 0.98, "pytorch": 0.82}
+"""How fast each implementation family runs the same matmuls, relative to XLA (what jaxpar
+runs, so the planner uses 1): a factor on the chip's ``matmul_efficiency``, fitted on the
+fit half with the chips' efficiencies (``--fit``). Without it one figure per GPU would
+have to serve Megatron's fused kernels and PyTorch FSDP's (torchtitan, llm-foundry,
+fms-fsdp: eager kernels, unfused norms and, for torchtitan, 500 W H100s) alike."""
+
+
+def predict_tokens(run: dict, chips: dict | None = None,
+                   software: dict[str, float] | None = None) -> float:
+    """Estimated tokens per second per chip of ``run``'s own layout, its chip's matmul
+    efficiency scaled by its implementation family's factor (:data:`SOFTWARE`)."""
+    chips = dict(chips if chips is not None else BUILTIN)
+    factor = (software or SOFTWARE)[run.get("software", "xla")]
+    kind = run["chips"].split(":")[0]
+    chips[kind] = dataclasses.replace(
+        chips[kind], matmul_efficiency=chips[kind].matmul_efficiency * factor)
+    machine = parse_chips(run["chips"], slices=run.get("slices", 1), catalog=chips)
     cand = candidate(run)
     if cand.n_devices != machine.count:
         raise ValueError(f"{run['name']}: layout spans {cand.n_devices} of {machine.count}")
@@ -106,29 +120,50 @@ def error(run: dict, predicted: float) -> float:
     return predicted / run["tokens_per_s_chip"] - 1
 
 
-EFFICIENCY_GRID = tuple(x / 100 for x in range(30, 101, 2))
-MEMORY_GRID = tuple(x / 10 for x in range(2, 11))
+EFFICIENCY_GRID = tuple(x / 100 for x in range(40, 97, 2))
+MEMORY_GRID = tuple(x / 10 for x in range(6, 11))
+ANCHORS = ("xla",)
+"""Families held at factor 1: the chips' efficiencies are what XLA reaches (XLA is what
+jaxpar runs), the other families' factors are fitted relative to it."""
+SOFTWARE_GRID = tuple(x / 100 for x in range(40, 161, 2))
 
 
-def fit(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per chip kind, the (``matmul_efficiency``, ``memory_efficiency``) pair on a grid
-    minimising the median absolute log error over that kind's ``fit`` rows (kinds without
-    fit rows keep their catalog values)."""
-    out = {}
-    by_kind: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["half"] == "fit":
-            by_kind[r["chips"].split(":")[0]].append(r)
-    for kind, kind_rows in sorted(by_kind.items()):
-        def loss(pair: tuple[float, float], kind=kind, kind_rows=kind_rows) -> float:
-            chips = dict(BUILTIN)
-            chips[kind] = dataclasses.replace(BUILTIN[kind], matmul_efficiency=pair[0],
-                                              memory_efficiency=pair[1])
-            return statistics.median(abs(math.log(predict_tokens(r, chips)
-                                                  / r["tokens_per_s_chip"]))
-                                     for r in kind_rows)
-        out[kind] = min(((m, h) for m in EFFICIENCY_GRID for h in MEMORY_GRID), key=loss)
-    return out
+def _loss(rows: list[dict], chips: dict, software: dict[str, float]) -> float:
+    return statistics.median(abs(math.log(predict_tokens(r, chips, software)
+                                          / r["tokens_per_s_chip"])) for r in rows)
+
+
+def fit(rows: list[dict], rounds: int = 3) -> tuple[dict[str, tuple[float, float]],
+                                                     dict[str, float]]:
+    """On the ``fit`` rows only: per chip kind the (``matmul_efficiency``,
+    ``memory_efficiency``) grid pair over its runs, then per implementation family but
+    XLA (:data:`ANCHORS`, held at factor 1) its factor over that family's runs, each
+    minimising the median absolute log error of its rows, alternately for ``rounds``
+    rounds. Returns (chip figures, family factors)."""
+    fit_rows = [r for r in rows if r["half"] == "fit"]
+    chips = dict(BUILTIN)
+    software = dict.fromkeys(SOFTWARE, 1.0)
+    kinds = sorted({r["chips"].split(":")[0] for r in fit_rows})
+    for _ in range(rounds):
+        for kind in kinds:
+            mine = [r for r in fit_rows if r["chips"].startswith(kind + ":")]
+
+            def loss(pair: tuple[float, float], kind=kind, mine=mine) -> float:
+                trial = dict(chips)
+                trial[kind] = dataclasses.replace(chips[kind], matmul_efficiency=pair[0],
+                                                  memory_efficiency=pair[1])
+                return _loss(mine, trial, software)
+            m, h = min(((m, h) for m in EFFICIENCY_GRID for h in MEMORY_GRID), key=loss)
+            chips[kind] = dataclasses.replace(chips[kind], matmul_efficiency=m,
+                                              memory_efficiency=h)
+        for family in software:
+            mine = [r for r in fit_rows if r.get("software", "xla") == family]
+            if family in ANCHORS or not mine:
+                continue
+            software[family] = min(SOFTWARE_GRID, key=lambda f, fam=family, mine=mine:
+                                   _loss(mine, chips, {**software, fam: f}))
+    return ({k: (chips[k].matmul_efficiency, chips[k].memory_efficiency) for k in kinds},
+            software)
 
 
 def summary(errors: list[float]) -> str:
@@ -151,13 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = load_runs()
     if args.fit:
-        fitted = fit(rows)
+        fitted, software = fit(rows)
         print("fitted on the fit half: matmul_efficiency, memory_efficiency "
               "(catalog values in brackets)")
         for kind, (eff, mem) in fitted.items():
             chip = BUILTIN[kind]
             print(f"  {kind:10} {eff:.2f} {mem:.1f}  [{chip.matmul_efficiency:.2f} "
                   f"{chip.memory_efficiency:.1f}]")
+        print("implementation families' factors (SOFTWARE in brackets):")
+        for family, f in software.items():
+            print(f"  {family:10} {f:.2f}  [{SOFTWARE[family]:.2f}]")
         return 0
     shown = [r for r in rows if args.all or r["half"] == "check"]
     out = []

@@ -163,14 +163,14 @@ BUILTIN: dict[str, Chip] = {
     "a100-80gb": Chip("a100-80gb", 312e12, 80 * GB, 300 * GB, 200 * _GBPS, 8,
                       hbm_bw=2039 * GB, f32_flops=19.5e12, matmul_tile=128,
                       ici_latency_s=5e-6, dcn_latency_s=1e-5, host_bw=32 * GB,
-                      matmul_efficiency=0.68, memory_efficiency=1.0,
+                      matmul_efficiency=0.8, memory_efficiency=0.7,
                       source="NVIDIA A100 datasheet; DGX A100 user guide"),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 80 GB HBM3 at
     # 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU,
     # PCIe Gen5 x16.
     "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=3350 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
-                 host_bw=64 * GB, matmul_efficiency=0.6, memory_efficiency=0.3,
+                 host_bw=64 * GB, matmul_efficiency=0.6, memory_efficiency=1.0,
                                   source="NVIDIA H100 datasheet; DGX H100 user guide"),
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU.

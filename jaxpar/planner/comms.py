@@ -13,7 +13,8 @@ Collectives are listed as XLA emits them for the reference transformer:
 * ZeRO 1-2: one all-gather of the updated parameters from the sharded master weights;
 * Megatron tensor parallelism: all-reduces of the ``(tokens, d_model)`` activations: 2 per
   layer forward (attention and MLP outputs) and, in the backward pass, one per
-  column-parallel projection (q, k, v, gate, up: 5), plus one for the vocab-parallel
+  column-parallel projection (q, k, v, gate, up: 5) on XLA:CPU, one per sublayer (2) on
+  TPU and GPU, whose XLA reassociates the sum of all-reduces; plus one for the vocab-parallel
   embedding and one for the head's input gradient; remat reruns the forward's 2. Under
   sequence parallelism each becomes a reduce-scatter and an all-gather of the same
   activations: the same bytes on the wire. A mixture of experts all-reduces its experts'
@@ -56,6 +57,7 @@ from jaxpar.planner.candidate import (
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
+from jaxpar.planner.roofline import recomputed_parts
 
 PHASES = ("forward", "backward", "gradient", "exposed", "update")
 """When a transfer runs, which sets what it can overlap: ``forward`` and ``backward``:
@@ -152,14 +154,24 @@ def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Loc
     """Megatron tensor parallelism's activation all-reduces (or, with sequence
     parallelism, reduce-scatter + all-gather pairs; XLA:CPU all-reduces in place of the
     reduce-scatter)."""
+    # Remat under jaxpar's policies reruns the forward's all-reduces (they are not saved);
+    # another framework's selective policy (``recompute=...``) only when it recomputes a
+    # row-parallel projection's output.
     remat = cand.remat != "none"
+    if cand.remat.startswith("recompute="):
+        remat = bool({"wo", "down"} & set(recomputed_parts(cand.remat)))
     tokens_b = loc.tokens * spec.d_model * wire
+    # Backward input gradients of the column-parallel projections: XLA:CPU reduces each
+    # (q, k, v; gate, up); TPU and GPU XLA reassociate the sum of all-reduces into one
+    # all-reduce of the sum, one per sublayer, as Megatron does by hand.
+    attn_in, mlp_in = (3, 2) if backend == "cpu" else (1, 1)
     # (bytes, forward count, backward count) per layer: attention, then the MLP.
     if spec.is_moe:
         expert_b = loc.dispatched * spec.d_model * wire
-        parts = [(tokens_b, 1, 3 + (1 if remat else 0)), (expert_b, 1, 2 + (1 if remat else 0))]
+        parts = [(tokens_b, 1, attn_in + (1 if remat else 0)),
+                 (expert_b, 1, mlp_in + (1 if remat else 0))]
     else:
-        parts = [(tokens_b, 2, 5 + (2 if remat else 0))]
+        parts = [(tokens_b, 2, attn_in + mlp_in + (2 if remat else 0))]
     tp, sp = lay.tp_axes, loc.seq_parallel
     # On a TPU, XLA runs these asynchronously and decomposes the neighbouring matmuls
     # (collective matmul), so they overlap the layer's compute; elsewhere the matmul
@@ -255,7 +267,7 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         m = pipe_microbatches(cand, stages)
         repeats = max(spec.n_layers // stages, 1)
         iters = repeats * m + stages - 1
-        send = loc.tokens * spec.d_model * c
+        send = loc.tokens * spec.d_model * c / loc.residual_split  # split under SP
         rows.add("collective-permute", ("stage",), send, 2, 2 * iters * micro, exposed=True)
     return rows
 

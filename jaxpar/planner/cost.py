@@ -45,7 +45,7 @@ from jaxpar.planner.memory import (
     working_set_bytes,
 )
 from jaxpar.planner.model import ModelSpec
-from jaxpar.planner.roofline import MOE_IMBALANCE
+from jaxpar.planner.roofline import MOE_IMBALANCE, recomputed_parts
 from jaxpar.remat import POLICIES
 
 __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTION",
@@ -113,12 +113,6 @@ def _expert_forward(spec: ModelSpec) -> dict[str, float]:
     slots = spec.experts_per_token * (spec.capacity_factor or 1.0)
     return {"gate_up": 4 * spec.d_model * spec.expert_d_ff * slots,
             "down": 2 * spec.expert_d_ff * spec.d_model * slots}
-
-
-_RECOMPUTED = {"none": (), "dots_saveable": (), "offload_dots": (),
-               "dots_with_no_batch_dims_saveable": ("attention",),
-               "save_attention_and_mlp_outputs": ("qkv", "gate_up", "attention"),
-               "full": ("qkv", "wo", "gate_up", "down", "attention")}
 
 
 CAUSAL_SKIPPING = ("splash", "cudnn", "ring")
@@ -193,22 +187,6 @@ def chip_backend(chip: Chip) -> str:
     if chip.name.startswith("cpu"):
         return "cpu"
     return "tpu" if chip.torus_dims else "gpu"
-
-
-def recomputed_parts(remat: str) -> tuple[str, ...]:
-    """The layer parts (``qkv``, ``wo``, ``gate_up``, ``down``, ``attention``) a remat
-    policy reruns in the backward pass: a policy of :mod:`jaxpar.remat`, or
-    ``recompute=part+part`` for another framework's selective policy (the published
-    runs' ``save_qkv_proj``, MaxText's per-tensor lists, Megatron's selective
-    recomputation of the attention core)."""
-    if remat.startswith("recompute="):
-        parts = tuple(p for p in remat.split("=", 1)[1].split("+") if p)
-        unknown = set(parts) - set(_RECOMPUTED["full"])
-        if unknown:
-            raise JaxparError(f"remat {remat!r}: unknown part {sorted(unknown)[0]!r}; parts "
-                              f"are {', '.join(_RECOMPUTED['full'])}")
-        return parts
-    return _RECOMPUTED.get(remat, ())
 
 
 def _hidden(comm: float, compute: float, overlap: float) -> float:

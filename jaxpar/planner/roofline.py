@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpar.errors import JaxparError
 from jaxpar.planner.candidate import OPTIMIZER_MOMENTS, Candidate, Local, dtype_bytes
 from jaxpar.planner.catalog import Chip
 from jaxpar.planner.model import ModelSpec
@@ -62,6 +63,29 @@ for uneven routing, in padding), but the step now meets at four all-to-alls per 
 any device that runs late (a fuller all-to-all, a slower chip, host jitter) holds all of
 its expert group up. 10% is the low end of the 10-20% straggler margin commonly allowed
 for expert-parallel steps; it is an assumption, not a measurement."""
+
+_RECOMPUTED = {"none": (), "dots_saveable": (), "offload_dots": (),
+               "dots_with_no_batch_dims_saveable": ("attention",),
+               "save_attention_and_mlp_outputs": ("qkv", "gate_up", "attention"),
+               "full": ("qkv", "wo", "gate_up", "down", "attention")}
+"""The layer parts each remat policy of :mod:`jaxpar.remat` reruns in the backward pass."""
+
+
+def recomputed_parts(remat: str) -> tuple[str, ...]:
+    """The layer parts (``qkv``, ``wo``, ``gate_up``, ``down``, ``attention``) a remat
+    policy reruns in the backward pass: a policy of :mod:`jaxpar.remat`, or
+    ``recompute=part+part`` for another framework's selective policy (the published
+    runs' ``save_qkv_proj``, MaxText's per-tensor lists, Megatron's selective
+    recomputation of the attention core)."""
+    if remat.startswith("recompute="):
+        parts = tuple(p for p in remat.split("=", 1)[1].split("+") if p)
+        unknown = set(parts) - set(_RECOMPUTED["full"])
+        if unknown:
+            raise JaxparError(f"remat {remat!r}: unknown part {sorted(unknown)[0]!r}; parts "
+                              f"are {', '.join(_RECOMPUTED['full'])}")
+        return parts
+    return _RECOMPUTED.get(remat, ())
+
 
 ELEMENTWISE_PASSES = 3
 """Forward and backward HBM traffic of a layer's norms, RoPE and activation relative to
