@@ -6,12 +6,14 @@ are busy, as in a training step; on simulated CPU devices, which share the host'
 cores, that is the host's rate split among them.
 
 * matmuls ``(m x k) @ (k x n)`` per device over a grid of shapes, float32 and bfloat16:
-  ``f32_flops`` and ``peak_flops`` are the best rates of the large shapes;
+  ``f32_flops`` and ``peak_flops`` are the median rates of the large shapes (the
+  sustained rate, robust to a timing disturbed by other work);
   ``matmul_tile`` and ``op_overhead_s`` are fitted (least squares on log time) so that
   :func:`jaxpar.planner.roofline.matmul_time`, with ``matmul_efficiency`` 1, reproduces
   the whole grid;
-* memory: a large elementwise update, ``hbm_bw`` = bytes read and written per second
-  (``memory_efficiency`` 1);
+* memory: an elementwise update of 64 MB a device (a working set like a step's: on a
+  CPU a smaller one runs from the caches), ``hbm_bw`` = bytes read and written per
+  second (``memory_efficiency`` 1);
 * collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute)
   at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
   ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
@@ -224,14 +226,14 @@ def fit_collectives(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
 def fit_matmuls(rows: Sequence[dict[str, Any]], hbm_bw: float) -> dict[str, Any]:
     """``f32_flops``, ``peak_flops`` (bf16), ``matmul_tile`` and ``op_overhead_s`` so
     that :func:`~jaxpar.planner.roofline.matmul_time` (efficiency 1) fits ``rows`` best
-    in log time; the peaks are the best rates of the large shapes."""
+    in log time; the peaks are the median rates of the large shapes."""
     from jaxpar.planner.roofline import matmul_time
 
     peaks = {}
     for dtype in ("float32", "bfloat16"):
         mine = [r for r in rows if r["dtype"] == dtype]
         large = [r for r in mine if 2 * r["m"] * r["k"] * r["n"] >= LARGE_FLOPS] or mine
-        peaks[dtype] = max((r["flops_per_s"] for r in large), default=0.0)
+        peaks[dtype] = float(np.median([r["flops_per_s"] for r in large])) if large else 0.0
     f32 = peaks["float32"] or peaks["bfloat16"]
     bf16 = peaks["bfloat16"] or f32
     best = (math.inf, 1, 0.0)
@@ -288,7 +290,9 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     n = len(devices)
     target, repeats = (0.01, 3) if quick else (0.04, 3)
     start = time.perf_counter()
-    memory = measure_memory(devices, (1 << 20) if quick else (1 << 22), target, repeats)
+    # A working set like a training step's (weights, gradients, optimizer state: tens of
+    # MB a device): on a CPU a smaller one runs from the caches, several times faster.
+    memory = measure_memory(devices, (1 << 22) if quick else (1 << 24), target, 2 * repeats)
     hbm_bw = memory["bytes_per_s"]
     grid = QUICK_GRID if quick else MATMUL_GRID
     matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats)

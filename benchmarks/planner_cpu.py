@@ -1,0 +1,206 @@
+"""The planner's step-time model against measured steps, on 8 simulated CPU devices.
+
+    python benchmarks/planner_cpu.py [--catalog FILE [--name NAME]] [--rounds 3] [--steps 3]
+        [--layouts a,b,...] [--save benchmarks/results/planner_cpu.json]
+
+(a) Calibrates this machine (``jaxpar.planner.calibrate``, as ``jaxpar calibrate``
+does) or reads the chip ``NAME`` from ``--catalog``; (b) for each layout of
+:data:`LAYOUTS` (a small decoder: d_model 256, 4 layers, 8 heads, d_ff 1024, vocab
+4096, seq 128, global batch 16, float32; the ``moe`` layout swaps the MLP for 4 experts,
+2 per token) predicts the step time with ``jaxpar.planner.predict`` on the calibrated
+chip, then builds the trainer (``jaxpar.build_trainer``) and measures it: a warm-up (the
+first step compiles), then ``--rounds`` rounds over all layouts in turn (the order
+reversed every other round), each the median of ``--steps`` blocking steps; a layout's
+time is the median over rounds. It prints predicted and measured seconds, their ratio,
+both ranks, and whether the planner's first choice among these layouts (the lowest
+prediction) and ``jaxpar.planner.plan``'s winner for ``cpu:8`` at float32 are among the
+two fastest measured. (c) ``--save`` writes the chip, the layouts and the measured times
+as JSON; ``tests/test_planner_cpu_ranking.py`` re-predicts them with the current cost
+model.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+N_DEVICES = 8
+MODEL = ["model.vocab_size=4096", "model.d_model=256", "model.n_layers=4",
+         "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=1024", "model.max_seq_len=128",
+         "train.global_batch=16", "train.seq_len=128", "train.optimizer=adamw",
+         "plan.precision=params=float32,compute=float32,output=float32"]
+MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.expert_d_ff=512"]
+
+# name -> config overrides (each replaces the whole mesh: axes left out are 1).
+LAYOUTS: dict[str, list[str]] = {
+    "data8": ["mesh.data=8"],
+    "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
+    "tensor8": ["mesh.data=1", "mesh.tensor=8"],
+    "fsdp4xtensor2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
+    "data2xtensor4": ["mesh.data=2", "mesh.tensor=4"],
+    "data4xtensor2": ["mesh.data=4", "mesh.tensor=2"],
+    "stage2xdata4": ["mesh.data=4", "mesh.stage=2"],
+    "context2xdata4": ["mesh.data=4", "mesh.context=2"],
+    "moe:expert4xfsdp2": ["mesh.data=1", "mesh.expert=4", "mesh.fsdp=2", *MOE],
+    "data8-zero1": ["mesh.data=8", "plan.zero_stage=1"],
+    "data8-zero3": ["mesh.data=8", "plan.zero_stage=3"],
+    "fsdp8-remat": ["mesh.data=1", "mesh.fsdp=8", "plan.remat=full"],
+    "fsdp4xtensor2-remat": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "plan.remat=full"],
+}
+
+
+def layout_config(overrides: list[str]):
+    """The run config of one layout (the base model, then the layout's overrides)."""
+    import jaxpar
+
+    return jaxpar.load_config("configs/tiny.yaml", [*MODEL, *overrides])
+
+
+def predict_layout(overrides: list[str], chip) -> dict:
+    """Predicted step seconds and the estimate's breakdown on ``N_DEVICES`` x ``chip``."""
+    from jaxpar.planner.catalog import Machine
+    from jaxpar.planner.cost import estimate
+    from jaxpar.planner.predict import candidate_from_config, spec_from_config
+
+    config = layout_config(overrides)
+    cand = candidate_from_config(config, N_DEVICES)
+    spec = spec_from_config(config, cand.sizes["stage"])
+    est = estimate(spec, Machine(chip, N_DEVICES, 1), cand, config.train.global_batch,
+                   config.train.seq_len, backend="cpu")
+    return {"step_s": est.step_time_s, "breakdown": dict(est.breakdown)}
+
+
+def planner_choice(chip) -> str:
+    """``jaxpar.planner.plan``'s winner for the dense model on ``cpu:8`` at float32."""
+    from jaxpar.planner import plan
+    from jaxpar.planner.catalog import Machine
+
+    config = layout_config([])
+    best = plan(config, chips=Machine(chip, N_DEVICES, 1), global_batch=16, seq=128,
+                precision="float32", top=1)[0]
+    c = best.candidate
+    mesh = "x".join(f"{a}{s}" for a, s in c.sizes.items() if s > 1) or "single"
+    return (f"{mesh} zero{c.zero_stage} remat={c.remat} mb={c.microbatches}"
+            f" rules={c.rules} ({best.step_time_s:.3f} s predicted)")
+
+
+def measure(names: list[str], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Median step seconds of each layout per round (layouts alternated)."""
+    import jax
+    import numpy as np
+
+    import jaxpar
+
+    runs = {}
+    for name in names:
+        config = layout_config(LAYOUTS[name])
+        t0 = time.perf_counter()
+        trainer = jaxpar.build_trainer(config)
+        t = config.train
+        tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
+                                                   (t.global_batch, t.seq_len + 1),
+                                                   dtype=np.int32)
+        batch = trainer.global_batch(tokens)
+        jax.block_until_ready(trainer.step(batch))  # compiles
+        jax.block_until_ready(trainer.step(batch))
+        runs[name] = (trainer, batch)
+        print(f"  built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            trainer, batch = runs[name]
+            got = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(trainer.step(batch))
+                got.append(time.perf_counter() - t0)
+            times[name].append(statistics.median(got))
+        print(f"  round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f}" for n in names),
+              flush=True)
+    return times
+
+
+def ranks(values: dict[str, float]) -> dict[str, int]:
+    """1 for the smallest value."""
+    return {n: i + 1 for i, n in enumerate(sorted(values, key=values.get))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--catalog", help="catalog YAML from jaxpar calibrate (default: "
+                                          "calibrate now)")
+    parser.add_argument("--name", default="cpu8", help="the chip's entry in --catalog")
+    parser.add_argument("--quick-calibration", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--save", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    import jax
+
+    from jaxpar.planner.catalog import chip_from_mapping, load_catalog
+
+    assert jax.device_count() == N_DEVICES, jax.devices()
+    names = args.layouts.split(",")
+    measurements = None
+    if args.catalog:
+        chip = load_catalog(args.catalog)[args.name]
+        import dataclasses
+
+        figures = {k: v for k, v in dataclasses.asdict(chip).items() if k != "name"}
+    else:
+        from jaxpar.planner.calibrate import calibrate, summary
+
+        entry = calibrate(quick=args.quick_calibration)
+        print(summary(entry), flush=True)
+        measurements = entry.pop("measurements")
+        figures = entry
+        chip = chip_from_mapping(args.name, figures)
+    predicted = {n: predict_layout(LAYOUTS[n], chip) for n in names}
+    times = measure(names, args.rounds, args.steps)
+    measured = {n: statistics.median(v) for n, v in times.items()}
+    pred = {n: predicted[n]["step_s"] for n in names}
+    rp, rm = ranks(pred), ranks(measured)
+    print(f"\n{'layout':22} {'predicted s':>11} {'measured s':>10} {'ratio':>6} "
+          f"{'rank pred':>9} {'rank meas':>9}")
+    for n in names:
+        print(f"{n:22} {pred[n]:11.3f} {measured[n]:10.3f} {pred[n] / measured[n]:6.2f} "
+              f"{rp[n]:9d} {rm[n]:9d}")
+    first = min(pred, key=pred.get)
+    two = sorted(measured, key=measured.get)[:2]
+    worst = max(names, key=lambda n: abs(pred[n] / measured[n] - 1))
+    print(f"\nplanner's first choice among these: {first}; two fastest measured: "
+          f"{', '.join(two)} -> {'OK' if first in two else 'MISSED'}")
+    print(f"largest error: {worst} ({pred[worst] / measured[worst] - 1:+.0%}); within 25%: "
+          f"{sum(abs(pred[n] / measured[n] - 1) <= 0.25 for n in names)}/{len(names)}")
+    try:
+        print(f"jaxpar.planner.plan's winner for cpu:8 at float32: {planner_choice(chip)}")
+    except Exception as err:  # noqa: BLE001 - a report line, not the benchmark's result
+        print(f"jaxpar.planner.plan failed: {err}")
+    if args.save:
+        out = {"chip": {"name": args.name, **figures},
+               "devices": N_DEVICES, "model_overrides": MODEL,
+               "command": "python benchmarks/planner_cpu.py " + " ".join(argv or sys.argv[1:]),
+               "date": time.strftime("%Y-%m-%d %H:%M"),
+               "layouts": {n: {"overrides": LAYOUTS[n], "predicted_s": pred[n],
+                               "measured_s": measured[n], "rounds_s": times[n],
+                               "breakdown": predicted[n]["breakdown"]} for n in names},
+               "calibration_measurements": measurements}
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.save}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
