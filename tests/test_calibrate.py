@@ -28,6 +28,8 @@ def test_quick_calibration_is_plausible(entry):
     assert 0 < entry["ici_latency_s"] < 0.1
     assert entry["domain"] == 8 and entry["overlap"] == 0 and entry["torus_dims"] == 0
     assert entry["matmul_tile"] >= 1 and 0 <= entry["op_overhead_s"] < 0.1
+    # XLA:CPU stores and reloads a scan's saved activations far below its streaming rate.
+    assert 0 < entry["saved_bw"] < entry["hbm_bw"]
     m = entry["measurements"]
     assert m["devices"] == 8 and m["matmuls"] and m["collectives"]
     assert {r["kind"] for r in m["collectives"]} == {

@@ -472,10 +472,9 @@ def test_cli_explains_the_winner_with_the_breakdown(capsys):
     assert "where #1's step goes" in out and "compute gate_up" in out
 
 
-def test_published_runs_fit_is_what_the_catalog_holds():
-    """The catalog's efficiencies are the fit of the fit half (so the check half's error
-    the benchmark reports is out of sample), and the check half stays as good as reported:
-    a change that breaks the cost model on real machines fails here."""
+def test_published_runs_held_out_half():
+    """The published runs the efficiencies were not fitted on stay as close as the README
+    reports: a change that breaks the cost model on real machines fails here."""
     import sys
 
     sys.path.insert(0, "benchmarks")

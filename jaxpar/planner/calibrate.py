@@ -14,6 +14,9 @@ cores, that is the host's rate split among them.
 * memory: an elementwise update of 64 MB a device (a working set like a step's: on a
   CPU a smaller one runs from the caches), ``hbm_bw`` = bytes read and written per
   second (``memory_efficiency`` 1);
+* saved activations: the gradient of a scan of cheap layers with each layer's activations
+  saved for the backward pass and with them recomputed: ``saved_bw``, saved bytes over the
+  time difference (on XLA:CPU storing and reloading them costs far more than streaming);
 * collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute)
   at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
   ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
@@ -133,6 +136,49 @@ def measure_memory(devices: Sequence[Any], elements: int, target_s: float, repea
     x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("d")))
     t, r = _time_loop(fn, (x,), target_s, repeats)
     return {"elements": elements, "seconds": t, "loops": r, "bytes_per_s": 8 * elements / t}
+
+
+def measure_saved(devices: Sequence[Any], elements: int, layers: int = 4, repeats: int = 3
+                  ) -> dict[str, Any]:
+    """Bytes/s per device at which activations saved for the backward pass across a layer
+    scan are stored and reloaded: the gradient of a scan of ``layers`` cheap layers over
+    ``elements`` float32 per device, with the layer's activations saved and with them
+    recomputed (``jax.checkpoint``); the saved bytes over the time difference. 0 when
+    saving costs nothing measurable (the recomputation is a few elementwise ops)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    mesh = _mesh(devices, (n,), ("d",))
+
+    def layer(h, w):
+        return jnp.tanh(h * w) + h, None
+
+    def step(body):
+        def loss(ws, x):
+            return jnp.sum(jax.lax.scan(body, x, ws)[0])
+        return jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("d")),
+                                     out_specs=P(), check_vma=False))
+
+    x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P("d")))
+    ws = jnp.full((layers, 1), 0.5, jnp.float32)
+    times = {}
+    for name, body in (("saved", layer), ("recomputed", jax.checkpoint(layer))):
+        fn = step(body)
+        fn(ws, x).block_until_ready()
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn(ws, x).block_until_ready()
+            runs.append(time.perf_counter() - t)
+        times[name] = float(np.median(runs))
+    extra = times["saved"] - times["recomputed"]
+    nbytes = 4 * elements * layers
+    bw = nbytes / extra if extra > 0.1 * times["recomputed"] else 0.0
+    return {"elements": elements, "layers": layers, "saved_s": times["saved"],
+            "recomputed_s": times["recomputed"], "bytes_per_s": bw}
 
 
 def _collective_body(kind: str, axis: str, size: int) -> Callable[[Any], Any]:
@@ -294,6 +340,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     # MB a device): on a CPU a smaller one runs from the caches, several times faster.
     memory = measure_memory(devices, (1 << 22) if quick else (1 << 24), target, 2 * repeats)
     hbm_bw = memory["bytes_per_s"]
+    saved = measure_saved(devices, (1 << 18) if quick else (1 << 20))
     grid = QUICK_GRID if quick else MATMUL_GRID
     matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats)
     fit = fit_matmuls(matmuls, hbm_bw)
@@ -316,7 +363,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         "matmul_tile": fit["matmul_tile"], "matmul_efficiency": 1.0,
         "memory_efficiency": 1.0, "collective_efficiency": 1.0,
         "overlap": 0.0 if platform == "cpu" else 1.0,
-        "op_overhead_s": fit["op_overhead_s"],
+        "op_overhead_s": fit["op_overhead_s"], "saved_bw": saved["bytes_per_s"],
         "source": f"jaxpar calibrate on {n} {platform} devices "
                   f"({devices[0].device_kind}), {time.strftime('%Y-%m-%d')}",
     }
@@ -329,6 +376,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     entry["measurements"] = {
         "devices": n, "platform": platform, "device_kind": str(devices[0].device_kind),
         "quick": quick, "seconds": time.perf_counter() - start, "memory": memory,
+        "saved_activations": saved,
         "matmuls": matmuls, "matmul_fit_rms_error": fit["rms_log_error"],
         "collectives": colls}
     return entry
@@ -343,6 +391,7 @@ def summary(entry: dict[str, Any]) -> str:
              f"{'matmul tile':22} {entry['matmul_tile']:10d}",
              f"{'op overhead':22} {entry['op_overhead_s'] * 1e6:10.2f} us",
              f"{'memory bandwidth':22} {entry['hbm_bw'] / 1e9:10.2f} GB/s per device",
+             f"{'saved activations':22} {entry.get('saved_bw', 0) / 1e9:10.3f} GB/s per device",
              f"{'collective bandwidth':22} {entry['ici_bw'] / 1e9:10.2f} GB/s per device",
              f"{'collective latency':22} {entry['ici_latency_s'] * 1e6:10.2f} us per ring step",
              f"{'device memory':22} {entry['hbm_bytes'] / GiB:10.2f} GiB",

@@ -68,6 +68,9 @@ class Chip:
       collective_efficiency: fraction of link bandwidth collectives sustain.
       overlap: 1 when collectives run beside compute (asynchronously), 0 when they block.
       op_overhead_s: fixed seconds per kernel (launch, pipeline fill).
+      saved_bw: bytes/s at which the activations a layer scan saves for the backward
+        pass are stored and read back, beyond their compute (XLA:CPU: far below its
+        streaming rate); 0 where that traffic is part of the roofline's memory terms.
       source: where the figures come from.
     """
 
@@ -91,6 +94,7 @@ class Chip:
     collective_efficiency: float = 0.8
     overlap: float = 1.0
     op_overhead_s: float = 0.0
+    saved_bw: float = 0.0
     source: str = ""
 
     @property

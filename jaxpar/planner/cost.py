@@ -215,6 +215,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         core = C_f + C_b + C_h + E + x(O_f, C_f + C_h)
                + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches))
         step = core / (1 - bubble) + U + O_u
+               (+ saved activation bytes / saved_bw where the chip prices them apart)
 
     with the pipeline bubble ``(p - 1) / (r m + p - 1)`` (``p`` stages, ``r`` repeats,
     ``m`` microbatches). MFU = model FLOPs / (step x peak x chips) is a result, never an
@@ -298,6 +299,11 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
     breakdown["optimizer update"] = update
     step = core / (1 - bubble) + update + by_phase["update"]
+    if chip.saved_bw:  # XLA:CPU: storing and reloading the scan's saved activations
+        inflight = min(pipe_m, stages) if stages > 1 else 1
+        saved = mem["activation_bytes"] / inflight * micro / chip.saved_bw
+        breakdown["saved activations"] = saved
+        step += saved
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
     fits = mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,

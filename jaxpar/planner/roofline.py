@@ -25,7 +25,7 @@ Each operation one device runs is priced on its chip (:class:`~jaxpar.planner.ca
   accumulation buffer per microbatch; and the optimizer update over the local shard of
   the state (:func:`update_bytes`);
 * what a remat policy recomputes is priced again as forward work (``full``: the whole
-  layer; see ``_RECOMPUTED`` in :mod:`jaxpar.planner.cost`).
+  layer; see :func:`recomputed_parts`).
 
 Everything is per device. :func:`compute_times` returns the forward and backward time of
 one layer for one microbatch, the embedding, head and loss per microbatch, and the update
