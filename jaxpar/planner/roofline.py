@@ -229,7 +229,7 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
     parts["attention"] = (a_fwd, a_bwd)
     elem = memory_time(chip, _elementwise_bytes(spec, loc, act))
     fwd = sum(f for f, _ in parts.values()) + experts[0] + elem
-    bwd = sum(b for _, b in parts.values()) + experts[1] + 2 * elem
+    bwd = sum(b for _, b in parts.values()) + experts[1] + (ELEMENTWISE_PASSES - 1) * elem
     redo = sum(parts[p][0] for p in recomputed if p in parts and p != "attention")
     if "attention" in recomputed:
         redo += a_redo
@@ -237,7 +237,7 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
         redo += elem + experts[0]
     summary = {name: f + b for name, (f, b) in parts.items()}
     summary["experts"] = experts[0] + experts[1]
-    summary["elementwise"] = 3 * elem
+    summary["elementwise"] = ELEMENTWISE_PASSES * elem
     summary["recompute"] = redo
     # Embedding gather and gradient scatter, output head, loss softmax.
     v = loc.vocab
