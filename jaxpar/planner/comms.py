@@ -86,7 +86,7 @@ class _Rows:
 
     def __init__(self, lay: Layout):
         self.lay = lay
-        self.transfers: list[Transfer] = []
+        self.combined: dict[tuple[str, tuple[str, ...], int, str], float] = {}
         self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
@@ -98,7 +98,10 @@ class _Rows:
         if not axes or nbytes <= 0:
             return
         phase = phase or ("exposed" if exposed else "forward")
-        self.transfers.append(Transfer(kind, axes, nbytes, runs, phase))
+        # Collectives of one kind, axes and phase that run as often are combined into one
+        # (XLA's combiners do the same for the per-tensor gathers and reductions).
+        key = (kind, axes, runs, phase)
+        self.combined[key] = self.combined.get(key, 0.0) + nbytes
         row = self.rows.setdefault((kind, axes), {
             "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
             "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0})
@@ -108,6 +111,11 @@ class _Rows:
         row["executions"] += runs
         if exposed:
             row["exposed_bytes_per_step"] += nbytes * runs
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        """The step's transfers, combined (see :meth:`add`)."""
+        return [Transfer(k, a, b, r, p) for (k, a, r, p), b in self.combined.items()]
 
     def sorted(self) -> list[dict[str, Any]]:
         return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
