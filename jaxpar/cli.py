@@ -106,9 +106,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     writer = jax.process_index() == 0
     if writer:
         procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        model = ("" if config.model.factory  # counted once built (jaxpar.run)
+                 else f", model {config.model.param_count() / 1e6:.2f}M params")
         print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices{procs}, "
-              f"mesh {describe(mesh)}, rules {config.plan.rules}, "
-              f"model {config.model.param_count() / 1e6:.2f}M params", flush=True)
+              f"mesh {describe(mesh)}, rules {config.plan.rules}{model}", flush=True)
     if mesh.shape["stage"] > 1 and writer:
         from jaxpar.pipeline import Schedule
 

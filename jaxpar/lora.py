@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import quant
 from jaxpar.annotate import logical_names
@@ -186,16 +188,24 @@ class LoraProjection(nnx.Module):
         self.dropout_count.set_value(count + 1)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """The adapter's contribution ``dropout(x) @ A @ B * alpha / rank``."""
+    def delta(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """The adapter's contribution ``dropout(x) @ A @ B * alpha / rank``.
+
+        On an explicit-sharding mesh the low-rank product keeps ``x``'s sharding on the
+        dimensions it does not contract (the rank is never split), and the result takes
+        ``out_sharding``, the one the model asked of the base projection; with neither,
+        JAX would refuse an einsum over a sharded contraction as ambiguous."""
         a, b = self.lora_a[...], self.lora_b[...]
         dtype = jnp.result_type(x.dtype, a.dtype)
-        t = jnp.einsum(self.equation_a, self._dropout(x).astype(dtype), a.astype(dtype))
-        return jnp.einsum(self.equation_b, t, b.astype(dtype)) * self.scale
+        mid = _low_rank_sharding(x, self.equation_a)
+        t = jnp.einsum(self.equation_a, self._dropout(x).astype(dtype), a.astype(dtype),
+                       **({"out_sharding": mid} if mid is not None else {}))
+        kw = {"out_sharding": out_sharding} if out_sharding is not None and mid else {}
+        return jnp.einsum(self.equation_b, t, b.astype(dtype), **kw) * self.scale
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         y = self.base(x, *args, **kwargs)
-        return y + self.delta(x).astype(y.dtype)
+        return y + self.delta(x, kwargs.get("out_sharding")).astype(y.dtype)
 
     def weight_delta(self) -> jax.Array:
         """``A @ B * alpha / rank`` laid out like the base kernel (stacked if it is)."""
@@ -207,6 +217,30 @@ class LoraProjection(nnx.Module):
         eq = (f"{s}{spec.shared}{spec.in_letters}{r},{s}{spec.shared}{r}{spec.out_letters}"
               f"->{s}{spec.kernel}")
         return jnp.einsum(eq, a, self.lora_b[...].astype(jnp.float32)) * self.scale
+
+
+def _low_rank_sharding(x: jax.Array, equation: str) -> P | None:
+    """On an explicit mesh, the sharding of ``einsum(equation, x, A)``: ``x``'s own on the
+    dimensions kept, nothing on the rank; None where the mesh is not explicit (GSPMD
+    places the product itself)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    x_subs, rest = equation.split(",", 1)
+    out_subs = rest.split("->", 1)[1]
+    named = x_subs.replace("...", "")
+    labels = list(x_subs.replace("...", "." * (x.ndim - len(named))))
+    by_letter = {c: spec[i] for i, c in enumerate(labels) if c != "."}
+    lead = [spec[i] for i, c in enumerate(labels) if c == "."]
+    out: list[Any] = []
+    for c in out_subs.replace("...", "."):
+        out.extend(lead if c == "." else [by_letter.get(c)])
+    return P(*out)
 
 
 # --- applying, finding, merging -----------------------------------------------------------

@@ -36,9 +36,13 @@ _LSE = "loss_logsumexp"
 """Name of each chunk's log-sum-exp, the one thing its backward pass keeps."""
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array,
+                  mask: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy of full ``logits`` ``(batch, seq, vocab)`` against integer
-    ``targets`` ``(batch, seq)``, in the active plan's output dtype (optax)."""
+    ``targets`` ``(batch, seq)``, in the active plan's output dtype (optax); with ``mask``
+    ``(batch, seq)``, the mean over the positions it weights (e.g. 0 on a prompt). Works
+    on explicit-sharding meshes too, where a hand-written label lookup needs an
+    ``out_sharding``."""
     plan = current_plan()
     out_dtype = plan.precision.output if plan is not None else jnp.float32
     if plan is not None and plan.explicit:
@@ -46,8 +50,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
         # label lookup (GSPMD works that out itself on an Auto mesh).
         logits = constrain(logits, ("batch", "seq", None))
         targets = constrain(targets, ("batch", "seq"))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(out_dtype), targets).mean()
+        if mask is not None:
+            mask = constrain(jnp.asarray(mask), ("batch", "seq"))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(out_dtype), targets)
+    if mask is None:
+        return nll.mean()
+    mask = jnp.asarray(mask).astype(nll.dtype)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1)
 
 
 def _project(head: Head, h: jax.Array) -> jax.Array:

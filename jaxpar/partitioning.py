@@ -100,8 +100,9 @@ def init_sharded(model_factory: Callable[[], M], plan: Plan) -> M:
 def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[str, Any]:
     """How much of the parameter bytes the plan's parameter rules leave replicated.
 
-    Returns ``{"replicated_share", "replicated_bytes", "total_bytes", "largest"}``, with
-    ``largest`` the ``top`` biggest replicated parameters as ``(path, shape)``, and
+    Returns ``{"replicated_share", "replicated_bytes", "total_bytes", "largest",
+    "largest_share"}``, with ``largest`` the ``top`` biggest replicated parameters as
+    ``(path, shape)``, ``largest_share`` the biggest one's share of all parameter bytes, and
     ``"could_shard"``: whether some rule targets a mesh axis of size > 1 (under the ``dp``
     preset nothing is meant to be sharded).
     """
@@ -124,6 +125,7 @@ def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[st
         "replicated_bytes": replicated,
         "total_bytes": total,
         "largest": [(p, s) for _, p, s in largest[:top]],
+        "largest_share": largest[0][0] / total if largest and total else 0.0,
         "could_shard": any(plan.mesh.shape.get(a, 1) > 1 for a in targets),
     }
 
@@ -131,17 +133,24 @@ def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[st
 _WARNED: set[tuple] = set()
 REPLICATED_WARN_SHARE = 0.5
 """Warn when more than this share of parameter bytes is replicated under a sharding plan."""
+REPLICATED_ARRAY_SHARE = 0.05
+"""... or when one replicated parameter holds more than this share of them (a tied
+embedding left unnamed, say), whatever the total."""
 
 
 def mostly_replicated(report: dict[str, Any]) -> bool:
     """Whether a :func:`replication_report` shows a plan that could shard parameters leaving
-    more than :data:`REPLICATED_WARN_SHARE` of their bytes replicated."""
-    return report["could_shard"] and report["replicated_share"] > REPLICATED_WARN_SHARE
+    more than :data:`REPLICATED_WARN_SHARE` of their bytes replicated, or one replicated
+    array over :data:`REPLICATED_ARRAY_SHARE` of them."""
+    return report["could_shard"] and (
+        report["replicated_share"] > REPLICATED_WARN_SHARE
+        or report.get("largest_share", 0.0) > REPLICATED_ARRAY_SHARE)
 
 
 def warn_if_replicated(plan: Plan, state: nnx.State) -> dict[str, Any]:
     """Warn once (per mesh and set of arrays) when a plan that could shard parameters leaves
-    most of their bytes replicated: the usual sign of a model without logical names."""
+    most of their bytes, or one large array, replicated: the usual sign of a model (or a
+    weight) without logical names."""
     report = replication_report(plan, state)
     if mostly_replicated(report):
         key = (tuple(plan.mesh.shape.items()), tuple(p for p, _ in report["largest"]))

@@ -280,6 +280,9 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = build_trainer(config)
+    if config.model.factory:  # the banner could only describe the built-in model
+        n = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
+        _say(f"model {config.model.factory}: {n / 1e6:.3g}M params")
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
             if out is not None else None)
     log: RunLog | None = None

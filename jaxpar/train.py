@@ -3,7 +3,9 @@
 State is a plain pytree of ``jax.Array``s (trainable parameters, the rest of the model's
 state, optimizer state, step counter). The step takes state and batch in and returns the
 new state, with the old state's buffers donated; nothing is updated in place, so nothing is
-lost under ``jax.jit``. Optimizer state is sharded like the parameters it belongs to.
+lost under ``jax.jit``. Those buffers are the Trainer's own: it copies the model it is
+given and hands out copies (:attr:`Trainer.model`), so no array a caller holds is ever
+donated. Optimizer state is sharded like the parameters it belongs to.
 
 Variables that are not parameters (RNG stream counters that dropout advances, batch
 statistics, adapter dropout counters) may change inside ``loss_fn``: the step returns their
@@ -42,32 +44,52 @@ _CUSTOM_LOSS = ("pass your own loss: Trainer(..., loss_fn=fn) or train.loss: "
                 "package.module:function in a run config, with fn(model, batch) -> scalar")
 
 
-def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
     """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``.
 
-    The model is called as ``model(tokens[:, :-1])`` and must return logits
-    ``(batch, seq, vocab)``, one row per input position. A model may instead compute the
-    loss its own, memory-efficient way: when it has a ``next_token_loss(tokens)`` method
-    that returns a scalar (rather than None), that is the loss (the reference
-    :class:`~jaxpar.models.Transformer` does so with ``model.loss_chunk > 0``, never
-    materialising the full logits; see :mod:`jaxpar.loss`).
+    The model is called as ``model(tokens[:, :-1])`` (with ``rngs=rngs`` when its
+    ``__call__`` takes ``rngs``) and must return logits ``(batch, seq, vocab)``, one row
+    per input position, position ``i`` seeing tokens ``0..i`` only: the Trainer checks
+    this once before the first step (:meth:`Trainer.check_default_loss`). A model may
+    instead compute the loss its own, memory-efficient way: when it has a
+    ``next_token_loss(tokens)`` method that returns a scalar (rather than None), that is
+    the loss (the reference :class:`~jaxpar.models.Transformer` does so with
+    ``model.loss_chunk > 0``, never materialising the full logits; see :mod:`jaxpar.loss`).
 
     Raises:
-      JaxparError: when the batch is not a 2-D array of token ids, the model's ``__call__``
-        needs other arguments, or its output is not shaped like next-token logits (a
-        model that shifts its inputs itself, say): each message says what to pass instead.
+      JaxparError: when the batch is not a 2-D array of token ids, the model cannot be
+        called with the tokens alone, or its output is not shaped like next-token logits:
+        each message says what to pass instead.
     """
-    name = type(model).__name__
+    _check_tokens(tokens)
+    own = getattr(model, "next_token_loss", None)
+    if callable(own) and (loss := own(tokens)) is not None:
+        return loss  # a scalar, or (scalar, metrics) for a mixture-of-experts model
+    logits = next_token_logits(model, tokens[:, :-1], rngs)
+    return loss_lib.cross_entropy(logits, tokens[:, 1:])
+
+
+def _check_tokens(tokens: Any) -> None:
     if (not hasattr(tokens, "ndim") or tokens.ndim != 2
             or not jnp.issubdtype(tokens.dtype, jnp.integer)):
         what = (f"{tokens.dtype}{list(tokens.shape)}" if hasattr(tokens, "shape")
                 else type(tokens).__name__)
         raise JaxparError(f"the default loss (next-token cross-entropy) takes token ids shaped "
                           f"(batch, seq + 1), got a batch of {what}; {_CUSTOM_LOSS}")
-    own = getattr(model, "next_token_loss", None)
-    if callable(own) and (loss := own(tokens)) is not None:
-        return loss  # a scalar, or (scalar, metrics) for a mixture-of-experts model
-    inputs = tokens[:, :-1]
+
+
+def _takes_rngs(fn: Callable) -> bool:
+    try:
+        return "rngs" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def next_token_logits(model: nnx.Module, inputs: jax.Array,
+                      rngs: nnx.Rngs | None = None) -> jax.Array:
+    """``model(inputs)`` as the default loss calls it, its logits checked for shape; a
+    model that cannot be called so gets a :class:`JaxparError` saying what to do."""
+    name = type(model).__name__
     try:
         inspect.signature(model.__call__).bind(inputs)
     except TypeError as err:
@@ -75,7 +97,14 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
                           f"be called that way ({err}); {_CUSTOM_LOSS}") from None
     except ValueError:  # no signature to read: just call it
         pass
-    logits = model(inputs)
+    kwargs = {"rngs": rngs} if rngs is not None and _takes_rngs(model.__call__) else {}
+    try:
+        logits = model(inputs, **kwargs)
+    except TypeError as err:  # a wrapped (e.g. linen) model wanting other arguments
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise JaxparError(f"the default loss called {name}(tokens of shape "
+                          f"{tuple(inputs.shape)}) and it failed: {first}; a model that needs "
+                          f"other inputs needs its own loss: {_CUSTOM_LOSS}") from None
     shape = getattr(logits, "shape", None)
     if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(inputs.shape):
         got = tuple(shape) if shape is not None else type(logits).__name__
@@ -84,7 +113,12 @@ def lm_loss(model: nnx.Module, tokens: jax.Array) -> jax.Array:
             f"next-token logits shaped (batch, seq, vocab) = {tuple(inputs.shape)} + (vocab,), "
             f"got {got}; a model that shifts its inputs itself or returns something else "
             f"needs its own loss: {_CUSTOM_LOSS}")
-    return loss_lib.cross_entropy(logits, tokens[:, 1:])
+    return logits
+
+
+CAUSAL_TOLERANCE = 1e-4
+"""Largest change, relative to the logits' scale, that the default loss's causality check
+(:meth:`Trainer.check_default_loss`) reads as rounding rather than dependence."""
 
 
 def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -109,8 +143,10 @@ class Trainer:
     data-parallel axes), ``remat`` and ``microbatches`` (gradient accumulation).
 
     Args:
-      model: the model; typically built with :func:`jaxpar.init_sharded`. Its weights are
-        moved to the plan's shardings if they are not there already.
+      model: the model; typically built with :func:`jaxpar.init_sharded`. The Trainer
+        trains a copy of its weights, placed as the plan says: ``model`` itself stays
+        valid and unchanged (drop it to free its memory); :attr:`model` gives the trained
+        weights.
       optimizer: any optax ``GradientTransformation``.
       plan: mesh, rules and knobs.
       loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, {name: scalar})``, whose
@@ -119,6 +155,14 @@ class Trainer:
         state; the step keeps those changes.
       trainable: an ``nnx`` filter selecting the variables to train (default ``nnx.Param``);
         everything else receives no gradient.
+      seed: seeds the call-time RNGs: a ``loss_fn`` with an ``rngs`` parameter gets
+        ``rngs=nnx.Rngs(...)`` drawn from ``seed``, the step and the microbatch (the default
+        loss passes them on to a model whose ``__call__`` takes ``rngs``). Models that keep
+        ``nnx.Rngs`` as attributes need none of this: their streams advance step by step.
+
+    Modes: each step runs the model in train mode (``model.train()``: dropout on, batch
+    statistics updated) and :meth:`eval_loss` in eval mode, whatever mode the model was
+    given in.
     """
 
     def __init__(
@@ -129,8 +173,12 @@ class Trainer:
         *,
         loss_fn: LossFn = lm_loss,
         trainable: Any = nnx.Param,
+        seed: int = 0,
     ):
         self.plan = plan
+        self.seed = seed
+        self._loss_rngs = _takes_rngs(loss_fn)
+        self._loss_checked = loss_fn is not lm_loss
         self.policy = plan.precision
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -147,8 +195,11 @@ class Trainer:
             master_sh = zero_sh if stage >= 1 else base_sh
             self.grad_shardings = zero_sh if stage >= 2 else base_sh
             frozen_sh = state_shardings(plan, frozen)
-            master = jax.device_put(self.policy.cast_to_params(params), master_sh)
-            frozen = jax.device_put(frozen, frozen_sh)
+            # Copies, never the caller's buffers: the step donates its state, and the
+            # model the caller holds (or another Trainer built from it) must stay valid.
+            master = jax.device_put(self.policy.cast_to_params(params), master_sh,
+                                    may_alias=False)
+            frozen = jax.device_put(frozen, frozen_sh, may_alias=False)
             opt_sh = self._opt_shardings(master, master_sh)
             opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(master)
         self.state = {"frozen": frozen, "opt_state": opt_state,
@@ -202,13 +253,22 @@ class Trainer:
         return nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
                          self.policy.narrow_to_compute(frozen))
 
-    def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch
+    def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:
+        if self._loss_rngs:
+            return self.loss_fn(model, batch, rngs=nnx.Rngs(key))
+        return self.loss_fn(model, batch)
+
+    def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array
               ) -> tuple[jax.Array, tuple[nnx.State, dict[str, jax.Array]]]:
-        """Loss of the model with these weights, and (its non-parameter state afterwards,
-        the loss function's extra metrics)."""
+        """Loss of the model with these weights in train mode, and (its non-parameter state
+        afterwards, the loss function's extra metrics)."""
         model = self._merged(params, frozen)
-        loss, extra = _split_loss(self.loss_fn(model, batch))
+        model.train()
+        loss, extra = _split_loss(self._call_loss(model, batch, key))
         return loss, (nnx.state(model, _MUTABLE), extra)
+
+    def _step_key(self, step: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.seed), step)
 
     @staticmethod
     def _keep_mutated(frozen: nnx.State, mutated: nnx.State) -> nnx.State:
@@ -232,9 +292,11 @@ class Trainer:
         the plan's microbatches, and the loss function's extra metrics (their mean)."""
         scale = state["loss_scale"]["scale"] if self.loss_scale is not None else 1.0
 
-        def loss_and_grads(frozen, micro):
+        key = self._step_key(state["step"])
+
+        def loss_and_grads(frozen, micro, index=0):
             def scaled(p):
-                loss, aux = self._loss(p, frozen, micro)
+                loss, aux = self._loss(p, frozen, micro, jax.random.fold_in(key, index))
                 return loss * scale, aux
 
             (loss, (mutated, extra)), grads = jax.value_and_grad(scaled, has_aux=True)(
@@ -262,12 +324,14 @@ class Trainer:
 
             def accumulate(carry, one):
                 total_loss, total, frozen = carry
-                loss, grads, frozen, extra = loss_and_grads(frozen, one)
+                index, one = one
+                loss, grads, frozen, extra = loss_and_grads(frozen, one, index)
                 total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
                 return (total_loss + loss, total, frozen), extra
 
             (loss, grads, frozen), extras = jax.lax.scan(
-                accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]), micro)
+                accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]),
+                (jnp.arange(k), micro))
             loss = loss / k
             extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
             grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
@@ -309,7 +373,7 @@ class Trainer:
     def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
         model = self._merged(state["params"], state["frozen"])
         model.eval()  # dropout off, running statistics used
-        return _split_loss(self.loss_fn(model, batch))[0]
+        return _split_loss(self._call_loss(model, batch, self._step_key(state["step"])))[0]
 
     def gradients(self, batch: Batch) -> Any:
         """The gradients one step would apply, laid out as the ZeRO stage stores them."""
@@ -370,12 +434,65 @@ class Trainer:
         with self.plan.activate(mesh_context=True):
             return self._steps(batch)[0].lower(self.state, batch)
 
+    def check_default_loss(self, batch: Batch) -> None:
+        """Check, once, what the default loss assumes of the model: that its logits at
+        position ``t`` depend on input token ``t`` (a model that shifts its inputs itself
+        would be trained to skip a token) and on no later token (a bidirectional model
+        would learn to copy). Runs one forward pass, in eval mode, on the first
+        data-parallel rows of ``batch`` and a copy with token ``seq // 2`` changed; the
+        Trainer calls it before its first step. Models with their own
+        ``next_token_loss`` (the reference model) and custom losses are not checked.
+
+        Raises:
+          JaxparError: naming the model and what to pass instead.
+        """
+        if self._loss_checked:
+            return
+        self._loss_checked = True
+        batch = self._as_global(batch)
+        _check_tokens(batch)
+        model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+        seq = batch.shape[1] - 1
+        if seq < 2 or callable(getattr(model, "next_token_loss", None)):
+            return
+        name, t, rows = type(model).__name__, seq // 2, self.plan.data_parallel_size
+
+        def changed_logits(state, tokens):
+            inputs = tokens[:rows, :-1]
+            flipped = inputs.at[:, t].set(jnp.where(inputs[:, t] == 0, 1, 0))
+            both = self.plan.place(jnp.concatenate([inputs, flipped]),
+                                   self.plan.batch_sharding(2))
+            model = self._merged(state["params"], state["frozen"])
+            model.eval()
+            logits = next_token_logits(model, both, nnx.Rngs(0)).astype(jnp.float32)
+            diff = jnp.abs(logits[:rows] - logits[rows:]).max(axis=(0, 2))
+            return diff, jnp.abs(logits).max()
+
+        with self.plan.activate(mesh_context=True):
+            diff, scale = jax.device_get(jax.jit(changed_logits)(self.state, batch))
+        tol = CAUSAL_TOLERANCE * max(float(scale), 1e-30)
+        if diff[:t].max() > tol:
+            raise JaxparError(
+                f"the default loss needs a causal model, but {name}'s logits at positions "
+                f"before {t} change when input token {t} changes: it sees later tokens (a "
+                f"bidirectional or unmasked model), so next-token training would teach it to "
+                f"copy; {_CUSTOM_LOSS}")
+        if diff[t] <= tol:
+            raise JaxparError(
+                f"the default loss feeds {name} tokens[:, :-1] and scores its logits at "
+                f"position i against token i + 1, but changing input token {t} leaves the "
+                f"logits at position {t} unchanged: the model shifts its inputs itself, so "
+                f"the default loss would train it to skip a token; {_CUSTOM_LOSS} (and feed "
+                f"it the whole sequence)")
+
     def step_async(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimisation step, dispatched without waiting for it: the returned metrics
         (scalars: ``loss``, ``grad_norm``, with fp16 ``loss_scale`` and ``skipped``) stay on
         the devices until fetched (``jax.device_get``), so the host can prepare the next
         batch, or dispatch the next steps, while this one runs."""
         batch = self._as_global(batch)
+        if not self._loss_checked:
+            self.check_default_loss(batch)
         with self.plan.activate(mesh_context=True):
             self._state, metrics = self._steps(batch)[0](self._state, batch)
         if self._host_step is not None:
@@ -398,8 +515,15 @@ class Trainer:
 
     @property
     def model(self) -> nnx.Module:
-        """The model with the current weights."""
-        return nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+        """A snapshot of the model with the current weights, in arrays of its own.
+
+        The step donates the Trainer's state buffers to the next state, so nothing handed
+        out may share them: the snapshot stays valid after further steps (it does not
+        follow them; ask again for newer weights), and a new Trainer built from it leaves
+        this one intact. It costs one copy of the model's weights while it is held."""
+        state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
+                             (self.state["params"], self.state["frozen"]))
+        return nnx.merge(self._graphdef, *state)
 
     @property
     def state(self) -> dict[str, Any]:

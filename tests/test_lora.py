@@ -253,7 +253,7 @@ def test_save_and_load_adapters_alone(plan, run, tmp_path):
     for (p, a), (_, b) in zip(nnx.to_flat_state(lora.lora_state(src)),
                               nnx.to_flat_state(lora.lora_state(dst)), strict=True):
         np.testing.assert_array_equal(a[...], b[...], err_msg=path_str(p))
-        assert a[...].sharding == b[...].sharding
+        assert a[...].sharding.is_equivalent_to(b[...].sharding, a[...].ndim)
     np.testing.assert_array_equal(forward(plan, dst, TOKS), expected)
     with plan.activate():
         other = nnx.eval_shape(lambda: lora.apply(UserModel(nnx.Rngs(0)), target=".", rank=2))

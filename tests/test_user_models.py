@@ -29,6 +29,7 @@ import jaxpar
 from jaxpar import lora
 from jaxpar.annotate import AnnotationWarning, path_str
 from jaxpar.inspect import count_collectives, memory_stats
+from jaxpar.loss import cross_entropy
 from jaxpar.partitioning import ReplicationWarning
 from tests import user_models as um
 
@@ -130,6 +131,30 @@ def test_dropout_draws_new_masks_each_step(devices):
     counts = [v.get_value() for p, v in nnx.to_flat_state(trainer.state["frozen"])
               if isinstance(v, nnx.RngCount)]
     assert counts and all(int(c) >= 3 for c in counts)
+
+
+def test_no_array_the_caller_holds_is_donated(devices):
+    # The model given to a Trainer, a snapshot taken from it, and a Trainer superseded by
+    # one built from that snapshot all stay usable (the model holds dropout RNG keys,
+    # whose donation once crashed the process).
+    mesh = jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    plan = jaxpar.Plan.from_preset(mesh, "dp")
+    model = jaxpar.init_sharded(MODELS["mha"][0], plan)
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    first = jaxpar.Trainer(model, optax.adam(1e-2), plan)
+    first.step(tokens(0))
+    model.eval()
+    assert np.isfinite(np.asarray(model(tokens(0)[:, :-1]))).all()
+    for (_, old), (_, now) in zip(nnx.to_flat_state(before),
+                                  nnx.to_flat_state(nnx.state(model, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(old.get_value(), np.asarray(now.get_value()))
+    snapshot = first.model
+    second = jaxpar.Trainer(snapshot, optax.adam(1e-2), plan)
+    second.step(tokens(1))
+    losses = [first.step(tokens(1))["loss"], first.eval_loss(tokens(2))]
+    assert np.isfinite(losses).all()
+    snapshot.eval()
+    assert np.isfinite(np.asarray(snapshot(tokens(0)[:, :-1]))).all()
 
 
 # --- activation layouts: no all-to-all, temporaries as with hand-placed constraints ------
@@ -235,6 +260,22 @@ def test_lora_on_attention_and_mlp_trains_adapters_only(devices, model, target, 
         assert changed == isinstance(new, nnx.LoRAParam) or "lora_a" in str(path), path
 
 
+def test_lora_on_an_explicit_sharding_model_equals_one_device(devices):
+    # LoRA's two einsums follow the out_sharding the model passes to the base projection.
+    runs = []
+    for axes, devs in (({"data": 1}, jax.devices()[:1]), ({"fsdp": 4, "tensor": 2}, None)):
+        plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes, devices=devs, explicit=True),
+                                       "fsdp_tp")
+        net = jaxpar.init_sharded(lambda: um.ExplicitLinearLM(rngs=nnx.Rngs(0)), plan)
+        lora.apply(net, r"^(up|down)$", rank=2, plan=plan)
+        trainer = jaxpar.Trainer(net, optax.adam(1e-2), plan, trainable=nnx.LoRAParam)
+        runs.append([trainer.step(tokens(i))["loss"] for i in range(3)])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+    assert runs[1][-1] < runs[1][0]
+    a = trainer.state["params"]["up"]["lora_a"].get_value()
+    assert a.sharding.spec == P("fsdp", None)  # the kernel's input split, rank whole
+
+
 # --- batches, losses and the default loss's checks ----------------------------------------
 
 
@@ -270,7 +311,7 @@ class NeedsMask(ShiftsItself):
 
 
 @pytest.mark.parametrize("model,batch,match", [
-    (ShiftsItself, tokens(), r"returned something else needs its own loss|got \(8, 15, 64\)"),
+    (ShiftsItself, tokens(), r"returns something else needs its own loss"),
     (NeedsMask, tokens(), r"NeedsMask.__call__ cannot be called that way"),
     (ShiftsItself, np.ones((8, 4, 3), np.float32), r"takes token ids .* got a batch of float32"),
 ])
@@ -281,6 +322,35 @@ def test_default_loss_says_what_to_pass_instead(devices, model, batch, match):
     with pytest.raises(jaxpar.JaxparError, match=match) as err:
         trainer.step(batch)
     assert "loss_fn" in str(err.value)
+
+
+@pytest.mark.parametrize("model,match", [
+    (um.ShiftsRightLM, r"ShiftsRightLM.*leaves the logits at position 8 unchanged: the "
+                       r"model shifts its inputs itself"),
+    (um.BidirectionalLM, r"BidirectionalLM's logits at positions before 8 change .* sees "
+                         r"later tokens"),
+])
+def test_default_loss_refuses_models_it_would_train_wrongly(devices, model, match):
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 8}), "dp")
+    trainer = jaxpar.Trainer(jaxpar.init_sharded(lambda: model(rngs=nnx.Rngs(0)), plan),
+                             optax.sgd(0.1), plan)
+    with pytest.raises(jaxpar.JaxparError, match=match) as err:
+        trainer.step(tokens())
+    assert "loss_fn" in str(err.value) and trainer.step_count == 0
+
+
+@pytest.mark.parametrize("model", [um.AttentionDropoutLM, um.CallTimeRngsLM])
+def test_steps_run_in_train_mode_and_eval_in_eval_mode(devices, model):
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2]),
+                                   "dp")
+    net = jaxpar.init_sharded(lambda: model(rngs=nnx.Rngs(0, dropout=1)), plan)
+    net.eval()  # the mode the caller left it in does not matter
+    trainer = jaxpar.Trainer(net, optax.sgd(0.0), plan)
+    batch = tokens(0)
+    losses = {trainer.step(batch)["loss"] for _ in range(3)}
+    assert len(losses) == 3, losses  # dropout on, a new mask each step
+    expected = cross_entropy(net(jnp.asarray(batch[:, :-1])), batch[:, 1:])
+    np.testing.assert_allclose(trainer.eval_loss(batch), float(expected), rtol=1e-5)
 
 
 # --- the CLI on a user's model factory ----------------------------------------------------
@@ -325,6 +395,11 @@ def test_cli_train_inspect_plan_on_a_user_factory(factory_config, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
+    # The banner counts the model trained, not the built-in one the config also describes.
+    built = um.llama_like(rngs=nnx.Rngs(0), d=32, heads=4, kv_heads=2, ff=64)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
+    assert f"model tests.user_models:llama_like: {n / 1e6:.3g}M params" in proc.stdout
+    assert "M params" not in proc.stdout.splitlines()[0]
 
     proc = _cli("inspect", "--config", str(factory_config), "--devices", "8", "--json",
                 f"data.source={data}")

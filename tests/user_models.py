@@ -189,3 +189,88 @@ class ExplicitLM(nnx.Module):
         x = x + jnp.einsum("bsf,fd->bsd", h, w_out, out_sharding=rows)
         head = jax.sharding.reshard(self.head[...], P(None, None))
         return jnp.einsum("bsd,dv->bsv", x, head)
+
+
+class ExplicitLinearLM(nnx.Module):
+    """Explicit sharding with ``nnx.Linear`` layers: kernels sharded at construction, the
+    output sharding passed at call time (``out_sharding=``), as bonsai's models do."""
+
+    def __init__(self, d: int = 32, ff: int = 64, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.3)
+        self.embed = nnx.Param(init(rngs.params(), (VOCAB, d)), out_sharding=P(None, "fsdp"))
+        self.up = nnx.Linear(d, ff, use_bias=False, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, P("fsdp", "tp")))
+        self.down = nnx.Linear(ff, d, use_bias=False, rngs=rngs,
+                               kernel_init=nnx.with_partitioning(init, P("tp", "fsdp")))
+        self.head = nnx.Param(init(rngs.params(), (d, VOCAB)), out_sharding=P("fsdp", None))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        rows = P(("data", "fsdp"), None, None)
+        table = jax.sharding.reshard(self.embed[...], P(None, None))
+        x = table.at[tokens].get(out_sharding=rows)
+        h = jax.nn.gelu(self.up(x, out_sharding=P(("data", "fsdp"), None, "tensor")))
+        x = x + self.down(h, out_sharding=rows)
+        head = jax.sharding.reshard(self.head[...], P(None, None))
+        return jnp.einsum("bsd,dv->bsv", x, head)
+
+
+# --- (d) dropout that needs a mode, or RNGs at call time -----------------------------------
+
+
+class AttentionDropoutLM(nnx.Module):
+    """Attention dropout with no ``deterministic`` argument at call time (as bonsai's ViT):
+    Flax refuses to run it until the model is put in train or eval mode."""
+
+    def __init__(self, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=d, dropout_rate=0.3,
+                                           decode=False, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        return self.head(x + self.attn(x, mask=nnx.make_causal_mask(tokens)))
+
+
+class CallTimeRngsLM(nnx.Module):
+    """Dropout fed RNGs at call time rather than holding a stream."""
+
+    def __init__(self, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.mix = nnx.Linear(d, d, rngs=rngs)
+        self.drop = nnx.Dropout(0.3)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = self.embed(tokens)
+        x = jnp.cumsum(x, axis=1) / jnp.arange(1, tokens.shape[1] + 1)[:, None]
+        return self.head(x + self.drop(jax.nn.gelu(self.mix(x)), rngs=rngs))
+
+
+# --- (e) models the default next-token loss must refuse -----------------------------------
+
+
+class ShiftsRightLM(nnx.Module):
+    """Shifts its inputs right itself, as Flax's lm1b example does: position i sees
+    ``tokens[:i]`` and is meant to predict ``tokens[i]``."""
+
+    def __init__(self, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        shifted = jnp.pad(tokens, ((0, 0), (1, 0)))[:, :-1]
+        x = jnp.cumsum(self.embed(shifted), axis=1)
+        return self.head(x / jnp.arange(1, tokens.shape[1] + 1)[:, None])
+
+
+class BidirectionalLM(nnx.Module):
+    """Every position sees the whole sequence (an encoder)."""
+
+    def __init__(self, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        return self.head(x + x.mean(axis=1, keepdims=True))
