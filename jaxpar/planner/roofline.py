@@ -14,10 +14,9 @@ Each operation one device runs is priced on its chip (:class:`~jaxpar.planner.ca
   the context ring) run ``QK^T`` and ``PV`` per key block (2 matmuls forward, 5 backward,
   the scores recomputed), only the blocks a causal mask does not hide
   (:func:`~jaxpar.planner.cost.causal_fraction`), at :data:`FLASH_EFFICIENCY` of the
-  matmul rate with ``head_dim`` padded to the tile; the scores stay on chip, so only Q, O
-  and K, V once per query block cross HBM (:func:`flash_time`); XLA's attention runs the
-  full ``s x s`` products (2 forward, 4 backward) and moves its f32 scores and
-  probabilities through HBM (:data:`SCORE_PASSES` passes of ``heads x s x s`` elements);
+  matmul rate with ``head_dim`` padded to the tile; XLA's attention runs the full ``s x s``
+  products (2 forward, 4 backward) and moves its f32 scores and probabilities through HBM
+  (:data:`SCORE_PASSES` passes of ``heads x s x s`` elements);
 * memory-bound work at ``hbm_bw x memory_efficiency``: per token and layer, the two norms
   with their residual adds (``8 d`` elements), RoPE on queries and keys (``2 (h_q + h_kv)
   head_dim``) and the gated activation (``3 f``), three times over for forward and
@@ -113,29 +112,6 @@ def matmul_time(chip: Chip, m: float, k: float, n: float, *, batch: float = 1.0,
     return max(t_compute, t_memory) + chip.op_overhead_s
 
 
-FLASH_BLOCK = 512
-"""Query rows per block of a flash kernel: each block streams every key and value block
-past once, so K and V are read ``q / FLASH_BLOCK`` times (splash's default ``block_q``;
-the scores themselves never leave the chip)."""
-
-
-def flash_time(chip: Chip, q: float, kv: float, h: float, *, batch: float = 1.0,
-               act_bytes: int = 2) -> float:
-    """Seconds of a flash kernel's forward pass (``QK^T`` and ``PV``) over ``batch``
-    heads x sequences of ``q`` queries against ``kv`` executed keys: the two matmuls'
-    padded FLOPs at :data:`FLASH_EFFICIENCY` of the matmul rate, or, if slower, HBM
-    traffic of Q and O once and K and V once per query block."""
-    if min(q, kv, h, batch) <= 0:
-        return 0.0
-    tile = max(chip.matmul_tile, 1)
-    peak = chip.matmul_flops_f32 if act_bytes >= 4 else chip.peak_flops
-    padded = 4 * _pad(q, 8) * _pad(h, tile) * _pad(kv, tile) * batch
-    t_compute = padded / (peak * chip.matmul_efficiency * FLASH_EFFICIENCY)
-    blocks = max(math.ceil(q / FLASH_BLOCK), 1)
-    moved = batch * h * (2 * q + 2 * kv * blocks) * act_bytes
-    return max(t_compute, memory_time(chip, moved)) + 2 * chip.op_overhead_s
-
-
 def _train(chip: Chip, m: float, k: float, n: float, act: int, batch: float = 1.0
            ) -> tuple[float, float]:
     """(forward, backward) seconds of one matmul and its two gradient matmuls."""
@@ -182,7 +158,11 @@ def _attention(chip: Chip, spec: ModelSpec, loc: Local, kind: str, act: int,
     seqs = loc.seqs
     if kind in ("splash", "cudnn", "chunked", "ring"):
         # QK^T (q x h x kv) and PV (q x kv x h) per head and sequence, causal blocks only.
-        fwd = flash_time(chip, q, kv * causal, h, batch=seqs * heads, act_bytes=act)
+        one = matmul_time(chip, q, h, kv * causal, batch=seqs * heads, act_bytes=act,
+                          efficiency=FLASH_EFFICIENCY)
+        two = matmul_time(chip, q, kv * causal, h, batch=seqs * heads, act_bytes=act,
+                          efficiency=FLASH_EFFICIENCY)
+        fwd = one + two
         bwd = 2.5 * fwd  # recomputed scores, dP = dO V^T, dV, dQ, dK
         return fwd, bwd, fwd
     one = matmul_time(chip, q, h, kv, batch=seqs * heads, act_bytes=act)
