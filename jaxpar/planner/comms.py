@@ -86,6 +86,7 @@ class _Rows:
 
     def __init__(self, lay: Layout):
         self.lay = lay
+        self._axes: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.combined: dict[tuple[str, tuple[str, ...], int, str], float] = {}
         self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
@@ -94,8 +95,14 @@ class _Rows:
         """One collective: ``nbytes`` result bytes, ``static`` instructions in the HLO
         text, ``runs`` executions per step; ``phase`` is what compute it can hide under
         (:data:`PHASES`; default ``exposed`` when ``exposed`` else ``forward``)."""
-        axes = tuple(a for a in MESH_AXES if a in axes and self.lay.sizes[a] > 1)
-        if not axes or nbytes <= 0:
+        if nbytes <= 0:
+            return
+        named = self._axes.get(axes)
+        if named is None:
+            named = tuple(a for a in MESH_AXES if a in axes and self.lay.sizes[a] > 1)
+            self._axes[axes] = named
+        axes = named
+        if not axes:
             return
         phase = phase or ("exposed" if exposed else "forward")
         # Collectives of one kind, axes and phase that run as often are combined into one
@@ -128,17 +135,17 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
     for p in lay.placed:
         # A stacked layer weight: the loop body moves one layer's slice, ``per`` times.
         per = layers if p.tensor.per_layer else 1
-        p = dataclasses.replace(p, compute=p.compute / per, base=p.base / per)
+        compute, base = p.compute / per, p.base / per
         # Weights stored split over data-parallel axes: gathered for forward and backward
         # (per microbatch); the embedding and head once when not inside the layer loop.
         if p.store_dp_axes:
-            nbytes = p.compute * wire
+            nbytes = compute * wire
             rows.add("all-gather", p.store_dp_axes, nbytes, 1, per * micro, phase="forward")
             rows.add("all-gather", p.store_dp_axes, nbytes, 1 if p.tensor.per_layer else 0,
                      per * micro, phase="backward")
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
-            rows.add("all-gather", p.zero_axes, p.base * per * wire, 1, 1, phase="update")
+            rows.add("all-gather", p.zero_axes, base * per * wire, 1, 1, phase="update")
         # Gradient reduction over every data-parallel axis, except the axes that split
         # the tensor's experts; then over the context axis, on its own (as XLA emits it).
         reduce_axes = tuple(a for a in lay.dp_axes
@@ -146,7 +153,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         grad_split = p.store_dp_axes if cand.zero_stage < 2 else (p.base_dp_axes + p.zero_axes)
         grad_split = tuple(a for a in grad_split if a in reduce_axes)
         rest = tuple(a for a in reduce_axes if a not in grad_split)
-        full = p.compute * wire
+        full = compute * wire
         n = math.prod(lay.sizes[a] for a in grad_split)
         if grad_split:
             if backend == "cpu":

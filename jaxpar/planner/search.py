@@ -26,8 +26,10 @@ from jaxpar.mesh import MESH_AXES
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.cost import Candidate, Estimate, check_divisible, estimate
 from jaxpar.planner.model import ModelSpec
+from jaxpar.planner.roofline import recomputed_parts
 
-REMATS = ("none", "save_attention_and_mlp_outputs", "dots_with_no_batch_dims_saveable", "full")
+REMATS = ("none", "dots_with_no_batch_dims_saveable", "save_attention_and_mlp_outputs", "full")
+"""Remat policies tried, each recomputing a superset of the one before."""
 MAX_TENSOR = 16
 MAX_STAGES = 16
 MIN_CONTEXT_SEQ = 16384
@@ -197,17 +199,24 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
         for zero in (0, 1, 2, 3):
             if dp_max == 1 and zero:
                 continue
-            for remat in REMATS:
-                for pm in pipe_ms:
-                    micro_cap = global_batch // dp_max // max(pm, 1)
-                    if micro_cap < 1:
-                        continue
-                    for sp, kind in _knobs(ici):
-                        evaluated += _fewest_microbatches(
-                            spec, machine, global_batch, seq, micro_cap, rejected, best,
+            for pm in pipe_ms:
+                micro_cap = global_batch // dp_max // max(pm, 1)
+                if micro_cap < 1:
+                    continue
+                for sp, kind in _knobs(ici):
+                    fitted: dict[str, int] = {}  # remat policy: the microbatches it fitted at
+                    for remat in REMATS:
+                        cap = _undominated_cap(remat, fitted, micro_cap, machine)
+                        if cap < 1:
+                            continue
+                        n, mb = _fewest_microbatches(
+                            spec, machine, global_batch, seq, cap, rejected, best,
                             overflow, baselines, ici=ici, dcn=dcn, zero_stage=zero,
                             remat=remat, pipeline_microbatches=pm, precision=precision,
                             optimizer=optimizer, sequence_parallel=sp, context_attention=kind)
+                        evaluated += n
+                        if mb:
+                            fitted[remat] = mb
     # The fastest knobs per mesh, so the ranking compares layouts, not near-twins; of
     # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
     # parallelism before none: the same bytes as plain tensor parallelism, less memory).
@@ -231,12 +240,28 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     return result
 
 
+def _undominated_cap(remat: str, fitted: dict[str, int], micro_cap: int,
+                     machine: Machine) -> int:
+    """The most microbatches worth trying with ``remat``: a policy recomputing a subset of
+    what it does that fitted at ``k`` microbatches is at least as fast at ``k`` or more
+    (the same step plus less recomputation and fewer rerun collectives), so only fewer
+    than ``k`` can win. Not on chips that price saved activations apart (``saved_bw``,
+    XLA:CPU), where saving can cost more than recomputing."""
+    if machine.chip.saved_bw:
+        return micro_cap
+    mine = set(recomputed_parts(remat))
+    lighter = [k for r, k in fitted.items() if set(recomputed_parts(r)) <= mine]
+    return min([micro_cap] + [k // 2 for k in lighter])
+
+
 def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
                          micro_cap: int, rejected: dict[str, int], best: dict[tuple, Estimate],
                          overflow: list[Estimate], baselines: dict[str, _Baseline], *,
-                         ici: dict[str, int], dcn: dict[str, int], **knobs) -> int:
+                         ici: dict[str, int], dcn: dict[str, int], **knobs
+                         ) -> tuple[int, int]:
     """Evaluate one mesh and knob set at 1, 2, 4, ... microbatches until it fits;
-    returns how many candidates were evaluated."""
+    returns how many candidates were evaluated and the microbatches that fitted (0:
+    none did)."""
     evaluated = 0
     mb = 1
     while mb <= micro_cap:
@@ -257,7 +282,7 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
                    cand.pipeline_microbatches, cand.sequence_parallel,
                    cand.context_attention)
             best[key] = est
-            break
+            return evaluated, mb
         if mb == 1:
             overflow.append(est)
         # Only activations shrink with microbatching; stop when they are already small
@@ -266,7 +291,7 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
         if mem["activation_bytes"] + mem["working_bytes"] < 0.05 * mem["total_bytes"]:
             break
         mb *= 2
-    return evaluated
+    return evaluated, 0
 
 
 def _rank(estimates: list[Estimate]) -> list[Estimate]:
