@@ -1,9 +1,42 @@
-"""Test set-up: 8 simulated CPU devices, created before any backend starts."""
+"""Test set-up: 8 simulated CPU devices, created before any backend starts, and one XLA
+compilation cache for the session.
+
+Many tests compile the same programs (the small reference model's step on the same mesh,
+in this process and in every ``jaxpar`` subprocess and notebook kernel the tests start):
+a persistent compilation cache, fresh for each session and shared through the
+environment, compiles each once. Tests that read what the compiler says (XLA's warnings)
+take the :func:`fresh_compile` fixture, which turns the cache off around them.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+_CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": _CACHE,
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+os.environ.update(CACHE_ENV)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture
+def fresh_compile():
+    """Compile everything in this test afresh, so XLA's warnings reach stderr."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
 
 
 @pytest.fixture(scope="session")

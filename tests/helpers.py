@@ -43,6 +43,14 @@ def loader(batch: int = BATCH, seq: int = SEQ) -> TokenLoader:
     return TokenLoader(load_tokens("stdlib", 400_000), batch, seq, seed=0)
 
 
+def without_cache(env) -> dict:
+    """``env`` without the session's compilation cache (tests/conftest.py), for the
+    processes of one multi-process run: they would write the same entries at once."""
+    return {k: v for k, v in env.items() if k not in (
+        "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")}
+
+
 def one_device():
     return jax.devices()[:1]
 

@@ -75,7 +75,8 @@ def _assert_same_metrics(got: list[dict], ref: list[dict]) -> None:
     ({"expert": 4, "fsdp": 2}, 0),
     ({"data": 2, "expert": 2, "tensor": 2}, 1),
 ])
-def test_expert_parallel_training_equals_one_device(batches, one_device, axes, zero, capfd):
+def test_expert_parallel_training_equals_one_device(batches, one_device, axes, zero, capfd,
+                                                    fresh_compile):
     trainer = build(axes, zero=zero)
     w_gate = trainer.state["params"]["blocks"]["mlp"]["w_gate"]["kernel"]
     assert w_gate.sharding.spec[1] == "expert"  # (layers, expert, embed, mlp)

@@ -15,6 +15,7 @@ from jaxpar import lora
 from jaxpar.cli import main
 from jaxpar.generate import load_run_model
 from jaxpar.launch import free_port, run_all
+from tests.helpers import without_cache
 from tests.test_hf import IDS, TOL, make_hf_model
 
 torch = pytest.importorskip("torch")
@@ -135,7 +136,7 @@ def test_convert_then_train_from_it(base, tmp_path, capsys):
 def test_two_processes_read_their_share_and_save_together(base, tmp_path):
     folder, _ = base
     out = tmp_path / "saved"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+    env = dict(without_cache(os.environ), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAXPAR_COORDINATOR=f"127.0.0.1:{free_port()}", JAXPAR_NUM_PROCESSES="2")
     cmd = [sys.executable, "-m", "tests.hf_worker", str(folder), str(out),

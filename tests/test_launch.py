@@ -4,6 +4,7 @@ process with 8 devices, and the launcher's handling of failures and bad argument
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer, flat_paths
 from jaxpar.launch import command, initialize, run_all
 from jaxpar.run import train
-from tests.helpers import MESH_2X2X2, SMALL
+from tests.helpers import MESH_2X2X2, SMALL, without_cache
 
 RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), *MESH_2X2X2, "train.seq_len=32",
        "train.global_batch=16", "train.steps=6", "train.warmup_steps=2",
@@ -28,7 +29,8 @@ def test_two_processes_match_one(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
          "--devices-per-process", "4", "--", "train", "--config", "configs/tiny.yaml",
-         "--out", str(out), *RUN], capture_output=True, text=True, timeout=300)
+         "--out", str(out), *RUN], capture_output=True, text=True, timeout=300,
+        env=without_cache(os.environ))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[0] jaxpar: 8 cpu devices in 2 processes, mesh data=2 x fsdp=2 x tensor=2" in (
         proc.stdout)

@@ -43,7 +43,7 @@ def one_device(batches):
     ({"fsdp": 2, "context": 2, "tensor": 2}, "ring", True),
 ])
 def test_context_parallel_training_equals_one_device(batches, one_device, axes, kind, balance,
-                                                      capfd):
+                                                      capfd, fresh_compile):
     trainer = make_trainer(axes)
     trainer = jaxpar.Trainer(trainer.model, trainer.optimizer, trainer.plan.replace(
         context_attention=kind, context_balance=balance))

@@ -27,7 +27,7 @@ def _block_hlo(capfd, sequence_parallel: bool) -> tuple[str, jaxpar.Plan]:
     return hlo, plan
 
 
-def test_block_all_reduces_become_reduce_scatter_and_all_gather(capfd):
+def test_block_all_reduces_become_reduce_scatter_and_all_gather(capfd, fresh_compile):
     plain, _ = _block_hlo(capfd, False)
     assert count_collectives(plain) == {"all-reduce": 2}
     assert count_reduce_scatters(plain) == 0

@@ -69,7 +69,7 @@ def _compiled_hlo(trainer: jaxpar.Trainer) -> str:
 
 
 @pytest.mark.parametrize("name", ["dp", "fsdp", "tp", "dp_fsdp_tp"])
-def test_compiled_collectives_match_strategy(capfd, name):
+def test_compiled_collectives_match_strategy(capfd, name, fresh_compile):
     axes, rules = STRATEGIES[name]
     trainer = make_trainer(axes, rules)
     capfd.readouterr()
@@ -100,7 +100,7 @@ def test_compiled_collectives_match_strategy(capfd, name):
         assert not any(kind == "all-gather" and "tensor" in ax for kind, ax in kinds)
 
 
-def test_megatron_block_has_one_all_reduce_per_sublayer(capfd):
+def test_megatron_block_has_one_all_reduce_per_sublayer(capfd, fresh_compile):
     """Forward of one decoder block under TP: exactly 2 all-reduces (attention, MLP)."""
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2, "tensor": 4}), "tp")
     capfd.readouterr()
