@@ -26,6 +26,7 @@ from jaxpar.assembly import assemble, build_trainer
 from jaxpar.config import Config, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.layouts import constrain_outputs
+from jaxpar.linen import from_linen
 from jaxpar.mesh import MESH_AXES, make_mesh
 from jaxpar.partitioning import init_sharded, replication_report, state_shardings
 from jaxpar.plan import Plan, constrain, current_plan
@@ -43,6 +44,7 @@ __all__ = [
     "assemble",
     "build_trainer",
     "constrain_outputs",
+    "from_linen",
     "logical_names",
     "replication_report",
     "Config",

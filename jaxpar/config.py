@@ -83,7 +83,8 @@ class PlanConfig:
 
     ``annotations``: ``[[path regex, [logical names]], ...]`` for variables (see
     :func:`jaxpar.annotate`). ``layouts``: ``[[path regex or "type:ClassName", [logical
-    names]], ...]`` for module outputs (see :func:`jaxpar.constrain_outputs`). ``strict``:
+    names]], ...]`` for module outputs (see :func:`jaxpar.constrain_outputs`); ``auto``
+    (the default) pins the outputs of a model's repeated blocks, ``[]`` nothing. ``strict``:
     a dimension its rule's mesh axes do not divide is an error instead of falling through
     to the next rule. ``sequence_parallel``: split the residual stream's sequence over the
     tensor axis (Megatron sequence parallelism). ``context_attention``: ``allgather`` or
@@ -96,7 +97,7 @@ class PlanConfig:
     remat: str = "none"
     microbatches: int = 1
     annotations: tuple = ()
-    layouts: tuple = ()
+    layouts: tuple | str = "auto"
     strict: bool = False
     sequence_parallel: bool = False
     context_attention: str = "allgather"

@@ -20,6 +20,12 @@ A regex that matches a *variable's* path (``r"embed_tokens/embedding$"``) pins t
 compute layout instead: while its module runs, the weight is constrained to its names
 under the activation rules, as jaxpar's own embedding does, so FSDP gathers the table
 whole before a lookup rather than exchanging the looked-up rows with all-to-alls.
+
+Without layouts of its own, a plan pins by default (``layouts="auto"``, see
+:func:`auto_layouts`): the outputs of a model's repeated blocks (modules of one class in
+an ``nnx.List``, list or dict, or a stack scanned over a ``layers`` axis) and the tables of
+its annotated ``nnx.Embed`` layers, which is what a user would write by hand for a
+transformer. ``layouts=()`` (``layouts: []`` in YAML) turns that off.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpar.annotate import pairs, path_str
+from jaxpar.annotate import logical_names, pairs, path_str
 from jaxpar.errors import JaxparError
 from jaxpar.plan import constrain
 
@@ -41,8 +47,17 @@ LayoutRules = Sequence[tuple[Any, Sequence[Any]]]
 
 _BASE = "_jaxpar_unpinned_class"
 
+AUTO = "auto"
+"""``Plan.layouts`` value asking for :func:`auto_layouts` (the default)."""
+
+BLOCK_OUTPUT = ("<block output>",)
+"""Names of a repeated block's output: ``("batch", "seq", "embed")`` for a 3-D array (a
+sequence of vectors), ``("batch",)`` for the rest (an image batch, pooled vectors)."""
+
 
 def _constrain_leaf(x: Any, names: tuple) -> Any:
+    if names == BLOCK_OUTPUT and isinstance(x, jax.Array):
+        names = ("batch", "seq", "embed") if x.ndim == 3 else ("batch",)
     if not isinstance(x, jax.Array) or x.ndim < len(names):
         return x
     return constrain(x, names)  # the rules leave trailing dimensions unnamed
@@ -145,3 +160,57 @@ def pinned(model: nnx.Module) -> list[tuple[str, tuple | None, tuple]]:
     return [(path_str(p), type(m)._jaxpar_output_names, type(m)._jaxpar_weight_names)
             for p, m in nnx.iter_graph(model)
             if isinstance(m, nnx.Module) and hasattr(type(m), _BASE)]
+
+
+def _stacked(module: nnx.Module) -> bool:
+    """Whether ``module`` holds its parameters stacked over a leading ``layers`` axis (a
+    block scanned with ``nnx.scan``/``nnx.vmap``)."""
+    found = False
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param):
+            value = var.get_value()
+            names = logical_names(var, getattr(value, "ndim", 0))
+            if not names or names[0] != "layers":
+                return False
+            found = True
+    return found
+
+
+def repeated_blocks(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """``(path, module)`` of the model's repeated blocks: modules of one class, two or more
+    side by side in an ``nnx.List``/list/dict, or one stack scanned over ``layers``
+    (outermost only: blocks inside a repeated block are not listed)."""
+    graph = [(tuple(p), m) for p, m in nnx.iter_graph(model)
+             if isinstance(m, nnx.Module) and p]
+    siblings: dict[tuple, list[tuple[tuple, nnx.Module]]] = {}
+    for path, module in graph:
+        siblings.setdefault((path[:-1], type(module)), []).append((path, module))
+    chosen: list[tuple[tuple, nnx.Module]] = []
+    for (_, _), group in siblings.items():
+        if len(group) >= 2 and all(isinstance(p[-1], int) for p, _ in group):
+            chosen += group
+    chosen += [(p, m) for p, m in graph if _stacked(m)]
+    chosen.sort(key=lambda pm: len(pm[0]))
+    outer: list[tuple[tuple, nnx.Module]] = []
+    for path, module in chosen:
+        if not any(path[:len(q)] == q for q, _ in outer):
+            outer.append((path, module))
+    return [(path_str(p), m) for p, m in sorted(outer, key=lambda pm: pm[0])]
+
+
+def auto_layouts(model: nnx.Module) -> list[tuple[str, tuple]]:
+    """The layouts :data:`AUTO` applies to ``model``: each repeated block's output
+    (:data:`BLOCK_OUTPUT`) and each annotated ``nnx.Embed`` table (its own names, so FSDP
+    gathers the table for the lookup). Models of jaxpar's own, which place their
+    activations themselves, get none."""
+    if type(model).__module__.startswith("jaxpar."):
+        return []
+    out: list[tuple[str, tuple]] = [(f"^{re.escape(path)}$", BLOCK_OUTPUT)
+                                    for path, _ in repeated_blocks(model)]
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Embed):
+            table = module.embedding
+            names = logical_names(table, table.get_value().ndim)
+            if names and any(n is not None for n in names):
+                out.append((f"^{re.escape(path_str(tuple(path) + ('embedding',)))}$", names))
+    return out

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import quant
 from jaxpar.annotate import logical_names
 from jaxpar.errors import JaxparError
+from jaxpar.linen import LinenModel
 from jaxpar.partitioning import path_str, state_shardings
 from jaxpar.plan import Plan, current_plan
 
@@ -318,6 +319,13 @@ def apply(
         bad rank, dropout, regex or base_dtype; the model is left unchanged.
     """
     pattern = _check_args(target, rank, dropout)
+    if isinstance(model, LinenModel):  # nn.Dense layers inside, adapted by interception
+        if dropout or base_dtype != "float32":
+            raise JaxparError("LoRA on a linen model takes no dropout or base_dtype (its "
+                              "adapters are added to nn.Dense outputs as they run)")
+        key = rngs.params() if isinstance(rngs, nnx.Rngs) else jax.random.key(rngs)
+        model.add_adapters(target, rank, alpha, key)
+        return place(model, plan)
     if base_dtype not in quant.BASE_DTYPES:
         raise JaxparError(f"unknown base_dtype {base_dtype!r}; choose one of "
                           f"{quant.BASE_DTYPES}")

@@ -68,9 +68,11 @@ def prepare_model(model: M, plan: Plan) -> M:
     if plan.annotations:
         annotate(model, plan.annotations, warn=False)
     if plan.layouts:
-        from jaxpar.layouts import constrain_outputs
+        from jaxpar.layouts import AUTO, auto_layouts, constrain_outputs
 
-        constrain_outputs(model, plan.layouts)
+        layouts = auto_layouts(model) if plan.layouts == AUTO else plan.layouts
+        if layouts:
+            constrain_outputs(model, layouts)
     return model
 
 

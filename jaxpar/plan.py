@@ -62,7 +62,9 @@ class Plan:
       annotations: ``(path regex, logical names)`` pairs applied to the model's variables
         before they are placed (first matching pattern wins; see :func:`jaxpar.annotate`).
       layouts: ``(path regex or module type, logical names)`` pairs pinning module outputs
-        (see :func:`jaxpar.constrain_outputs`).
+        (see :func:`jaxpar.constrain_outputs`); ``"auto"`` (the default) pins the outputs of
+        the model's repeated blocks and its embedding tables (see
+        :func:`jaxpar.layouts.auto_layouts`), ``()`` nothing.
       sequence_parallel: Megatron sequence parallelism: the residual stream (logical
         ``residual_seq``) is split over the ``tensor`` axis between blocks, so each tensor-
         parallel all-reduce becomes a reduce-scatter and an all-gather and the norm and
@@ -83,7 +85,7 @@ class Plan:
     remat: str = "none"
     microbatches: int = 1
     annotations: tuple = ()
-    layouts: tuple = ()
+    layouts: tuple | str = "auto"
     sequence_parallel: bool = False
     context_attention: str = "allgather"
     context_balance: bool = True
@@ -102,7 +104,8 @@ class Plan:
         if self.microbatches < 1:
             raise JaxparError(f"microbatches must be >= 1, got {self.microbatches}")
         object.__setattr__(self, "annotations", pairs(self.annotations, "plan.annotations"))
-        object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))
+        if self.layouts != "auto":
+            object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))
 
     @classmethod
     def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", *, strict: bool = False,

@@ -18,8 +18,10 @@ from a config is :mod:`jaxpar.assembly`'s job.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -30,6 +32,7 @@ from flax import nnx
 
 from jaxpar import loss as loss_lib
 from jaxpar.errors import JaxparError
+from jaxpar.mesh import canonical_axis
 from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
 from jaxpar.plan import Plan, batch_names
 from jaxpar.precision import DynamicLossScale
@@ -114,6 +117,38 @@ def next_token_logits(model: nnx.Module, inputs: jax.Array,
             f"got {got}; a model that shifts its inputs itself or returns something else "
             f"needs its own loss: {_CUSTOM_LOSS}")
     return logits
+
+
+@contextlib.contextmanager
+def explained_model_errors(plan: Plan) -> Iterator[None]:
+    """Turn the errors a model written for another mesh raises while it is traced into
+    one line saying what to change in jaxpar: a mesh-axis name of its own inside
+    ``reshard``/``with_sharding_constraint`` (``'tp'``), or explicit-sharding code on an
+    ``Auto`` mesh."""
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        if "cannot contain axis names that are of type Auto" in text:
+            where = re.search(r"This error occurs at source:\s*(\S+)", text)
+            raise JaxparError(
+                "the model is written for explicit sharding (a PartitionSpec given as "
+                f"out_sharding{' at ' + where.group(1) if where else ''}) but the mesh is "
+                "Auto: build it with jaxpar.make_mesh(..., explicit=True), or set "
+                "mesh.explicit: true in a run config") from None
+        found = re.search(r"Resource axis: (\S+) of .* is not found in mesh", text, re.S)
+        if not found:
+            raise
+        name = found.group(1)
+        axes = ", ".join(plan.mesh.axis_names)
+        alias = canonical_axis(name)
+        fix = (f"write {alias!r} there (jaxpar accepts the alias {name!r} in annotations, "
+               f"rules and make_mesh only, JAX does not know it)" if alias != name else
+               "use these names in the model's own sharding calls, or give its weights "
+               "logical names and let plan rules place them")
+        raise JaxparError(f"the model shards over mesh axis {name!r} inside its own code "
+                          f"(reshard, with_sharding_constraint or out_sharding), but jaxpar's "
+                          f"mesh axes are {axes}: {fix}") from None
 
 
 CAUSAL_TOLERANCE = 1e-4
@@ -468,7 +503,7 @@ class Trainer:
             diff = jnp.abs(logits[:rows] - logits[rows:]).max(axis=(0, 2))
             return diff, jnp.abs(logits).max()
 
-        with self.plan.activate(mesh_context=True):
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             diff, scale = jax.device_get(jax.jit(changed_logits)(self.state, batch))
         tol = CAUSAL_TOLERANCE * max(float(scale), 1e-30)
         if diff[:t].max() > tol:
@@ -493,7 +528,7 @@ class Trainer:
         batch = self._as_global(batch)
         if not self._loss_checked:
             self.check_default_loss(batch)
-        with self.plan.activate(mesh_context=True):
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             self._state, metrics = self._steps(batch)[0](self._state, batch)
         if self._host_step is not None:
             self._host_step += 1
@@ -510,7 +545,7 @@ class Trainer:
     def eval_loss(self, batch: Batch) -> float:
         """Loss on a batch without updating anything (the model in eval mode)."""
         batch = self._as_global(batch)
-        with self.plan.activate(mesh_context=True):
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             return float(self._steps(batch)[1](self.state, batch))
 
     @property

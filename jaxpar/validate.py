@@ -106,7 +106,11 @@ def _check_choices(config: Config) -> None:
     if p.context_attention not in CONTEXT_ATTENTION:
         raise _bad("plan.context_attention", p.context_attention,
                    f"choose one of {list(CONTEXT_ATTENTION)}")
-    for key, items in (("plan.annotations", p.annotations), ("plan.layouts", p.layouts)):
+    if isinstance(p.layouts, str) and p.layouts != "auto":
+        raise _bad("plan.layouts", p.layouts, "give a list of [target, [names]] pairs, "
+                   "'auto' (pin repeated blocks' outputs) or [] (nothing)")
+    layouts = () if p.layouts == "auto" else p.layouts
+    for key, items in (("plan.annotations", p.annotations), ("plan.layouts", layouts)):
         for pattern, _ in pairs(items, key):
             if isinstance(pattern, str) and not pattern.startswith("type:"):
                 _regex(key, pattern)

@@ -47,7 +47,12 @@ def namespace(code: str, tmp_path: Path) -> tuple[dict, int]:
     ns = {"jax": jax, "jnp": jnp, "np": np, "nnx": nnx, "optax": optax, "jaxpar": jaxpar,
           "lora": lora, "plan": plan}
     vocab = SMALL.vocab_size
-    if "self_attn" in code:  # the LoRA-on-any-projection block: a Llama-like and an MHA model
+    if "from_linen" in code:  # the linen section: a GPT-2-style linen decoder
+        ns["plan"] = jaxpar.Plan.from_preset(plan.mesh, "fsdp_tp",
+                                             annotations=um.GPT_ANNOTATIONS)
+        ns["LinenGPT"] = um.LinenGPT
+        vocab = um.VOCAB
+    elif "self_attn" in code:  # the LoRA-on-any-projection block: a Llama-like and an MHA model
         annotated = jaxpar.Plan.from_preset(plan.mesh, "fsdp_tp",
                                             annotations=um.LLAMA_ANNOTATIONS)
         ns["plan"] = annotated

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 from jax.sharding import PartitionSpec as P
 
 VOCAB = 64
@@ -274,3 +274,93 @@ class BidirectionalLM(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
         return self.head(x + x.mean(axis=1, keepdims=True))
+
+
+# --- (f) Flax linen, written the way linen users write them --------------------------------
+
+
+class LinenBlock(linen.Module):
+    """Pre-norm decoder block with causal self-attention and dropout."""
+
+    d: int
+    heads: int
+    rate: float = 0.1
+
+    @linen.compact
+    def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool = True) -> jax.Array:
+        h = linen.LayerNorm(name="ln_1")(x)
+        h = linen.MultiHeadDotProductAttention(
+            num_heads=self.heads, dropout_rate=self.rate, deterministic=deterministic,
+            name="attn")(h, h, mask=mask)
+        x = x + linen.Dropout(self.rate)(h, deterministic=deterministic)
+        h = linen.Dense(4 * self.d, name="c_fc")(linen.LayerNorm(name="ln_2")(x))
+        h = linen.Dense(self.d, name="c_proj")(linen.gelu(h))
+        return x + linen.Dropout(self.rate)(h, deterministic=deterministic)
+
+
+class LinenGPT(linen.Module):
+    """A GPT-2-style decoder: learned positions, tied input and output embeddings."""
+
+    vocab: int = VOCAB
+    d: int = 32
+    heads: int = 4
+    layers: int = 2
+
+    @linen.compact
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        wte = linen.Embed(self.vocab, self.d, name="wte")
+        pos = self.param("wpe", linen.initializers.normal(0.02), (64, self.d))
+        x = wte(tokens) + pos[: tokens.shape[1]]
+        mask = linen.make_causal_mask(tokens)
+        for i in range(self.layers):
+            x = LinenBlock(self.d, self.heads, name=f"h_{i}")(x, mask, deterministic)
+        return wte.attend(linen.LayerNorm(name="ln_f")(x))
+
+
+GPT_ANNOTATIONS = [
+    (r"wte/embedding$", ("vocab", "embed")),
+    (r"wpe$", (None, "embed")),
+    (r"attn/(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"attn/out/kernel$", ("heads", "head_dim", "embed")),
+    (r"c_fc/kernel$", ("embed", "mlp")),
+    (r"c_proj/kernel$", ("mlp", "embed")),
+]
+"""Names by path for :class:`LinenGPT`, given from outside as a user would."""
+
+
+class LinenViT(linen.Module):
+    """A small vision transformer: patches by a strided convolution, a class token."""
+
+    classes: int = 10
+    d: int = 32
+    patch: int = 4
+
+    @linen.compact
+    def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
+        x = linen.Conv(self.d, (self.patch, self.patch), strides=self.patch,
+                       name="patches")(images)
+        x = x.reshape(x.shape[0], -1, self.d)
+        cls = self.param("cls", linen.initializers.zeros, (1, 1, self.d))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.d)), x], axis=1)
+        for i in range(2):
+            h = linen.LayerNorm()(x)
+            x = x + linen.MultiHeadDotProductAttention(num_heads=4, name=f"attn_{i}")(h, h)
+            h = linen.Dense(2 * self.d, name=f"mlp_{i}_in")(linen.LayerNorm()(x))
+            h = linen.Dropout(0.2, deterministic=not train)(linen.gelu(h))
+            x = x + linen.Dense(self.d, name=f"mlp_{i}_out")(h)
+        return linen.Dense(self.classes, name="head")(x[:, 0])
+
+
+VIT_ANNOTATIONS = [
+    (r"attn_\d+/(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"attn_\d+/out/kernel$", ("heads", "head_dim", "embed")),
+    (r"mlp_\d+_in/kernel$", ("embed", "mlp")),
+    (r"mlp_\d+_out/kernel$", ("mlp", "embed")),
+]
+
+
+def image_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    """A user's classification loss on an image batch."""
+    logits = model(batch["images"])
+    labels = jax.nn.one_hot(batch["labels"], logits.shape[-1])
+    return -(jax.nn.log_softmax(logits) * labels).sum(-1).mean()
