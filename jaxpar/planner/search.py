@@ -288,7 +288,12 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
         # Only activations shrink with microbatching; stop when they are already small
         # next to the state.
         mem = est.memory
-        if mem["activation_bytes"] + mem["working_bytes"] < 0.05 * mem["total_bytes"]:
+        shrinking = mem["activation_bytes"] + mem["working_bytes"]
+        if shrinking < 0.05 * mem["total_bytes"]:
+            break
+        # The rest (state, gradients and their accumulation buffer) only grows with
+        # microbatches: if it alone overflows, no microbatch count fits.
+        if mem["total_bytes"] - shrinking >= est.hbm_bytes:
             break
         mb *= 2
     return evaluated, 0
