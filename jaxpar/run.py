@@ -32,6 +32,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import TokenLoader, load_tokens, split_holdout
 from jaxpar.errors import JaxparError, RunStopped
+from jaxpar.folders import LOCK_NAME, FolderLock
 from jaxpar.interrupts import StopOnSignal
 from jaxpar.monitor import ProfileWindow
 from jaxpar.prefetch import Prefetcher
@@ -273,6 +274,20 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
+    # One writer per run folder: process 0 of a run holds its lock until the run ends.
+    lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
+            if out_dir is not None and jax.process_index() == 0 else None)
+    if lock is not None:
+        lock.acquire()
+    try:
+        return _train(config, out_dir, progress=progress, resume=resume, max_steps=max_steps)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: Config, out_dir: str | Path | None, *, progress: bool, resume: bool,
+           max_steps: int | None) -> tuple[Trainer, list[dict[str, Any]]]:
     tokens = load_corpus(config)
     loader = make_loader(config, tokens=tokens)
     holdout = (make_loader(config, holdout=True, tokens=tokens)

@@ -3,10 +3,12 @@ runs and back. The CLI parses; these functions do the work and are usable from P
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
 from jaxpar.errors import JaxparError
+from jaxpar.folders import LOCK_NAME, FolderLock, export_lock
 
 MESH_FOR_CONVERT = ("mesh.data=1", "mesh.fsdp=-1")
 """Converted weights are held sharded over every device unless a mesh override says else."""
@@ -56,10 +58,18 @@ def convert_to_run(folder: str | Path, out: str | Path, overrides: Sequence[str]
         defaults.append(f"train.seq_len={seq_len}")
     config = load_config(None, [*defaults, *overrides, f"init_from=hf:{source}"])
     check_run_folder(out, resume=False, config=config)
-    trainer = assemble(config).trainer
-    with Checkpointer(Path(out) / "checkpoints", every=1, keep=1) as checkpointer:
-        checkpointer.save(trainer, config=config, force=True)
+    with _lock(FolderLock(Path(out) / LOCK_NAME, "jaxpar convert")):
+        trainer = assemble(config).trainer
+        with Checkpointer(Path(out) / "checkpoints", every=1, keep=1) as checkpointer:
+            checkpointer.save(trainer, config=config, force=True)
     return Path(out)
+
+
+def _lock(lock: FolderLock) -> contextlib.AbstractContextManager:
+    """``lock`` on process 0 of a run (the one that writes), nothing on the others."""
+    import jax
+
+    return lock if jax.process_index() == 0 else contextlib.nullcontext()
 
 
 def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
@@ -71,15 +81,24 @@ def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
     PEFT's format, for the base model the run started from). The run's tokenizer (its
     ``data.tokenizer``, else the Hugging Face folder it started from) is copied along.
     """
+
+    from jaxpar.generate import check_run
+
+    target = check_export_target(to, merge_lora=merge_lora, adapters=adapters)
+    check_run(run)
+    with _lock(export_lock(target, "jaxpar export")):
+        return _export(run, target, merge_lora=merge_lora, adapters=adapters, dtype=dtype)
+
+
+def _export(run: str | Path, target: Path, *, merge_lora: bool, adapters: bool,
+            dtype: str) -> Path:
     import jax.numpy as jnp
 
     from jaxpar import hf, lora
     from jaxpar.config import hf_folder
-    from jaxpar.generate import check_run, load_run_model
+    from jaxpar.generate import load_run_model
     from jaxpar.models.transformer import Transformer
 
-    target = check_export_target(to, merge_lora=merge_lora, adapters=adapters)
-    check_run(run)
     model, config = load_run_model(run)
     if not isinstance(model, Transformer):
         raise JaxparError(f"the run's model is model.factory={config.model.factory!r}; only "

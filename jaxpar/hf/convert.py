@@ -28,9 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxpar import pipeline as pipeline_lib
 from jaxpar.errors import JaxparError
+from jaxpar.folders import staged_folder
 from jaxpar.hf import families, layout
 from jaxpar.hf.families import read_config
-from jaxpar.hf.safetensors_io import INDEX, SafetensorsFolder, remove_stale, write_shards
+from jaxpar.hf.safetensors_io import SafetensorsFolder, write_shards
 from jaxpar.models.transformer import Transformer, TransformerConfig
 from jaxpar.partitioning import path_str, prepare_model, state_shardings, warn_if_replicated
 from jaxpar.plan import Plan
@@ -295,17 +296,17 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
 
     folder = Path(path)
     writer = jax.process_index() == 0
-    if writer:
-        folder.mkdir(parents=True, exist_ok=True)
-    files = write_shards(folder, entries, produce, max_shard_bytes=max_shard_bytes,
-                         write=writer)
-    if writer:
-        remove_stale(folder, files + ([INDEX] if len(files) > 1 else []))
-        stored = str(entries[0][2]) if entries else "float32"
-        hf = families.to_hf(cfg, architecture, dtype=stored)
-        (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        if tokenizer:
-            copy_tokenizer(tokenizer, folder)
+    # Written whole into a hidden sibling and swapped in: a kill at any moment leaves the
+    # earlier export (or none) or this one, never shards of one beside the other's config.
+    with staged_folder(folder, write=writer) as staging:
+        write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
+                     write=writer)
+        if writer:
+            stored = str(entries[0][2]) if entries else "float32"
+            hf = families.to_hf(cfg, architecture, dtype=stored)
+            (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            if tokenizer:
+                copy_tokenizer(tokenizer, staging)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxpar_hf_save")
     return folder

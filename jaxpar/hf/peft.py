@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.folders import staged_folder
 from jaxpar.hf import layout
 from jaxpar.hf.convert import host_array
 from jaxpar.models.transformer import Transformer
@@ -93,10 +94,10 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         "base_model_name_or_path": base_model or None,
     }
     folder = Path(path)
-    if jax.process_index() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    with staged_folder(folder, write=jax.process_index() == 0) as staging:
+        if jax.process_index() == 0:
+            save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 

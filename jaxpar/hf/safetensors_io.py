@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -104,6 +105,10 @@ class SafetensorsFolder:
         return array
 
 
+EXPORT_DELAY_ENV = "JAXPAR_EXPORT_TEST_DELAY"
+"""Test hook: seconds :func:`write_shards` sleeps after each shard it writes."""
+
+
 def write_shards(folder: str | Path, entries: list[tuple[str, tuple[int, ...], np.dtype]],
                  produce: Callable[[str], np.ndarray], *, max_shard_bytes: int,
                  write: bool = True) -> list[str]:
@@ -142,6 +147,8 @@ def write_shards(folder: str | Path, entries: list[tuple[str, tuple[int, ...], n
             tmp = folder / (file + ".tmp")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, folder / file)
+            if delay := float(os.environ.get(EXPORT_DELAY_ENV) or 0):
+                time.sleep(delay)  # a test hook: time to kill the process mid-export
         del tensors
     if write and count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -149,9 +156,3 @@ def write_shards(folder: str | Path, entries: list[tuple[str, tuple[int, ...], n
     return files
 
 
-def remove_stale(folder: Path, keep: Iterable[str]) -> None:
-    """Delete safetensors files and the index of an earlier save that this one replaced."""
-    keep = set(keep)
-    for path in folder.glob("model*.safetensors*"):
-        if path.name not in keep and (path.name.endswith(".safetensors") or path.name == INDEX):
-            path.unlink()

@@ -1,0 +1,193 @@
+"""Output folders that survive faults: one writer at a time, and folders replaced whole.
+
+* :class:`FolderLock`: a lock file holding the writer's host, pid, command and start time,
+  created exclusively. A second writer gets one line naming the holder; a lock left by a
+  process that no longer runs on this host is taken over with a notice. ``jaxpar train``
+  locks its run folder, ``convert`` its run folder and ``export`` its target.
+* :func:`staged_folder`: write a folder's new contents into a hidden sibling, then swap it
+  in with one ``renameat2(RENAME_EXCHANGE)`` (Linux), so a kill at any moment leaves the
+  old folder or the new one, never a mix (elsewhere: two renames, and a folder left aside
+  is restored by the next write). Files of the old folder the new contents do not replace
+  (a README, a tokenizer copied earlier) are carried over; weight files of the old
+  contents are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxpar.errors import JaxparError
+
+LOCK_NAME = ".jaxpar.lock"
+"""The lock file inside a run folder."""
+
+STALE_WEIGHTS = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?|adapter_model\.safetensors)$")
+"""Weight files of an earlier export, never carried into the new one."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it runs
+        return True
+    return True
+
+
+class FolderLock:
+    """An exclusive lock file (see the module docstring); a context manager.
+
+    Args:
+      path: the lock file (``run/.jaxpar.lock``, or a sibling of an export target).
+      what: the command taking it, recorded for the message a second writer gets.
+      say: where the stale-lock notice goes.
+    """
+
+    def __init__(self, path: str | Path, what: str, say=None):
+        self.path = Path(path)
+        self.what = what
+        self.say = say or (lambda text: print(f"jaxpar: {text}", file=sys.stderr))
+        self.held = False
+
+    def _holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> FolderLock:
+        """Take the lock.
+
+        Raises:
+          JaxparError: when a running process holds it (or one on another host).
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.what,
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                pid, host = holder.get("pid"), holder.get("host")
+                if (host == record["host"] and isinstance(pid, int) and not _alive(pid)
+                        and holder):
+                    self.say(f"{self.path.parent}: taking over the lock of {holder.get('command')} "
+                             f"(pid {pid}, started {holder.get('started')}), which no longer "
+                             f"runs")
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path.unlink()
+                    continue
+                if not holder:  # being written right now, or unreadable: look again
+                    time.sleep(0.05)
+                    holder = self._holder()
+                    if not holder:
+                        continue
+                raise JaxparError(
+                    f"{self.path.parent} is in use by {holder.get('command', 'jaxpar')} "
+                    f"(pid {pid} on {host}, started {holder.get('started')}): one folder "
+                    f"takes one writer; use another folder or wait for it to finish (if "
+                    f"that process is gone for good, delete {self.path})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(record) + "\n")
+            self.held = True
+            return self
+        raise JaxparError(f"could not take the lock {self.path}: it keeps changing")
+
+    def release(self) -> None:
+        """Give the lock up (only if this process holds it)."""
+        if self.held and self._holder().get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.held = False
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def export_lock(target: str | Path, what: str) -> FolderLock:
+    """The lock of an export target: a sibling file, since the folder itself is swapped."""
+    target = Path(target)
+    return FolderLock(target.parent / f".{target.name}.jaxpar.lock", what)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    res = renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)),
+                    _RENAME_EXCHANGE)
+    return res == 0
+
+
+def _siblings(target: Path, kind: str) -> list[Path]:
+    return list(target.parent.glob(f".{target.name}.jaxpar-{kind}-*"))
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | Path, *, write: bool = True) -> Iterator[Path]:
+    """Yield a fresh hidden sibling of ``target`` to write into; on success, carry over the
+    old folder's other files and swap the new one in whole (see the module docstring). On
+    an exception the staging folder is removed and ``target`` is left as it was. With
+    ``write`` false (a process that does not write), yields ``target`` and does nothing."""
+    target = Path(target)
+    if not write:
+        yield target
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in _siblings(target, "staging"):  # from a write killed midway
+        shutil.rmtree(leftover, ignore_errors=True)
+    for aside in _siblings(target, "old"):  # killed between two renames: restore
+        if not target.exists():
+            os.rename(aside, target)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+    staging = target.parent / f".{target.name}.jaxpar-staging-{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if target.is_dir():
+        for old in target.iterdir():
+            if (old.name == LOCK_NAME or STALE_WEIGHTS.match(old.name)
+                    or (staging / old.name).exists()):
+                continue
+            if old.is_dir():
+                shutil.copytree(old, staging / old.name, symlinks=True)
+            else:
+                shutil.copy2(old, staging / old.name)
+        if _exchange(staging, target):
+            shutil.rmtree(staging, ignore_errors=True)  # now holds the old contents
+            return
+        aside = target.parent / f".{target.name}.jaxpar-old-{os.getpid()}"
+        os.rename(target, aside)
+        os.rename(staging, target)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    os.rename(staging, target)
