@@ -67,6 +67,26 @@ class FolderLock:
         except (OSError, ValueError):
             return {}
 
+    def check(self) -> None:
+        """Refuse early, creating nothing, when a running process holds the lock.
+
+        Raises:
+          JaxparError: as :meth:`acquire` would.
+        """
+        holder = self._holder()
+        pid, host = holder.get("pid"), holder.get("host")
+        if not holder or (host == socket.gethostname() and isinstance(pid, int)
+                          and not _alive(pid)):
+            return  # free, being written, or stale: acquire() decides
+        raise self._in_use(holder)
+
+    def _in_use(self, holder: dict) -> JaxparError:
+        return JaxparError(
+            f"{self.path.parent} is in use by {holder.get('command', 'jaxpar')} "
+            f"(pid {holder.get('pid')} on {holder.get('host')}, started "
+            f"{holder.get('started')}): one folder takes one writer; use another folder or "
+            f"wait for it to finish (if that process is gone for good, delete {self.path})")
+
     def acquire(self) -> FolderLock:
         """Take the lock.
 
@@ -95,11 +115,7 @@ class FolderLock:
                     holder = self._holder()
                     if not holder:
                         continue
-                raise JaxparError(
-                    f"{self.path.parent} is in use by {holder.get('command', 'jaxpar')} "
-                    f"(pid {pid} on {host}, started {holder.get('started')}): one folder "
-                    f"takes one writer; use another folder or wait for it to finish (if "
-                    f"that process is gone for good, delete {self.path})") from None
+                raise self._in_use(holder) from None
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(record) + "\n")
             self.held = True

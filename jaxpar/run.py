@@ -278,20 +278,26 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
             if out_dir is not None and jax.process_index() == 0 else None)
     if lock is not None:
+        lock.check()  # a second writer is refused before the data is read
+    # Bad data is refused before the lock (and with it the run folder) is created.
+    tokens = load_corpus(config)
+    loader = make_loader(config, tokens=tokens)
+    holdout = (make_loader(config, holdout=True, tokens=tokens)
+               if config.train.eval_every > 0 else None)
+    if lock is not None:
         lock.acquire()
     try:
-        return _train(config, out_dir, progress=progress, resume=resume, max_steps=max_steps)
+        return _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
+                      max_steps=max_steps)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config: Config, out_dir: str | Path | None, *, progress: bool, resume: bool,
-           max_steps: int | None) -> tuple[Trainer, list[dict[str, Any]]]:
-    tokens = load_corpus(config)
-    loader = make_loader(config, tokens=tokens)
-    holdout = (make_loader(config, holdout=True, tokens=tokens)
-               if config.train.eval_every > 0 else None)
+def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
+           holdout: TokenLoader | None, *,
+           progress: bool, resume: bool, max_steps: int | None
+           ) -> tuple[Trainer, list[dict[str, Any]]]:
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = build_trainer(config)
