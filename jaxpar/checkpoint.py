@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.errors import JaxparError, JaxparWarning
+from jaxpar.folders import free_bytes, human_bytes, write_fault
 from jaxpar.reshard import flat_paths, flatten_dict, match, nest
 
 STATE, META, CONFIG = "state", "meta", "config"
@@ -50,6 +51,11 @@ SAVE_DELAY_ENV = "JAXPAR_CHECKPOINT_TEST_DELAY"
 
 class CorruptCheckpoint(JaxparError):
     """A checkpoint folder that exists but cannot be read back."""
+
+
+class CheckpointSaveFailed(JaxparError):
+    """A save the file system refused (full disk, read-only folder); the checkpoints saved
+    before it are intact."""
 
 
 class CheckpointWarning(JaxparWarning):
@@ -88,6 +94,19 @@ def _quiet_asyncio() -> Iterator[None]:
     finally:
         gc.collect()  # the orphaned futures report when collected: do it while quiet
         log.setLevel(level)
+
+
+class _ReportedWriteFaults(logging.Filter):
+    """Drops orbax's logs of a save the file system refused (a full disk, a read-only
+    folder): :class:`Checkpointer` reports that as one line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not ((err is not None and write_fault(err))
+                    or write_fault(Exception(record.getMessage())))
+
+
+_WRITE_FAULT_FILTER = _ReportedWriteFaults()
 
 
 def _brief(err: BaseException) -> str:
@@ -138,6 +157,9 @@ class Checkpointer:
         self.directory = Path(directory).expanduser().absolute()
         self.every = every
         self._manager = _manager(self.directory, keep=keep, async_save=async_save)
+        self._saving: int | None = None  # the step of the last save started
+        self._failed = False
+        logging.getLogger("absl").addFilter(_WRITE_FAULT_FILTER)  # once: filters are a set
 
     @classmethod
     def from_config(cls, directory: str | Path, config: Any) -> Checkpointer:
@@ -148,7 +170,8 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, oldest first (waits for a save in
         flight)."""
-        self._manager.wait_until_finished()
+        with self._write_faults(None):
+            self._manager.wait_until_finished()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -178,12 +201,58 @@ class Checkpointer:
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
             CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
-        self._manager.save(step, args=args, force=True)
+        with self._write_faults(None):
+            self._manager.wait_until_finished()  # the save before writes its last bytes
+        need = self._bytes_needed(trainer.state)
+        free = free_bytes(self.directory)
+        if free < need:
+            raise self._fault(step, f"it needs about {human_bytes(need)} but only "
+                                    f"{human_bytes(free)} are free there")
+        self._saving = step
+        with self._write_faults(step):
+            self._manager.save(step, args=args, force=True)
         return time.perf_counter() - start
+
+    def _bytes_needed(self, state: Any) -> int:
+        """Disk space the next save takes: the newest checkpoint's size when there is one
+        (saves of one run have one size), else the arrays' bytes plus block slack."""
+        saved = self._manager.all_steps()
+        if saved:
+            folder = self.path(max(saved))
+            return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+        leaves = jax.tree.leaves(state)
+        return int(sum(x.nbytes for x in leaves) * 1.25) + 8192 * len(leaves) + (1 << 16)
+
+    def _fault(self, step: int | None, what: str) -> CheckpointSaveFailed:
+        self._failed = True
+        self._manager.reload()
+        done = sorted(s for s in self._manager.all_steps() if s != step)
+        kept = (f"checkpoints {done} are intact; free space (or lower checkpoint.keep) and "
+                f"continue with --resume" if done else "no checkpoint was saved before it")
+        which = f"checkpoint {step}" if step is not None else "a checkpoint"
+        return CheckpointSaveFailed(f"saving {which} into {self.directory} failed: {what}; "
+                                    f"{kept}")
+
+    @contextlib.contextmanager
+    def _write_faults(self, step: int | None) -> Iterator[None]:
+        """Turn a write the file system refused (now, or in the background save that this
+        call waits for) into one :class:`CheckpointSaveFailed` line."""
+        try:
+            yield
+        except CheckpointSaveFailed:
+            raise
+        except Exception as err:
+            fault = write_fault(err)
+            if fault is None:
+                raise
+            step = step if step is not None else self._saving
+            raise self._fault(step, f"{fault} ({human_bytes(free_bytes(self.directory))} "
+                                    f"free there)") from None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on disk."""
-        self._manager.wait_until_finished()
+        with self._write_faults(None):
+            self._manager.wait_until_finished()
 
     def in_flight(self) -> int | None:
         """The step of the save still being written in the background, or None."""
@@ -192,8 +261,14 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def close(self) -> None:
-        """Finish the save in flight and release the manager."""
-        self._manager.close()
+        """Finish the save in flight and release the manager (after a failed save, quietly:
+        the failure was reported already)."""
+        if self._failed:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+            return
+        with self._write_faults(None):
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -343,6 +418,7 @@ def read_only(source: str | Path) -> Checkpointer:
     directory = resolve_dir(source)
     reader = Checkpointer.__new__(Checkpointer)
     reader.directory, reader.every = directory, 0
+    reader._saving, reader._failed = None, False
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager will not save

@@ -10,12 +10,15 @@
   is restored by the next write). Files of the old folder the new contents do not replace
   (a README, a tokenizer copied earlier) are carried over; weight files of the old
   contents are not.
+* :func:`write_fault`, :func:`free_bytes`: name a write the file system refused (full
+  disk, read-only) so the caller can say so in one line, with the free space.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import re
@@ -60,6 +63,7 @@ class FolderLock:
         self.what = what
         self.say = say or (lambda text: print(f"jaxpar: {text}", file=sys.stderr))
         self.held = False
+        self._created: list[Path] = []
 
     def _holder(self) -> dict:
         try:
@@ -93,6 +97,8 @@ class FolderLock:
         Raises:
           JaxparError: when a running process holds it (or one on another host).
         """
+        self._created = [p for p in (self.path.parent, *self.path.parent.parents)
+                         if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.what,
                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -127,6 +133,9 @@ class FolderLock:
         if self.held and self._holder().get("pid") == os.getpid():
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            for folder in self._created:  # made for the lock and left empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         self.held = False
 
     def __enter__(self) -> FolderLock:
@@ -207,3 +216,45 @@ def staged_folder(target: str | Path, *, write: bool = True) -> Iterator[Path]:
         shutil.rmtree(aside, ignore_errors=True)
         return
     os.rename(staging, target)
+
+
+# --- writes that fail ----------------------------------------------------------------------
+_WRITE_FAULTS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "permission denied"}
+_FAULT_TEXT = re.compile(r"No space left on device|os_error_code='28'|Disk quota exceeded|"
+                         r"Read-only file system|Permission denied")
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a short figure (``1.5 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def write_fault(err: BaseException) -> str | None:
+    """What went wrong when ``err`` (or an exception it was raised from) is the file system
+    refusing a write (full disk, quota, read-only, permissions); None for anything else.
+    Reads the messages too: tensorstore and safetensors report ``ENOSPC`` as text."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _WRITE_FAULTS:
+            return _WRITE_FAULTS[err.errno]
+        found = _FAULT_TEXT.search(str(err))
+        if found:
+            text = found.group(0)
+            return "no space left on device" if "28" in text else text.lower()
+        err = err.__cause__ or err.__context__
+    return None

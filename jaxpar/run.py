@@ -304,6 +304,16 @@ def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
     if config.model.factory:  # the banner could only describe the built-in model
         n = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
         _say(f"model {config.model.factory}: {n / 1e6:.3g}M params")
+        if trainer.check_ids:  # the default loss: ids index the model's logits
+            vocab = trainer.vocabulary(trainer.global_batch(loader.batch(0)))
+            if vocab < config.model.vocab_size:
+                raise JaxparError(
+                    f"model.vocab_size={config.model.vocab_size}, but the logits of "
+                    f"model.factory={config.model.factory!r} have {vocab} entries: set "
+                    f"model.vocab_size={vocab} (the data's ids are checked against it) or "
+                    f"widen the model's output")
+    # The corpus was checked against model.vocab_size when it was loaded.
+    trainer.check_ids = False
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
             if out is not None else None)
     log: RunLog | None = None

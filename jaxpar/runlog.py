@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,8 @@ import numpy as np
 from jaxpar import monitor
 from jaxpar.assembly import learning_rate
 from jaxpar.config import Config
+from jaxpar.errors import JaxparError
+from jaxpar.folders import free_bytes, human_bytes, write_fault
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -64,13 +67,18 @@ class RunLog:
                                                    config.train.seq_len)
         self._peak = monitor.peak_flops_per_device()
         self._devices = jax.device_count()
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
         self._tensorboard: monitor.TensorBoardLog | None = None
+        self._out = out
         if out is not None and writer:
             path = out / "metrics.jsonl"
             if resumed_at is not None:
                 trim_metrics(path, resumed_at)
-            self._file = path.open("a" if resumed_at is not None else "w")
+            # One os.write per row on an O_APPEND descriptor: a row lands whole or not at
+            # all (a kill never leaves half a line for the next row to run into).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            self._fd = os.open(path, flags | (0 if resumed_at is not None else os.O_TRUNC),
+                               0o644)
             self._tensorboard = monitor.TensorBoardLog(out / "tensorboard")
 
     def enrich(self, metrics: dict[str, Any], step_time_s: float) -> dict[str, Any]:
@@ -95,19 +103,23 @@ class RunLog:
 
     def write(self, metrics: dict[str, Any]) -> None:
         """Append one row to ``metrics.jsonl`` and its scalars to TensorBoard."""
-        if self._file is not None:
+        if self._fd is not None:
             row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                    for k, v in metrics.items()}
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+            try:
+                os.write(self._fd, (json.dumps(row) + "\n").encode())
+            except OSError as err:
+                path = self._out / "metrics.jsonl"
+                raise JaxparError(f"writing {path} failed: {write_fault(err) or err} "
+                                  f"({human_bytes(free_bytes(path))} free there)") from None
         if self._tensorboard is not None:
             self._tensorboard.scalars(metrics["step"], monitor.tensorboard_tags(metrics))
 
     def close(self) -> None:
         """Flush and close the files."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None

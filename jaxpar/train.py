@@ -19,7 +19,7 @@ from a config is :mod:`jaxpar.assembly`'s job.
 from __future__ import annotations
 
 import contextlib
-import inspect
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,9 +30,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import loss as loss_lib
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import canonical_axis
+from jaxpar.objective import (
+    check_causal,
+    check_tokens,
+    first_id_outside,
+    id_outside_error,
+    lm_loss,
+    next_token_logits,
+    takes_rngs,
+)
 from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
 from jaxpar.plan import Plan, batch_names
 from jaxpar.precision import DynamicLossScale
@@ -42,82 +50,6 @@ Batch = Any
 """A pytree of arrays whose leaves share a leading batch dimension."""
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array]
-
-_CUSTOM_LOSS = ("pass your own loss: Trainer(..., loss_fn=fn) or train.loss: "
-                "package.module:function in a run config, with fn(model, batch) -> scalar")
-
-
-def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``.
-
-    The model is called as ``model(tokens[:, :-1])`` (with ``rngs=rngs`` when its
-    ``__call__`` takes ``rngs``) and must return logits ``(batch, seq, vocab)``, one row
-    per input position, position ``i`` seeing tokens ``0..i`` only: the Trainer checks
-    this once before the first step (:meth:`Trainer.check_default_loss`). A model may
-    instead compute the loss its own, memory-efficient way: when it has a
-    ``next_token_loss(tokens)`` method that returns a scalar (rather than None), that is
-    the loss (the reference :class:`~jaxpar.models.Transformer` does so with
-    ``model.loss_chunk > 0``, never materialising the full logits; see :mod:`jaxpar.loss`).
-
-    Raises:
-      JaxparError: when the batch is not a 2-D array of token ids, the model cannot be
-        called with the tokens alone, or its output is not shaped like next-token logits:
-        each message says what to pass instead.
-    """
-    _check_tokens(tokens)
-    own = getattr(model, "next_token_loss", None)
-    if callable(own) and (loss := own(tokens)) is not None:
-        return loss  # a scalar, or (scalar, metrics) for a mixture-of-experts model
-    logits = next_token_logits(model, tokens[:, :-1], rngs)
-    return loss_lib.cross_entropy(logits, tokens[:, 1:])
-
-
-def _check_tokens(tokens: Any) -> None:
-    if (not hasattr(tokens, "ndim") or tokens.ndim != 2
-            or not jnp.issubdtype(tokens.dtype, jnp.integer)):
-        what = (f"{tokens.dtype}{list(tokens.shape)}" if hasattr(tokens, "shape")
-                else type(tokens).__name__)
-        raise JaxparError(f"the default loss (next-token cross-entropy) takes token ids shaped "
-                          f"(batch, seq + 1), got a batch of {what}; {_CUSTOM_LOSS}")
-
-
-def _takes_rngs(fn: Callable) -> bool:
-    try:
-        return "rngs" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def next_token_logits(model: nnx.Module, inputs: jax.Array,
-                      rngs: nnx.Rngs | None = None) -> jax.Array:
-    """``model(inputs)`` as the default loss calls it, its logits checked for shape; a
-    model that cannot be called so gets a :class:`JaxparError` saying what to do."""
-    name = type(model).__name__
-    try:
-        inspect.signature(model.__call__).bind(inputs)
-    except TypeError as err:
-        raise JaxparError(f"the default loss calls model(tokens), but {name}.__call__ cannot "
-                          f"be called that way ({err}); {_CUSTOM_LOSS}") from None
-    except ValueError:  # no signature to read: just call it
-        pass
-    kwargs = {"rngs": rngs} if rngs is not None and _takes_rngs(model.__call__) else {}
-    try:
-        logits = model(inputs, **kwargs)
-    except TypeError as err:  # a wrapped (e.g. linen) model wanting other arguments
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise JaxparError(f"the default loss called {name}(tokens of shape "
-                          f"{tuple(inputs.shape)}) and it failed: {first}; a model that needs "
-                          f"other inputs needs its own loss: {_CUSTOM_LOSS}") from None
-    shape = getattr(logits, "shape", None)
-    if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(inputs.shape):
-        got = tuple(shape) if shape is not None else type(logits).__name__
-        raise JaxparError(
-            f"the default loss expects {name}(tokens of shape {tuple(inputs.shape)}) to return "
-            f"next-token logits shaped (batch, seq, vocab) = {tuple(inputs.shape)} + (vocab,), "
-            f"got {got}; a model that shifts its inputs itself or returns something else "
-            f"needs its own loss: {_CUSTOM_LOSS}")
-    return logits
-
 
 @contextlib.contextmanager
 def explained_model_errors(plan: Plan) -> Iterator[None]:
@@ -149,11 +81,6 @@ def explained_model_errors(plan: Plan) -> Iterator[None]:
         raise JaxparError(f"the model shards over mesh axis {name!r} inside its own code "
                           f"(reshard, with_sharding_constraint or out_sharding), but jaxpar's "
                           f"mesh axes are {axes}: {fix}") from None
-
-
-CAUSAL_TOLERANCE = 1e-4
-"""Largest change, relative to the logits' scale, that the default loss's causality check
-(:meth:`Trainer.check_default_loss`) reads as rounding rather than dependence."""
 
 
 def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -195,6 +122,13 @@ class Trainer:
         loss passes them on to a model whose ``__call__`` takes ``rngs``). Models that keep
         ``nnx.Rngs`` as attributes need none of this: their streams advance step by step.
 
+      check_ids: with the default loss, check every batch's token ids against the
+        model's vocabulary (``model.config.vocab_size``, else its logits' last dimension)
+        before the step or evaluation runs: one reduction on the devices, compiled once
+        per batch shape. An id out of range (which would otherwise corrupt the weights
+        for good, or be silently wrapped) raises :class:`JaxparError` naming its row,
+        position and value. ``jaxpar train`` checks its corpus once and turns this off.
+
     Modes: each step runs the model in train mode (``model.train()``: dropout on, batch
     statistics updated) and :meth:`eval_loss` in eval mode, whatever mode the model was
     given in.
@@ -209,10 +143,14 @@ class Trainer:
         loss_fn: LossFn = lm_loss,
         trainable: Any = nnx.Param,
         seed: int = 0,
+        check_ids: bool = True,
     ):
         self.plan = plan
         self.seed = seed
-        self._loss_rngs = _takes_rngs(loss_fn)
+        self.check_ids = check_ids and loss_fn is lm_loss
+        self._vocab: int | None = None
+        self._id_checks: dict[Any, Callable] = {}
+        self._loss_rngs = takes_rngs(loss_fn)
         self._loss_checked = loss_fn is not lm_loss
         self.policy = plan.precision
         self.optimizer = optimizer
@@ -485,7 +423,7 @@ class Trainer:
             return
         self._loss_checked = True
         batch = self._as_global(batch)
-        _check_tokens(batch)
+        check_tokens(batch)
         model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
         seq = batch.shape[1] - 1
         if seq < 2 or callable(getattr(model, "next_token_loss", None)):
@@ -505,20 +443,41 @@ class Trainer:
 
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             diff, scale = jax.device_get(jax.jit(changed_logits)(self.state, batch))
-        tol = CAUSAL_TOLERANCE * max(float(scale), 1e-30)
-        if diff[:t].max() > tol:
-            raise JaxparError(
-                f"the default loss needs a causal model, but {name}'s logits at positions "
-                f"before {t} change when input token {t} changes: it sees later tokens (a "
-                f"bidirectional or unmasked model), so next-token training would teach it to "
-                f"copy; {_CUSTOM_LOSS}")
-        if diff[t] <= tol:
-            raise JaxparError(
-                f"the default loss feeds {name} tokens[:, :-1] and scores its logits at "
-                f"position i against token i + 1, but changing input token {t} leaves the "
-                f"logits at position {t} unchanged: the model shifts its inputs itself, so "
-                f"the default loss would train it to skip a token; {_CUSTOM_LOSS} (and feed "
-                f"it the whole sequence)")
+        check_causal(name, diff, float(scale), t)
+
+    def vocabulary(self, batch: Batch) -> int:
+        """The model's vocabulary size: ``model.config.vocab_size`` when it has one (the
+        reference model), else the last dimension of its logits on ``batch``."""
+        if self._vocab is None:
+            model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+            size = getattr(getattr(model, "config", None), "vocab_size", None)
+            if not isinstance(size, int):
+                def logits(state, tokens):
+                    model = self._merged(state["params"], state["frozen"])
+                    model.eval()
+                    return next_token_logits(model, tokens[:, :-1], nnx.Rngs(0))
+
+                with self.plan.activate(mesh_context=True), \
+                        explained_model_errors(self.plan):
+                    size = int(jax.eval_shape(logits, self.state, batch).shape[-1])
+            self._vocab = size
+        return self._vocab
+
+    def _check_token_ids(self, batch: Batch) -> None:
+        """Refuse a batch holding ids outside the vocabulary (see ``check_ids``)."""
+        if not self.check_ids:
+            return
+        check_tokens(batch)
+        vocab = self.vocabulary(batch)
+        check = self._id_checks.get(batch.shape)
+        if check is None:
+            check = jax.jit(functools.partial(first_id_outside, vocab=vocab),
+                            out_shardings=self.plan.replicated)
+            self._id_checks[batch.shape] = check
+        with self.plan.activate(mesh_context=True):
+            at, value = (int(x) for x in jax.device_get(check(batch)))
+        if at >= 0:
+            raise id_outside_error(value, *divmod(at, batch.shape[1]), vocab)
 
     def step_async(self, batch: Batch) -> dict[str, jax.Array]:
         """One optimisation step, dispatched without waiting for it: the returned metrics
@@ -526,6 +485,7 @@ class Trainer:
         the devices until fetched (``jax.device_get``), so the host can prepare the next
         batch, or dispatch the next steps, while this one runs."""
         batch = self._as_global(batch)
+        self._check_token_ids(batch)
         if not self._loss_checked:
             self.check_default_loss(batch)
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
@@ -545,6 +505,7 @@ class Trainer:
     def eval_loss(self, batch: Batch) -> float:
         """Loss on a batch without updating anything (the model in eval mode)."""
         batch = self._as_global(batch)
+        self._check_token_ids(batch)
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             return float(self._steps(batch)[1](self.state, batch))
 

@@ -19,13 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import AbstractMesh
 
 from jaxpar import remat
 from jaxpar.annotate import pairs
-from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config, hf_folder
+from jaxpar.config import MESH_SIZE_KEYS, OPTIMIZERS, Config, DataConfig, hf_folder
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import MESH_AXES, mesh_sizes
+from jaxpar.models.config import TransformerConfig
 from jaxpar.pipeline import Schedule
 from jaxpar.plan import CONTEXT_ATTENTION
 from jaxpar.precision import Policy
@@ -153,6 +155,11 @@ def _check_relations(config: Config) -> None:
                    "folder")
     if d.tokenizer:
         _check_tokenizer(d.tokenizer, d.source, d.field)
+    elif d.field != DataConfig.field:
+        raise JaxparError(f"data.field={d.field!r} picks the text of .jsonl records for "
+                          "data.tokenizer, which is not set: set data.tokenizer (without "
+                          "one, the file's raw bytes are the tokens)")
+    _check_unused_model_knobs(config)
     hf = hf_folder(config.init_from)
     if hf is not None and not (hf / "config.json").is_file():
         raise _bad("init_from", config.init_from, "is not a Hugging Face model folder (no "
@@ -160,6 +167,24 @@ def _check_relations(config: Config) -> None:
     if config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
+
+
+_MOE_KNOBS = ("experts_per_token", "expert_d_ff", "expert_capacity", "n_shared_experts",
+              "router_aux_loss", "router_z_loss")
+
+
+def _check_unused_model_knobs(config: Config) -> None:
+    """Knobs that would do nothing in this model are mistakes, not no-ops."""
+    model = config.model
+    if model.factory:
+        return
+    defaults = TransformerConfig()
+    if not model.n_experts:
+        for name in _MOE_KNOBS:
+            if getattr(model, name) != getattr(defaults, name):
+                raise JaxparError(f"model.{name}={getattr(model, name)!r} configures experts, "
+                                  "but model.n_experts=0 (a dense model): set "
+                                  "model.n_experts or drop the knob")
 
 
 def _check_tokenizer(tokenizer: str, source: str, field: str) -> None:
@@ -199,6 +224,11 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
             f"data-parallel size {dp} ({axes} under plan.rules={p.rules}): use a multiple "
             f"of {dp * p.microbatches}")
     _check_sequence_and_experts(config, sizes)
+    if config.model.attention == "cudnn" and not config.model.factory \
+            and jax.default_backend() != "gpu":
+        raise JaxparError(f"model.attention='cudnn' needs an NVIDIA GPU (cuDNN), but this "
+                          f"run's backend is {jax.default_backend()}: use "
+                          "model.attention=auto (the best this backend has)")
     if sizes["stage"] > 1:
         if config.model.factory:
             raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory "
@@ -245,6 +275,12 @@ def _check_sequence_and_experts(config: Config, sizes: dict[str, int]) -> None:
         raise JaxparError("model.n_experts > 0 with mesh.stage > 1 is not supported yet: "
                           "train a mixture of experts with expert, fsdp, tensor or context "
                           "parallelism")
+    if sizes["expert"] > 1 and model.n_experts and not model.factory \
+            and model.expert_capacity == 0:
+        raise JaxparError(f"model.expert_capacity=0 (dropless experts) with mesh.expert="
+                          f"{sizes['expert']} is not supported: the dropless path would "
+                          "gather every expert on every device; give a capacity factor "
+                          "(e.g. model.expert_capacity=1.25) or set mesh.expert=1")
     if (sizes["expert"] > 1 and model.n_experts and not model.factory
             and model.n_experts % sizes["expert"]):
         raise JaxparError(f"model.n_experts={model.n_experts} is not divisible by "

@@ -158,6 +158,19 @@ CASES = [
          ("train.seq_len=36", "mesh.context=4", "multiple of 8")),
     Case("context_attention_unknown", [*TRAIN, "plan.context_attention=ulysses"],
          ("plan.context_attention='ulysses'", "ring")),
+    Case("experts_per_token_dense", [*TRAIN, "model.experts_per_token=7"],
+         ("model.experts_per_token=7", "model.n_experts=0")),
+    Case("dropless_on_expert_axis", [*TRAIN, "mesh.expert=4", "mesh.data=2",
+                                     "model.n_experts=4", "model.expert_capacity=0"],
+         ("model.expert_capacity=0", "mesh.expert=4")),
+    Case("field_without_tokenizer", [*TRAIN, "data.field=body"],
+         ("data.field='body'", "data.tokenizer")),
+    Case("cudnn_on_cpu", [*TRAIN, "model.attention=cudnn"],
+         ("model.attention='cudnn'", "cpu", "model.attention=auto")),
+    Case("factory_logits_narrower_than_vocab",
+         [*TRAIN, "mesh.data=8", "model.factory=tests.user_models:llama_like",
+          "model.kwargs={{d: 32, heads: 4, kv_heads: 2, ff: 64}}"],
+         ("model.vocab_size=256", "64 entries")),
     Case("prior_run_unknown_key", [*TRAIN, "model.d_modle=32"], ("model.d_modle",),
          setup=prior_run),
     # --- config files ---------------------------------------------------------------------
@@ -291,12 +304,13 @@ def _prepare(case: Case, tmp: Path) -> list[str]:
 
 
 def _snapshot(root: Path) -> dict[str, tuple[bool, int, int]]:
-    """Every path under ``root`` (and root) with (is a folder, size, mtime)."""
+    """Every path under ``root`` (and root) with (is a folder, size, mtime); folders'
+    mtimes are left out (a run folder made for a lock and removed again changes nothing)."""
     out = {}
     for p in [root, *root.rglob("*")]:
         st = p.stat()
-        out[str(p.relative_to(root))] = (p.is_dir(), 0 if p.is_dir() else st.st_size,
-                                         st.st_mtime_ns)
+        out[str(p.relative_to(root))] = ((True, 0, 0) if p.is_dir()
+                                         else (False, st.st_size, st.st_mtime_ns))
     return out
 
 

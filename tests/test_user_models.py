@@ -464,6 +464,22 @@ def test_default_loss_refuses_models_it_would_train_wrongly(devices, model, matc
     assert "loss_fn" in str(err.value) and trainer.step_count == 0
 
 
+@pytest.mark.parametrize("bad,value", [(um.VOCAB, um.VOCAB), (-3, -3)])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_step(devices, bad, value):
+    trainer = make_trainer("llama", "fsdp")
+    before = jax.device_get(trainer.state["params"])
+    batch = tokens()
+    batch[5, 9] = bad
+    for run in (trainer.step, trainer.eval_loss):
+        with pytest.raises(jaxpar.JaxparError, match=rf"token id {value} at batch row 5, "
+                           rf"position 9 is outside the model's vocabulary \[0, {um.VOCAB}\)"):
+            run(batch)
+    assert trainer.step_count == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.state["params"]),
+                 before)
+    assert np.isfinite(trainer.step(tokens())["loss"])  # a good batch still trains
+
+
 @pytest.mark.parametrize("model", [um.AttentionDropoutLM, um.CallTimeRngsLM])
 def test_steps_run_in_train_mode_and_eval_in_eval_mode(devices, model):
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2}, devices=jax.devices()[:2]),
