@@ -26,9 +26,10 @@ from jaxpar.plan import Plan
 
 M = TypeVar("M", bound=nnx.Module)
 
-__all__ = ["ReplicationWarning", "init_sharded", "key_str", "linen_shardings",
+__all__ = ["HeadSplitWarning", "ReplicationWarning", "init_sharded", "key_str", "linen_shardings",
            "logical_names", "mostly_replicated", "param_table", "path_str", "prepare_model",
-           "replication_report", "state_shardings", "variable_spec", "warn_if_replicated"]
+           "replication_report", "split_heads", "state_shardings", "variable_spec",
+           "warn_if_heads_split", "warn_if_replicated"]
 
 
 class ReplicationWarning(JaxparWarning):
@@ -166,6 +167,59 @@ def warn_if_replicated(plan: Plan, state: nnx.State) -> dict[str, Any]:
                 "jaxpar.annotate(model, [(path_regex, names), ...]) or plan.annotations.",
                 ReplicationWarning, stacklevel=3)
     return report
+
+
+class HeadSplitWarning(JaxparWarning):
+    """A fused heads dimension is split across devices inside a head."""
+
+
+HEAD_COUNTS = {"heads": ("num_attention_heads", "n_heads", "num_heads"),
+               "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads")}
+"""Where a model's ``config`` keeps the head counts, per logical name."""
+
+
+def split_heads(plan: Plan, model: nnx.Module) -> list[tuple[str, str, int, int]]:
+    """Parameters whose ``heads``/``kv_heads`` dimension fuses several heads
+    (``heads x head_dim`` in one axis) and is split over more devices than it has heads,
+    or over a count that does not divide them, so a device holds part of a head: ``(path,
+    name, heads, ways)``. The head counts come from ``model.config`` (:data:`HEAD_COUNTS`);
+    without them nothing is reported. A dimension that holds one entry per head is
+    judged by the rules' own divisibility check instead."""
+    config = getattr(model, "config", None)
+    counts = {name: next((v for k in keys if isinstance(v := getattr(config, k, None), int)),
+                         None) for name, keys in HEAD_COUNTS.items()}
+    counts["kv_heads"] = counts["kv_heads"] or counts["heads"]
+    if not any(counts.values()):
+        return []
+    found = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = logical_names(variable)
+        if not names:
+            continue
+        spec = variable_spec(plan, variable, path_str(path))
+        shape = variable.get_value().shape
+        for dim, name in enumerate(names):
+            heads = counts.get(name) if isinstance(name, str) else None
+            if not heads or dim >= len(spec) or shape[dim] == heads or shape[dim] % heads:
+                continue
+            axes = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+            ways = math.prod(plan.mesh.shape[a] for a in axes if a is not None)
+            if ways > 1 and heads % ways:
+                found.append((path_str(path), name, heads, ways))
+    return found
+
+
+def warn_if_heads_split(plan: Plan, model: nnx.Module) -> None:
+    """Warn, naming the parameters, when :func:`split_heads` finds any."""
+    found = split_heads(plan, model)
+    if found:
+        path, name, heads, ways = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        warnings.warn(
+            f"jaxpar: {path}{more}: its {name} dimension fuses {heads} heads and is split "
+            f"{ways} ways, so a device holds part of a head (attention then needs extra "
+            f"communication); use a mesh axis of a size that divides {heads} for {name}, "
+            f"or give the heads their own dimension", HeadSplitWarning, stacklevel=3)
 
 
 def linen_shardings(plan: Plan, boxed: Any) -> Any:

@@ -41,7 +41,12 @@ from jaxpar.objective import (
     next_token_logits,
     takes_rngs,
 )
-from jaxpar.partitioning import prepare_model, state_shardings, warn_if_replicated
+from jaxpar.partitioning import (
+    prepare_model,
+    state_shardings,
+    warn_if_heads_split,
+    warn_if_replicated,
+)
 from jaxpar.plan import Plan, batch_names
 from jaxpar.precision import DynamicLossScale
 from jaxpar.zero import formula_bytes, per_device_bytes, zero_shardings
@@ -159,6 +164,7 @@ class Trainer:
         prepare_model(model, plan)
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
         self.replication = warn_if_replicated(plan, nnx.state(model))
+        warn_if_heads_split(plan, model)
         dp_axes = plan.data_parallel_axes
         with plan.activate():
             base_sh = state_shardings(plan, params)

@@ -558,3 +558,41 @@ def test_cli_train_inspect_plan_on_a_user_factory(factory_config, tmp_path):
     assert proc.returncode == 0, proc.stderr
     plans = json.loads(proc.stdout)
     assert plans and all(p["mesh"]["stage"]["size"] == 1 for p in plans)
+
+
+# --- fused heads: split per head, or a warning naming the weight ---------------------------
+
+
+class FusedKV(nnx.Module):
+    """K and V projections fused to (embed, kv_heads * head_dim), as many ports write them;
+    the head counts live in a config object, Hugging Face style."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        import types
+
+        self.config = types.SimpleNamespace(num_attention_heads=8, num_key_value_heads=4)
+        init = nnx.initializers.lecun_normal()
+        self.embed = nnx.Embed(um.VOCAB, 32, rngs=rngs)
+        self.kv = nnx.Linear(32, 4 * 8, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("embed", "kv_heads")))
+        self.head = nnx.Linear(32, um.VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.kv(x).mean(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("tensor,warns", [(8, True), (4, False)])
+def test_fused_heads_split_inside_a_head_are_named(devices, tensor, warns):
+    mesh = jaxpar.make_mesh({"tensor": tensor}, devices=jax.devices()[:tensor])
+    plan = jaxpar.Plan.from_preset(mesh, "tp")
+    model = jaxpar.init_sharded(lambda: FusedKV(rngs=nnx.Rngs(0)), plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jaxpar.Trainer(model, optax.sgd(0.1), plan)
+    found = [str(w.message) for w in caught if "fuses" in str(w.message)]
+    if warns:
+        assert len(found) == 1 and found[0].startswith(
+            "jaxpar: kv/kernel: its kv_heads dimension fuses 4 heads and is split 8 ways"), found
+    else:
+        assert not found, found
