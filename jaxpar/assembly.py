@@ -60,9 +60,10 @@ def import_object(spec: str, what: str) -> Any:
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     """The learning-rate schedule: linear warmup to ``train.lr``, cosine decay to a tenth."""
+    warmup = max(cfg.warmup_steps, 1)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1),
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1,
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * 0.1,
     )
 
 
@@ -193,7 +194,7 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     if hf is not None:  # a Hugging Face model, read straight into the plan's shardings
         from jaxpar.hf import load
 
-        model = load(hf, plan=plan, pipeline=schedule)
+        model = load(hf, plan=plan, pipeline=schedule, config=config.model.transformer())
     else:
         model = init_sharded(model_factory(config, schedule), plan)
     if config.init_from and hf is None:  # weights of an earlier run, before LoRA wraps them

@@ -27,6 +27,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,7 +83,11 @@ def checked_train_config(args: argparse.Namespace) -> Config:
     from jaxpar.run import check_run_folder
     from jaxpar.validate import check_config
 
-    config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
+    source = args.config
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if source is None and args.resume and saved is not None and saved.is_file():
+        source = saved  # a resumed run continues under the config it was started with
+    config = load_config(source, args.overrides, keep_mesh=args.keep_mesh)
     check_config(config)
     check_run_folder(args.out, resume=args.resume, config=config)
     return config
@@ -200,25 +205,62 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
+    """``jaxpar sample``: the prompt, then the model's continuation as it is generated.
+
+    Prompt text the tokenizer has no token for is read as its unknown token (or left
+    out, by tokenizers without one) and said in one warning line; generated ids the
+    tokenizer has no text for print nothing and are counted in one warning line at the
+    end. ``--max-tokens`` is bounded by what the model attends to after the prompt
+    (``model.max_seq_len``); without it, 64 or what room is left.
+    """
     from jaxpar.errors import JaxparError
     from jaxpar.generate import check_run
 
     if not args.prompt:
         raise JaxparError("--prompt is empty: give the text to continue")
-    if args.max_tokens < 0:
+    if args.max_tokens is not None and args.max_tokens < 0:
         raise JaxparError(f"--max-tokens {args.max_tokens}: must be 0 or more")
     if not 0 <= args.temperature < float("inf"):
         raise JaxparError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
     if args.top_k < 0:
         raise JaxparError(f"--top-k {args.top_k}: must be 0 (every token) or positive")
     check_run(args.run)
-    from jaxpar.generate import TextCodec, load_run_model, sample_text
+    from jaxpar import generate as gen
 
-    model, config = load_run_model(args.run)
-    text = sample_text(model, TextCodec.for_config(config), args.prompt,
-                       max_new_tokens=args.max_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed)
-    print(text, flush=True)
+    config = gen.run_config(args.run)
+    codec = gen.TextCodec.for_config(config)
+    ids = gen.prompt_ids(codec, args.prompt, "--prompt")
+
+    def budget(room: tuple[int, str] | None) -> int | None:
+        """--max-tokens checked against the room after the prompt (None: not known yet)."""
+        if room is None:
+            return None
+        left, limit = room
+        if args.max_tokens is None and left > 0:
+            return min(64, left)
+        if left == 0 and args.max_tokens != 0:
+            raise JaxparError(f"--prompt is {len(ids)} tokens, which leaves no room to "
+                              f"generate within {limit}: shorten --prompt")
+        if args.max_tokens > left:
+            raise JaxparError(f"--max-tokens {args.max_tokens} is more than the model can "
+                              f"attend to after the prompt: {limit} minus the prompt's "
+                              f"{len(ids)} tokens leaves {left}")
+        return args.max_tokens
+
+    max_tokens = budget(gen.context_room(config, len(ids)))  # before the model is built
+    model, _ = gen.load_run_model(args.run)
+    if max_tokens is None:  # a model.factory model: its limit is known once built
+        max_tokens = budget(gen.context_room(config, len(ids), model))
+    tokens = gen.generate_iter(model, ids, max_new_tokens=max_tokens,
+                               temperature=args.temperature, top_k=args.top_k,
+                               seed=args.seed, eos_id=codec.eos_id)
+    stream = gen.TextStream(codec, ids)
+    print(args.prompt, end="", flush=True)
+    for token in tokens:
+        piece = stream.push(token)
+        if piece:
+            print(piece, end="", flush=True)
+    print(stream.finish(), flush=True)
     return 0
 
 
@@ -226,7 +268,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     sample = sub.add_parser("sample", help="continue a prompt with a trained run's model")
     sample.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
     sample.add_argument("--prompt", required=True, help="text to continue")
-    sample.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    sample.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens to generate, at most model.max_seq_len minus the "
+                             "prompt's (default: 64, or fewer when that is less)")
     sample.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (the most likely token); higher: more random")
     sample.add_argument("--top-k", type=int, default=0,
@@ -333,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a config")
-    train.add_argument("--config", help="YAML config file (defaults apply without one)")
+    train.add_argument("--config", help="YAML config file (without one: the run folder's "
+                       "config.yaml with --resume, else the defaults)")
     train.add_argument("--devices", type=_devices, help="simulate N CPU devices")
     train.add_argument("--out", help="run folder for config.yaml, metrics.jsonl, checkpoints/")
     train.add_argument("--resume", action="store_true",

@@ -371,7 +371,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *
         if not isinstance(data, dict):
             raise JaxparError(f"config file {str(path)!r} must hold a mapping of sections")
     data = apply_overrides(data, overrides, keep_mesh=keep_mesh)
-    return with_hf_model(_build(Config, data))
+    given = [key[len("model."):] for key, _ in map(parse_override, overrides)
+             if key.startswith("model.")]
+    return with_hf_model(_build(Config, data), given)
 
 
 HF_PREFIX = "hf:"
@@ -383,19 +385,21 @@ def hf_folder(init_from: str) -> Path | None:
         HF_PREFIX) else None
 
 
-def with_hf_model(config: Config) -> Config:
+def with_hf_model(config: Config, given: Iterable[str] = ()) -> Config:
     """With ``init_from: hf:PATH``, the config whose ``model`` section is the model of
-    ``PATH/config.json`` (architecture and sizes replace the YAML's; how attention is
-    computed, ``model.attention``, stays the YAML's); any other config unchanged. A
-    missing folder is left for the validator to report."""
+    ``PATH/config.json`` (architecture and sizes replace the YAML's; how attention and the
+    loss are computed stay the YAML's); any other config unchanged. ``given``: the
+    ``model.*`` keys set by overrides, each of which must agree with ``config.json`` or
+    leave the weights alone (see :func:`jaxpar.hf.families.merge_model`). A missing folder
+    is left for the validator to report."""
     folder = hf_folder(config.init_from)
     if folder is None or not (folder / "config.json").is_file():
         return config
     if config.model.factory:
         raise JaxparError(f"init_from={config.init_from!r} loads into jaxpar's decoder; it "
                           f"cannot initialise model.factory={config.model.factory!r}")
-    from jaxpar.hf.families import read_config, runtime_fields
+    from jaxpar.hf.families import merge_model, read_config
 
     hf_model, _ = read_config(folder)
-    fields = {**vars(hf_model), **runtime_fields(config.model)}
-    return dataclasses.replace(config, model=ModelConfig(**fields))
+    model = merge_model(hf_model, config.model, given, str(folder / "config.json"))
+    return dataclasses.replace(config, model=ModelConfig(**vars(model)))

@@ -10,13 +10,18 @@ worker runs the same command and JAX finds its peers itself.
 ``jaxpar launch --processes 2 --devices-per-process 4 -- train ...`` does this on one
 machine for tests and laptops: it starts the processes with simulated CPU devices and gloo
 collectives, prefixes their output with ``[i]``, and when one fails stops the others and
-returns its exit status.
+returns its exit status, naming the process that failed first and its error line. It sets
+each process's ``--devices`` (from ``--devices-per-process``), ``--coordinator``,
+``--num-processes`` and ``--process-id`` itself: the same flags after ``--`` are refused
+before any process starts. Each process runs :func:`child_main`, which exits as soon as
+its command fails rather than wait for the others at ``jax.distributed``'s shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,10 +100,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*:")
+"""The last line of a Python traceback: ``jax.errors.JaxRuntimeError: ...``."""
+
+
+def _is_error(line: str) -> bool:
+    """Whether an output line is a failure's one-line summary: jaxpar's ``jaxpar: error:``
+    line, or the last line of a Python traceback (``SomeError: ...``)."""
+    return line.startswith("jaxpar: error:") or bool(_EXCEPTION.match(line))
+
+
+def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock,
+          errors: list[str], said: list[float]) -> None:
+    """Copy ``stream`` to ``out`` line by line with ``prefix``; the newest line that looks
+    like an error (:func:`_is_error`) is kept as ``errors[0]``, and the time of the first
+    ``jaxpar: error:`` line as ``said[0]``."""
     for line in stream:
+        line = line.rstrip("\n")
+        if _is_error(line.strip()):
+            errors[:] = [line.strip()]
+            if line.startswith("jaxpar: error:") and not said:
+                said.append(time.monotonic())
         with lock:
-            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.write(prefix + line + "\n")
             out.flush()
 
 
@@ -119,36 +143,60 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as shells say
 
 
+def first_failure(exits: Mapping[int, tuple[float, int]],
+                  said: Mapping[int, float] | None = None) -> int | None:
+    """The index of the process that failed first. ``exits`` maps a process index to its
+    (exit time, exit code), ``said`` to when it printed its ``jaxpar: error:`` line (a
+    process can take a while to exit after that); among those that exited with a
+    non-zero code the earliest wins (ties: the lower index)."""
+    said = said or {}
+    failed = sorted((min(when, said.get(i, when)), i) for i, (when, code) in exits.items()
+                    if code != 0)
+    return failed[0][1] if failed else None
+
+
 def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]] | None = None,
             *, prefixes: Sequence[str] | None = None, out: TextIO | None = None,
             grace_s: float = 5.0) -> int:
     """Run the commands at once, streaming their merged output line by line with prefixes.
 
     Returns 0 when all succeed; as soon as one fails, the others are stopped (SIGTERM,
-    then SIGKILL after ``grace_s``) and its exit status is returned.
+    then SIGKILL after ``grace_s``) and its exit status is returned. The process blamed
+    is the one that failed first (:func:`first_failure`: the others often fail after it,
+    of a collective that lost its peer); one line on stderr names it with its last
+    error line (``jaxpar: error: ...``, or a traceback's last line).
     """
     out = out or sys.stdout
     prefixes = prefixes or [f"[{i}] " for i in range(len(commands))]
     lock = threading.Lock()
     procs, threads = [], []
+    exits: dict[int, tuple[float, int]] = {}
+    errors: list[list[str]] = [[] for _ in commands]
+    said: list[list[float]] = [[] for _ in commands]
+
+    def wait(i: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        exits[i] = (time.monotonic(), code)
+
     for i, cmd in enumerate(commands):
         proc = subprocess.Popen(list(cmd), env=dict(envs[i]) if envs else None,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", bufsize=1)
         procs.append(proc)
-        thread = threading.Thread(target=_pump, args=(proc.stdout, prefixes[i], out, lock),
-                                  daemon=True)
-        thread.start()
-        threads.append(thread)
+        for target, args in ((_pump, (proc.stdout, prefixes[i], out, lock, errors[i],
+                                     said[i])),
+                             (wait, (i, proc))):
+            thread = threading.Thread(target=target, args=args, daemon=True)
+            thread.start()
+            threads.append(thread)
     status, culprit = 0, None
     try:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                culprit, status = failed[0][0], _exit_status(failed[0][1])
+            culprit = first_failure(dict(exits), {i: t[0] for i, t in enumerate(said) if t})
+            if culprit is not None:
+                status = _exit_status(exits[culprit][1])
                 break
-            if all(c == 0 for c in codes):
+            if len(exits) == len(procs):
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -158,21 +206,58 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
         for t in threads:
             t.join(timeout=5)
     if culprit is not None and len(procs) > 1:
+        detail = f": {errors[culprit][0]}" if errors[culprit] else ""
         with lock:
-            print(f"jaxpar launch: process {culprit} exited with status {status}; "
-                  "stopped the others", file=sys.stderr)
+            print(f"jaxpar launch: process {culprit} failed first (exit status {status})"
+                  f"{detail}; stopped the others", file=sys.stderr)
     return status
 
 
-def _check_child(cmd: list[str], processes: int) -> None:
-    """Refuse a ``train`` command whose arguments or config are wrong before starting any
-    process (one error line, not one per process)."""
+def _conflicts(child: argparse.Namespace, args: argparse.Namespace) -> list[str]:
+    """The child's flags that ``jaxpar launch`` sets itself, each named with launch's flag."""
+    found = []
+    if child.devices is not None and child.devices != args.devices_per_process:
+        found.append(f"train --devices {child.devices} (after --) conflicts with launch "
+                     f"--devices-per-process {args.devices_per_process}: give the devices "
+                     "of each process with --devices-per-process alone")
+    own = {"--coordinator": child.coordinator, "--num-processes": child.num_processes,
+           "--process-id": child.process_id}
+    given = [f"{flag} {value}" for flag, value in own.items() if value is not None]
+    if given:
+        found.append(f"train {', '.join(given)} (after --) conflicts with launch "
+                     f"--processes {args.processes}: jaxpar launch sets --coordinator, "
+                     "--num-processes and --process-id of each process itself; drop them")
+    return found
+
+
+def _check_child(cmd: list[str], args: argparse.Namespace) -> list[str]:
+    """The ``train`` command each process runs, with ``--devices`` of launch's
+    ``--devices-per-process``; refused before any process starts (one error line, not
+    one per process) when its arguments or config are wrong or it sets what launch does.
+    """
     from jaxpar.cli import checked_train_config, parse_args
     from jaxpar.validate import check_config
 
     child = parse_args(cmd)  # a bad argument exits 2 with one line, as jaxpar train would
+    conflicts = _conflicts(child, args)
+    if conflicts:
+        raise JaxparError("; ".join(conflicts))
+    if child.devices is None:
+        cmd = [cmd[0], "--devices", str(args.devices_per_process), *cmd[1:]]
     config = checked_train_config(child)
-    check_config(config, devices=child.devices * processes, processes=processes)
+    check_config(config, devices=args.devices_per_process * args.processes,
+                 processes=args.processes)
+    return cmd
+
+
+def child_processes(cmd: Sequence[str], processes: int, port: int
+                    ) -> tuple[list[list[str]], list[dict[str, str]]]:
+    """The command lines and environments of the ``processes`` that run the jaxpar command
+    ``cmd`` (e.g. ``["train", ...]``) together, with the coordinator on ``port``."""
+    envs = [dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                 **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+                    ENV_PROCESS_ID: str(i)}) for i in range(processes)]
+    return [[sys.executable, "-m", "jaxpar.launch", *cmd] for _ in range(processes)], envs
 
 
 def command(args: argparse.Namespace) -> int:
@@ -188,13 +273,35 @@ def command(args: argparse.Namespace) -> int:
                           f"not {cmd[0]!r}")
     if args.processes < 1 or args.devices_per_process < 1:
         raise JaxparError("--processes and --devices-per-process must be at least 1")
-    if not any(a == "--devices" or a.startswith("--devices=") for a in cmd):
-        cmd[1:1] = ["--devices", str(args.devices_per_process)]
-    _check_child(cmd, args.processes)
-    port = args.port or free_port()
-    n = args.processes
-    envs = [dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                 **{ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(n),
-                    ENV_PROCESS_ID: str(i)}) for i in range(n)]
-    commands = [[sys.executable, "-m", "jaxpar.cli", *cmd] for _ in range(n)]
+    cmd = _check_child(cmd, args)
+    commands, envs = child_processes(cmd, args.processes, args.port or free_port())
     return run_all(commands, envs)
+
+
+def child_main(argv: Sequence[str]) -> None:
+    """One launched process: ``jaxpar`` with ``argv``. A failure exits at once with its
+    status, without the shutdown barrier of ``jax.distributed`` (which would wait for the
+    other processes, and so hide which one failed first)."""
+    from jaxpar.cli import main
+
+    try:
+        status = main(argv)
+    except SystemExit as stop:  # argparse, or sys.exit in a command
+        code = stop.code
+        status = code if isinstance(code, int) else 0 if code is None else 1
+        if status and not isinstance(code, int):
+            print(code, file=sys.stderr)
+    except BaseException:  # a bug: its traceback, as Python would show it
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    if status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])

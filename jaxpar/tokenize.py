@@ -104,6 +104,24 @@ def eos_id(tokenizer: Tokenizer, folder: str | Path | None = None) -> int:
                       "tokenizer_config.json names an eos_token")
 
 
+def unknown_pieces(tokenizer: Tokenizer, text: str) -> tuple[list[str], list[str]]:
+    """What ``tokenizer`` has no token for in ``text``: the pieces it encodes as its
+    unknown token (a word for a word-level tokenizer, a character for most others), and
+    the characters, other than white space, it encodes as nothing at all (dropped, as a
+    BPE tokenizer without an unknown token does). Each is listed once, in order."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    unk_token = getattr(tokenizer.model, "unk_token", None)
+    unk = tokenizer.token_to_id(unk_token) if unk_token else None
+    unknown = [text[start:end] for token_id, token, (start, end)
+               in zip(encoding.ids, encoding.tokens, encoding.offsets, strict=True)
+               # A Unigram model's unknown id keeps the text as its token string.
+               if token_id == unk or tokenizer.id_to_token(token_id) != token]
+    chars = [c for c in dict.fromkeys(text) if not c.isspace()]
+    alone = tokenizer.encode_batch(chars, add_special_tokens=False) if chars else []
+    dropped = [c for c, e in zip(chars, alone, strict=True) if not e.ids]
+    return list(dict.fromkeys(p for p in unknown if p)), dropped
+
+
 def data_files(source: str) -> list[Path]:
     """The files of ``source`` (itself, or a folder's files recursively, sorted, without
     hidden files, hidden folders or jaxpar's caches)."""

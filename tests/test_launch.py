@@ -2,6 +2,7 @@
 process with 8 devices, and the launcher's handling of failures and bad arguments."""
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -13,9 +14,10 @@ import numpy as np
 import pytest
 
 import jaxpar
+import jaxpar.launch as launch
 from jaxpar.assembly import build_trainer
 from jaxpar.checkpoint import Checkpointer, flat_paths
-from jaxpar.launch import command, initialize, run_all
+from jaxpar.launch import command, first_failure, initialize, run_all
 from jaxpar.run import train
 from tests.helpers import MESH_2X2X2, SMALL, without_cache
 
@@ -90,3 +92,56 @@ def test_launch_and_initialize_errors(monkeypatch):
     with pytest.raises(jaxpar.JaxparError, match="--process-id 2 is not in"):
         initialize("127.0.0.1:1234", 2, 2)
     assert initialize() is False  # a plain single-process run
+
+
+def test_first_failure_is_the_earliest_failed_exit():
+    # (exit time, exit code) per process: 0 failed last (a collective that lost its peer).
+    assert first_failure({0: (9.0, 1), 1: (2.0, 2), 2: (1.0, 0)}) == 1
+    assert first_failure({0: (3.0, 1), 1: (3.0, 2)}) == 0  # a tie: the lower index
+    assert first_failure({0: (1.0, 0), 1: (2.0, 0)}) is None
+    # 1 printed its jaxpar: error: line at 0.5 and took until 4.0 to exit.
+    assert first_failure({0: (3.0, 1), 1: (4.0, 2)}, {1: 0.5}) == 1
+    assert first_failure({0: (3.0, 0), 1: (4.0, 0)}, {1: 0.5}) is None
+    assert first_failure({}) is None
+
+
+INJECT = """
+import sys
+import jaxpar.run
+from jaxpar.errors import JaxparError
+def train(*args, **kwargs):
+    raise JaxparError("data.source 'shard-1.txt': a bad input only process 1 sees")
+jaxpar.run.train = train
+from jaxpar.launch import child_main
+child_main(sys.argv[1:])
+"""
+"""Process 1's command: ``jaxpar train`` whose training fails at once, after the
+processes have joined (process 0 goes on, into a collective that process 1 never joins)."""
+
+
+def test_launch_names_the_process_that_failed_first(monkeypatch, capsys):
+    made = launch.child_processes
+
+    def child_processes(cmd, processes, port):
+        commands, envs = made(cmd, processes, port)
+        assert commands[1][1:3] == ["-m", "jaxpar.launch"]
+        commands[1] = [sys.executable, "-c", INJECT, *commands[1][3:]]
+        return commands, [without_cache(env) for env in envs]
+
+    monkeypatch.setattr(launch, "child_processes", child_processes)
+    monkeypatch.setattr(launch, "run_all", functools.partial(run_all, grace_s=1))
+    args = argparse.Namespace(processes=2, devices_per_process=1, port=0, command_args=[
+        "--", "train", "--config", "configs/tiny.yaml", "model.d_model=32",
+        "model.n_layers=1", "model.d_ff=64", "train.seq_len=16", "train.global_batch=8",
+        "train.steps=2", "data.max_bytes=100000"])
+    start = time.monotonic()
+    code = command(args)
+    took = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert code == 2, out[-3000:] + err
+    assert "[1] jaxpar: error: data.source 'shard-1.txt'" in out
+    assert err == ("jaxpar launch: process 1 failed first (exit status 2): jaxpar: error: "
+                   "data.source 'shard-1.txt': a bad input only process 1 sees; stopped "
+                   "the others\n"), err
+    # Process 1 exits at once (not at the end of process 0's 30 s collective timeout).
+    assert took < 25, took

@@ -13,9 +13,12 @@ the per-layer tensors are stacked (or laid out by pipeline stage) as they are re
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,11 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from safetensors import SafetensorError
 
 from jaxpar import pipeline as pipeline_lib
 from jaxpar.errors import JaxparError
-from jaxpar.folders import staged_folder
+from jaxpar.folders import free_bytes, human_bytes, staged_folder, write_fault
 from jaxpar.hf import families, layout
 from jaxpar.hf.families import read_config
 from jaxpar.hf.safetensors_io import SafetensorsFolder, write_shards
@@ -114,17 +118,26 @@ def _view_sharding(sharding: jax.sharding.Sharding, tensor: layout.Tensor, lead:
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:lead], *view))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("out_sharding",))
-def _to_jaxpar_layout(array: jax.Array, perm: tuple[int, ...], dtype: np.dtype, *,
-                      out_sharding) -> jax.Array:
-    return jax.lax.with_sharding_constraint(array.transpose(perm).astype(dtype), out_sharding)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3), static_argnames=("out_sharding",))
+def _to_jaxpar_layout(array: jax.Array, perm: tuple[int, ...], dtype: np.dtype, lead: int, *,
+                      out_sharding) -> tuple[jax.Array, jax.Array]:
+    """The array in jaxpar's layout and dtype, and how many of its values are not finite
+    (one count per layer of a stacked array: the ``lead`` stack dimensions), replicated."""
+    out = jax.lax.with_sharding_constraint(array.transpose(perm).astype(dtype), out_sharding)
+    bad = jnp.sum(~jnp.isfinite(out), axis=tuple(range(lead, out.ndim)), dtype=jnp.int32)
+    if isinstance(out_sharding, NamedSharding):
+        bad = jax.lax.with_sharding_constraint(bad, NamedSharding(out_sharding.mesh,
+                                                                  PartitionSpec()))
+    return out, bad
 
 
 def _read_array(reader: _Reader, tensor: layout.Tensor, shape: tuple[int, ...],
-                sharding: jax.sharding.Sharding, dtype: np.dtype) -> jax.Array:
+                sharding: jax.sharding.Sharding, dtype: np.dtype
+                ) -> tuple[jax.Array, jax.Array]:
     """One parameter of ``shape`` and ``dtype`` in ``sharding``: this process reads (once)
     the box spanning its devices' shards of the Hugging Face view-layout array, each device
-    takes its part of that in the stored dtype, and the devices transpose and cast."""
+    takes its part of that in the stored dtype, and the devices transpose and cast. With it,
+    its count of values that are not finite (per layer: see :func:`_to_jaxpar_layout`)."""
     lead = len(shape) - len(tensor.perm)
     view_shape = shape[:lead] + tensor.view
     view_sharding = _view_sharding(sharding, tensor, lead)
@@ -143,7 +156,32 @@ def _read_array(reader: _Reader, tensor: layout.Tensor, shape: tuple[int, ...],
     view = jax.make_array_from_callback(view_shape, view_sharding, cut)
     reader.start()
     perm = tuple(range(lead)) + tuple(lead + p for p in tensor.perm)
-    return _to_jaxpar_layout(view, perm, dtype, out_sharding=sharding)
+    return _to_jaxpar_layout(view, perm, dtype, lead, out_sharding=sharding)
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+"""Stored dtypes read as weights; integer, boolean and 8-bit float tensors are refused."""
+
+
+def _check_finite(folder: Path, counts: list[tuple[layout.Tensor, jax.Array]],
+                  stack: tuple[int, ...]) -> None:
+    """Refuse weights with NaN or infinite values, naming the first tensor that has some."""
+    bad = [(t, np.asarray(c.addressable_data(0))) for t, c in counts]
+    bad = [(t, c) for t, c in bad if c.any()]
+    if not bad:
+        return
+    tensor, count = bad[0]
+    name = tensor.name
+    if tensor.per_layer:  # the first layer with any: stacked [l] or pipelined [r, s]
+        where = tuple(int(i) for i in np.argwhere(count)[0])
+        layer = where[0] if len(where) == 1 else where[0] * stack[1] + where[1]
+        name, count = layout.layer_name(tensor, layer), count[where]
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    n = int(count.sum())
+    raise JaxparError(f"{folder}: tensor {name!r} holds {n} NaN or infinite "
+                      f"value{'s' if n > 1 else ''}{more}; jaxpar refuses weights that are not "
+                      "finite (a damaged checkpoint, or one saved in a dtype too narrow for "
+                      "its values)")
 
 
 def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
@@ -166,15 +204,31 @@ def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
         raise JaxparError(f"{folder.folder}: tensor {extra[0]!r} is not part of jaxpar's "
                           f"decoder ({len(extra)} unexpected tensors)")
     for name, shape in expected.items():
-        stored, _ = folder.info(name)
+        stored, dtype = folder.info(name)
+        if dtype not in FLOAT_DTYPES:
+            raise JaxparError(f"{folder.folder}: tensor {name!r} is stored as {dtype}; jaxpar "
+                              f"reads float weights ({', '.join(FLOAT_DTYPES)}), not integer "
+                              "or quantized ones")
         if stored != shape:
             raise JaxparError(f"{folder.folder}: tensor {name!r} has shape {stored}, the "
                               f"config implies {shape}")
 
 
+def check_tensors(path: str | Path) -> None:
+    """Check the Hugging Face folder ``path`` without reading any weight: its config, and
+    every tensor it needs present with its shape and a float dtype (see :func:`load`).
+
+    Raises:
+      JaxparError: naming the key or tensor that does not fit.
+    """
+    cfg, _ = read_config(path)
+    with SafetensorsFolder(path) as folder:
+        _check_names(folder, layout.tensors(cfg), cfg)
+
+
 def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
-         pipeline: pipeline_lib.Schedule | None = None, stats: dict | None = None
-         ) -> Transformer:
+         pipeline: pipeline_lib.Schedule | None = None, stats: dict | None = None,
+         config: TransformerConfig | None = None) -> Transformer:
     """The jaxpar decoder of a Hugging Face folder (``config.json`` + safetensors).
 
     Args:
@@ -186,11 +240,22 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
       pipeline: the pipeline schedule when the plan's mesh has stages (default: one
         microbatch per stage, as many repeats as layers allow).
       stats: if given, receives ``bytes_read`` (what this process read).
+      config: the decoder config to build (default: the folder's); it must describe the
+        folder's model, and may differ only in fields that leave the weights and what they
+        compute alone (:data:`~jaxpar.hf.families.COMPATIBLE_FIELDS`: how attention and the
+        loss are computed, ``max_seq_len``).
 
     Raises:
-      JaxparError: naming the file, architecture, option or tensor that does not fit.
+      JaxparError: naming the file, architecture, option or tensor that does not fit, a
+        tensor stored as integers or holding NaN or infinite values, or a ``config`` field
+        that conflicts with the folder's.
     """
     cfg, _ = read_config(path)
+    if config is not None:
+        fields = [f.name for f in dataclasses.fields(TransformerConfig)]
+        cfg = families.merge_model(
+            cfg, config, [n for n in fields if getattr(config, n) != getattr(cfg, n)],
+            str(Path(path) / "config.json"))
     stages = plan.mesh.shape.get("stage", 1) if plan is not None else 1
     if stages > 1 and pipeline is None:
         pipeline = pipeline_lib.Schedule.for_model(cfg.n_layers, stages)
@@ -215,13 +280,17 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
     with SafetensorsFolder(path) as folder:
         _check_names(folder, list(by_path.values()), cfg)
         reader = _Reader(folder, stack)
+        counts = []
         for key, variable in flat_state.items():
             name = path_str(key)
             if name not in by_path:
                 raise AssertionError(f"no Hugging Face tensor for jaxpar parameter {name}")
             tensor, shape = by_path[name], variable.get_value().shape
             sharding = flat_shardings[key].get_value()
-            variable.set_value(_read_array(reader, tensor, shape, sharding, np_dtype))
+            array, bad = _read_array(reader, tensor, shape, sharding, np_dtype)
+            variable.set_value(array)
+            counts.append((tensor, bad))
+        _check_finite(folder.folder, counts, stack)
         if stats is not None:
             stats["bytes_read"] = folder.bytes_read
     model = nnx.merge(graphdef, state)
@@ -273,6 +342,7 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
         raise JaxparError("the model has LoRA adapters: merge them first (jaxpar.lora.merge) "
                           "or save the adapters alone (jaxpar.hf.save_adapters)")
     cfg = model.config
+    families.to_hf(cfg, architecture)  # refused before anything is gathered or written
     schedule = getattr(model, "pipeline_schedule", None)
     params = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
@@ -298,7 +368,7 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
     writer = jax.process_index() == 0
     # Written whole into a hidden sibling and swapped in: a kill at any moment leaves the
     # earlier export (or none) or this one, never shards of one beside the other's config.
-    with staged_folder(folder, write=writer) as staging:
+    with writing(folder), staged_folder(folder, write=writer) as staging:
         write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
                      write=writer)
         if writer:
@@ -312,6 +382,27 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
     return folder
 
 
+@contextlib.contextmanager
+def writing(folder: Path) -> Iterator[None]:
+    """Turn a write the file system refuses (a full disk, a read-only or unwritable folder,
+    a path through a file) into one line naming ``folder`` and the free space there; the
+    folder's earlier contents are left as they were (see :func:`staged_folder`)."""
+    existed = folder.is_dir()
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        reason = write_fault(err)
+        if reason is None and not isinstance(err, OSError):
+            raise  # not the file system's refusal: a bug, shown whole
+        blocker = next((p for p in folder.absolute().parents if p.exists()), None)
+        if reason is None and blocker is not None and not blocker.is_dir():
+            reason = f"{blocker} is a file, not a folder"
+        reason = reason or err.strerror or str(err)
+        kept = (f"{folder} is left as it was" if existed else "nothing was written")
+        raise JaxparError(f"could not write {folder}: {reason} "
+                          f"({human_bytes(free_bytes(folder))} free there); {kept}") from None
+
+
 def copy_tokenizer(source: str | Path, folder: Path) -> None:
     """Copy a ``tokenizer.json`` (or a folder's tokenizer files) into ``folder``."""
     source = Path(source)
@@ -322,4 +413,4 @@ def copy_tokenizer(source: str | Path, folder: Path) -> None:
             shutil.copyfile(f, folder / f.name)
 
 
-__all__ = ["MAX_SHARD_BYTES", "copy_tokenizer", "load", "save"]
+__all__ = ["MAX_SHARD_BYTES", "check_tensors", "copy_tokenizer", "load", "save", "writing"]

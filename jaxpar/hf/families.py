@@ -35,6 +35,9 @@ _ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "
 def architecture_of(hf: dict[str, Any], source: str = "config.json") -> str:
     """The supported architecture named by a Hugging Face config, or an error naming it."""
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise JaxparError(f"{source}: architectures={archs!r} must be a list of names, "
+                          'e.g. ["LlamaForCausalLM"]')
     arch = archs[0] if archs else next(
         (a for a, t in ARCHITECTURES.items() if t == hf.get("model_type")), None)
     if arch not in ARCHITECTURES:
@@ -44,24 +47,63 @@ def architecture_of(hf: dict[str, Any], source: str = "config.json") -> str:
     return arch
 
 
+def _positive_int(hf: dict[str, Any], key: str, source: str, where: str = "") -> int | None:
+    """``hf[key]`` as a positive whole number (None when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise JaxparError(f"{source}: {where}{key}={value!r} must be a positive whole number")
+    return value
+
+
+def _positive_number(hf: dict[str, Any], key: str, source: str, default: float,
+                     where: str = "") -> float:
+    """``hf[key]`` as a positive finite number (``default`` when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not 0 < value < float("inf")):
+        raise JaxparError(f"{source}: {where}{key}={value!r} must be a positive number")
+    return float(value)
+
+
 def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise JaxparError(f"{source}: {key}={hf[key]!r} must be a mapping (or null)")
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
+    typed = lambda d: d.get("rope_type", d.get("type", "default")) not in ("default", None)
+    # Name the mapping that sets the type: its keys are the ones the message is about.
+    where = "rope_parameters" if typed(params) or not typed(scaling) else "rope_scaling"
     params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = _positive_number({**hf, **params}, "rope_theta", source, 10000.0)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    out: dict[str, Any] = {"rope_theta": float(theta)}
+    out: dict[str, Any] = {"rope_theta": theta}
     if kind == "default":
         return out
     if kind not in ("linear", "llama3"):
         raise JaxparError(f"{source}: rope type {kind!r} is not supported (jaxpar has "
                           "default, linear and llama3)")
-    out["rope_scaling"] = kind
-    out["rope_factor"] = float(params["factor"])
+    needed = ["factor"]
     if kind == "llama3":
-        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
-        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
-        out["rope_original_max_len"] = int(params["original_max_position_embeddings"])
+        needed += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    missing = [k for k in needed if params.get(k) is None]
+    if missing:
+        also = f" (type {kind!r} needs {', '.join(needed)})" if len(needed) > 1 else ""
+        raise JaxparError(f"{source}: {where} of type {kind!r} has no {missing[0]!r}{also}")
+    at = f"{where}."
+    out["rope_scaling"] = kind
+    out["rope_factor"] = _positive_number(params, "factor", source, 1.0, at)
+    if kind == "llama3":
+        out["rope_low_freq_factor"] = _positive_number(params, "low_freq_factor", source, 1.0,
+                                                       at)
+        out["rope_high_freq_factor"] = _positive_number(params, "high_freq_factor", source,
+                                                        4.0, at)
+        out["rope_original_max_len"] = _positive_int(
+            params, "original_max_position_embeddings", source, at)
     return out
 
 
@@ -79,28 +121,54 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
     Raises:
       JaxparError: for an unsupported architecture or option, naming it.
     """
+    if not isinstance(hf, dict):
+        raise JaxparError(f"{source}: holds a JSON {type(hf).__name__}, not the object of "
+                          "keys a Hugging Face config.json is")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"]
+        method = method.get("quant_method", "?") if isinstance(method, dict) else method
+        raise JaxparError(f"{source}: quantization_config (quant_method {method!r}): "
+                          "jaxpar reads unquantized float checkpoints only")
     arch = architecture_of(hf, source)
     family = ARCHITECTURES[arch]
+    sizes = {}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
         if key not in hf:
             raise JaxparError(f"{source}: missing {key!r}")
+        sizes[key] = _positive_int(hf, key, source)
+        if sizes[key] is None:
+            raise JaxparError(f"{source}: {key}=null must be a positive whole number")
     _refuse(hf, source, attention_bias=False, mlp_bias=False, pretraining_tp=(1, None),
             use_sliding_window=(False, None), use_bidirectional_attention=(False, None))
     act_key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
     act = hf.get(act_key, "silu")
-    if act not in _ACTIVATIONS:
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise JaxparError(f"{source}: {act_key}={act!r} is not supported (jaxpar has "
                           f"{', '.join(_ACTIVATIONS)})")
-    heads = hf["num_attention_heads"]
+    tie = hf.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        raise JaxparError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
+    heads, d = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = _positive_int(hf, "num_key_value_heads", source) or heads
+    head_dim = _positive_int(hf, "head_dim", source)
+    if head_dim is None and d % heads:
+        raise JaxparError(f"{source}: hidden_size={d} is not divisible by "
+                          f"num_attention_heads={heads} (and there is no head_dim)")
+    if heads % kv_heads:
+        raise JaxparError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+    head_dim = head_dim or d // heads
+    if head_dim % 2:
+        raise JaxparError(f"{source}: head_dim={head_dim} must be even (rotary embeddings "
+                          "rotate pairs of dimensions)")
+    max_len = _positive_int(hf, "max_position_embeddings", source)
     fields: dict[str, Any] = dict(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
-        n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma")),
+        vocab_size=sizes["vocab_size"], d_model=d, d_ff=sizes["intermediate_size"],
+        n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=kv_heads,
+        head_dim=head_dim, max_seq_len=max_len or 2048,
+        norm_eps=_positive_number(hf, "rms_norm_eps", source, 1e-6),
+        tie_embeddings=tie if tie is not None else family == "gemma",
         mlp_activation=_ACTIVATIONS[act],
         **_rope(hf, source),
     )
@@ -109,10 +177,13 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
     if family == "qwen3":
         fields["qk_norm"] = True
     if family == "mistral" and hf.get("sliding_window"):
-        fields["sliding_window"] = int(hf["sliding_window"])
+        fields["sliding_window"] = _positive_int(hf, "sliding_window", source)
     if family == "gemma":
         fields.update(norm_offset=1.0, embed_scale=True)
-    return TransformerConfig(**fields), arch
+    try:
+        return TransformerConfig(**fields), arch
+    except JaxparError as err:  # what is left: a combination the decoder refuses
+        raise JaxparError(f"{source}: {err}") from None
 
 
 def read_config(path: str | Path) -> tuple[TransformerConfig, str]:
@@ -138,6 +209,74 @@ Hugging Face config neither has nor needs them."""
 def runtime_fields(cfg: TransformerConfig) -> dict[str, Any]:
     """``cfg``'s :data:`RUNTIME_FIELDS`."""
     return {k: getattr(cfg, k) for k in RUNTIME_FIELDS}
+
+
+COMPATIBLE_FIELDS = (*RUNTIME_FIELDS, "max_seq_len")
+"""Decoder fields an override may set on a Hugging Face model: they change neither its
+weights nor what it computes (``max_seq_len`` only bounds the sequence length)."""
+
+HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "d_ff": "intermediate_size",
+           "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+           "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+           "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+           "norm_eps": "rms_norm_eps", "sliding_window": "sliding_window"}
+"""Decoder fields -> the ``config.json`` keys they are read from, for messages."""
+
+
+def check_overrides(hf_cfg: TransformerConfig, given: dict[str, Any], source: str
+                    ) -> dict[str, Any]:
+    """The overrides in ``given`` (decoder field -> value) that a model read from a Hugging
+    Face config may take (:data:`COMPATIBLE_FIELDS`); the others must equal ``hf_cfg``'s.
+
+    Raises:
+      JaxparError: for the first override that conflicts with the checkpoint's config,
+        naming both values (``model.d_model=64 conflicts with hidden_size=32 in ...``).
+    """
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    compatible = {}
+    for name, value in given.items():
+        if name in COMPATIBLE_FIELDS:
+            compatible[name] = value
+            continue
+        if name not in names:
+            raise JaxparError(f"model.{name}: the model is the one {source} "
+                              "describes (jaxpar's decoder), which has no such setting")
+        have = getattr(hf_cfg, name)
+        if name == "head_dim" and value == 0:  # 0: d_model // n_heads, as the config's
+            value = hf_cfg.d_model // hf_cfg.n_heads
+        if value != have:
+            where = (f"{HF_KEYS[name]}={_shown(have)} in {source}" if name in HF_KEYS
+                     else f"model.{name}={_shown(have)} of the model {source} describes")
+            raise JaxparError(f"model.{name}={_shown(given[name])} conflicts with {where}; "
+                              "the model's shape and kind come from the checkpoint (only "
+                              f"{', '.join('model.' + k for k in COMPATIBLE_FIELDS)} may be "
+                              "set)")
+    return compatible
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def merge_model(hf_cfg: TransformerConfig, model: TransformerConfig, given: Any = (),
+                source: str = "config.json") -> TransformerConfig:
+    """The model of a run that starts from a Hugging Face checkpoint: ``hf_cfg`` with
+    ``model``'s :data:`RUNTIME_FIELDS` and the fields named in ``given`` (the ``model.*``
+    overrides the user gave) when they are compatible (see :func:`check_overrides`).
+
+    When ``model`` already is ``hf_cfg``'s model (every field outside
+    :data:`COMPATIBLE_FIELDS` equal: a config merged before, or a run's saved config), its
+    compatible fields are kept too, so merging again changes nothing.
+    """
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    values = {n: getattr(model, n) if n in names else None for n in given}
+    kept = dict(runtime_fields(model))
+    if all(getattr(model, n) == getattr(hf_cfg, n) for n in names - set(COMPATIBLE_FIELDS)):
+        kept.update({n: getattr(model, n) for n in COMPATIBLE_FIELDS})
+    kept.update(check_overrides(hf_cfg, values, source))
+    return dataclasses.replace(hf_cfg, **kept)
 
 
 def family_of(cfg: TransformerConfig) -> str:
@@ -170,7 +309,16 @@ def family_of(cfg: TransformerConfig) -> str:
 
 def to_hf(cfg: TransformerConfig, architecture: str | None = None,
           dtype: str = "float32") -> dict[str, Any]:
-    """The ``config.json`` dict that makes ``transformers`` build the same model as ``cfg``."""
+    """The ``config.json`` dict that makes ``transformers`` build the same model as ``cfg``.
+
+    Raises:
+      JaxparError: when no supported architecture expresses ``cfg`` exactly (a mixture of
+        experts, a combination of options no one family has).
+    """
+    if cfg.n_experts:
+        raise JaxparError(f"model.n_experts={cfg.n_experts}: jaxpar writes only dense decoders "
+                          f"as Hugging Face models ({', '.join(ARCHITECTURES)}); a "
+                          "mixture-of-experts model has no layout there")
     arch = architecture or family_of(cfg)
     if arch not in ARCHITECTURES:
         raise JaxparError(f"architecture {arch!r} is not supported; choose one of "

@@ -21,7 +21,7 @@ import numpy as np
 from jaxpar.errors import JaxparError
 from jaxpar.folders import staged_folder
 from jaxpar.hf import layout
-from jaxpar.hf.convert import host_array
+from jaxpar.hf.convert import host_array, writing
 from jaxpar.models.transformer import Transformer
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -94,7 +94,7 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         "base_model_name_or_path": base_model or None,
     }
     folder = Path(path)
-    with staged_folder(folder, write=jax.process_index() == 0) as staging:
+    with writing(folder), staged_folder(folder, write=jax.process_index() == 0) as staging:
         if jax.process_index() == 0:
             save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
