@@ -109,6 +109,16 @@ class _ReportedWriteFaults(logging.Filter):
 _WRITE_FAULT_FILTER = _ReportedWriteFaults()
 
 
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _keys_as_data(flat: dict[str, Any]) -> dict[str, Any]:
+    """Typed PRNG keys (an ``nnx.Rngs`` a model holds) as their ``uint32`` key data, which
+    orbax can store; :meth:`Checkpointer.restore` wraps them back."""
+    return {k: jax.random.key_data(v) if _is_key(v) else v for k, v in flat.items()}
+
+
 def _brief(err: BaseException) -> str:
     text = " ".join(str(err).split()).split(" See full TensorStore details")[0]
     return f"{type(err).__name__}: {text[:300]}"
@@ -197,7 +207,7 @@ class Checkpointer:
                          "global_batch": config.train.global_batch if config else None},
                 "processes": jax.process_count(), "devices": mesh.size,
                 "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage}
-        state = nest(flat_paths(trainer.state))
+        state = nest(_keys_as_data(flat_paths(trainer.state)))
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
             CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
@@ -387,7 +397,11 @@ class Checkpointer:
 
     def _restore_step(self, trainer: Any, step: int) -> dict[str, Any]:
         target = flat_paths(trainer.state)
-        values, meta = self.read(step, target, stages=trainer.plan.mesh.shape["stage"])
+        values, meta = self.read(step, _keys_as_data(target),
+                                 stages=trainer.plan.mesh.shape["stage"])
+        for k, leaf in target.items():  # typed PRNG keys were stored as their key data
+            if _is_key(leaf):
+                values[k] = jax.random.wrap_key_data(values[k], impl=jax.random.key_impl(leaf))
         treedef = jax.tree_util.tree_structure(trainer.state)
         state = jax.tree_util.tree_unflatten(treedef, [values[k] for k in target])
         if int(state["step"]) != step:

@@ -15,56 +15,161 @@ input, plus what jaxpar needs to reach inside it:
   (``"auto"``) the outputs of numbered user blocks (``h_0``, ``layers_3``, ``"0"``: the
   way linen models name repeated blocks) are pinned, as :mod:`jaxpar.layouts` does for
   NNX models.
-* **LoRA** on ``nn.Dense`` layers by path (:meth:`LinenModel.add_adapters`, reached
-  through :func:`jaxpar.lora.apply`): ``nnx.LoRAParam`` adapters held by the wrapper, named
-  like the kernel they adapt (so sharded like it), added to the layer's output by the same
-  interception.
+* **LoRA** on ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers by path
+  (:meth:`LinenModel.add_adapters`, reached through :func:`jaxpar.lora.apply`):
+  ``nnx.LoRAParam`` adapters held by the wrapper, ``A`` over the kernel's contracted
+  input dimensions and ``B`` over its output dimensions, named like the kernel's own
+  dimensions plus ``"lora_rank"`` (so sharded like it), added to the layer's output by the
+  same interception. :func:`jaxpar.lora.merge` folds them into the kernels.
+* **Export.** :meth:`LinenModel.linen_params` gives the trained weights back as the
+  linen params tree (host arrays, adapters folded in), for ``module.apply`` or a
+  Hugging Face Flax model's ``save_pretrained(folder, params=...)``;
+  :meth:`LinenModel.save_hf` writes them as a PyTorch ``transformers`` folder (safetensors
+  named by the rule transformers' own Flax-to-PyTorch conversion follows).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
-from flax import nnx
-from flax.nnx import bridge
+from flax import nnx, traverse_util
+from flax.nnx import bridge, variablelib
+from jax.experimental import multihost_utils
 
-from jaxpar.annotate import logical_names, path_str
+from jaxpar import quant
+from jaxpar.annotate import logical_names
 from jaxpar.errors import JaxparError
 from jaxpar.layouts import BLOCK_OUTPUT, _constrain_leaf
+from jaxpar.quant import ProjectionSpec
 
 MODE_ARGS = {"deterministic": False, "train": True, "training": True, "is_training": True}
 """Call-time mode arguments linen modules take, and whether ``True`` means training."""
 
 _NUMBERED = re.compile(r"(^|_)\d+$")
 
+PROJECTIONS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+"""The linen layers LoRA adapts."""
+
+RANK_AXIS = "lora_rank"
+"""Logical name of the adapters' rank dimension (as :mod:`jaxpar.lora` names it)."""
+
+
+class LinenRngKey(nnx.Variable):
+    """Raw key data of one of the linen module's RNG streams (``params``, ``dropout``)."""
+
+
+class LinenRngCount(nnx.RngCount):
+    """Calls made with that stream, folded into its key (an RNG counter, so whatever
+    carries ``nnx.RngCount`` state across steps carries it too)."""
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` on this host (gathered from other processes if it must be)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+_TORCH_LEAF = {"embedding": "weight", "scale": "weight"}
+
+
+def _torch_name(path: tuple[str, ...], ndim: int) -> tuple[str, tuple[int, ...]]:
+    """The PyTorch name of a linen param and the permutation that lays it out so."""
+    leaf, perm = path[-1], tuple(range(ndim))
+    if leaf == "kernel":
+        if ndim not in (2, 4):
+            raise JaxparError(f"save_hf: {'/'.join(path)} is a {ndim}-D kernel, which has no "
+                              "PyTorch layout (2-D Dense and 4-D Conv kernels have)")
+        leaf, perm = "weight", (1, 0) if ndim == 2 else (3, 2, 0, 1)
+    return ".".join((*path[:-1], _TORCH_LEAF.get(leaf, leaf))), perm
+
+
+def _tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+def projection_spec(module: nn.Module, args: tuple = (), kwargs: dict | None = None
+                    ) -> ProjectionSpec | None:
+    """The einsum view of a linen ``nn.Dense`` (``...i,io->...o``), ``nn.DenseGeneral``
+    (input ``axis`` contracted, ``batch_dims`` shared) or ``nn.Einsum`` (its equation,
+    given at construction or at call time), as :mod:`jaxpar.quant` describes NNX
+    projections; None for any other module."""
+    if isinstance(module, nn.Dense):
+        return quant.LINEAR_SPEC
+    if isinstance(module, nn.DenseGeneral):
+        return quant.linear_general_spec(_tuple(module.axis), len(_tuple(module.features)),
+                                         _tuple(module.batch_dims))
+    if isinstance(module, nn.Einsum):
+        kwargs = kwargs or {}
+        equation = kwargs.get("einsum_str") or (args[1] if len(args) > 1 else None)
+        return quant.parse_einsum(equation or module.einsum_str)
+    return None
+
 
 class LoraAdapter(nnx.Module):
-    """Low-rank adapter of one linen ``nn.Dense``: ``y += dropout-free x @ A @ B * scale``."""
+    """Low-rank adapter of one linen projection: ``y += einsum(einsum(x, A), B) * scale``.
 
-    def __init__(self, kernel: nnx.Variable, rank: int, alpha: float, key: jax.Array):
+    ``A`` is ``(*shared, *in_dims, rank)`` and ``B`` is ``(*shared, rank, *out_dims)``,
+    where ``in_dims`` are the kernel dimensions the layer contracts with its input,
+    ``out_dims`` those that reach only its output and ``shared`` those in input, kernel
+    and output alike (``nn.DenseGeneral``'s ``batch_dims``); each carries the kernel's own
+    logical name for that dimension, the rank ``"lora_rank"``.
+    """
+
+    def __init__(self, kernel: nnx.Variable, spec: ProjectionSpec, rank: int, alpha: float,
+                 key: jax.Array, path: str = ""):
         w = kernel.get_value()
-        names = logical_names(kernel, w.ndim) or (None, None)
-        fan_in, fan_out = w.shape
-        a = jax.random.normal(key, (fan_in, rank), jnp.float32) / math.sqrt(fan_in)
+        if w.ndim != len(spec.kernel):
+            raise JaxparError(f"cannot adapt {path}: its {w.ndim}-D kernel does not fit its "
+                              f"einsum {spec.equation!r} (layers stacked by nn.scan or "
+                              "nn.vmap are not supported)")
+        names = logical_names(kernel, w.ndim) or (None,) * w.ndim
+        size = dict(zip(spec.kernel, w.shape, strict=True))
+        name = dict(zip(spec.kernel, names, strict=True))
+        r = spec.free_letters(1)
+        a_dims = spec.shared + spec.in_letters
+        b_dims = spec.shared + r + spec.out_letters
+        fan_in = math.prod(size[c] for c in spec.in_letters)
+        dtype = w.dtype if jnp.issubdtype(w.dtype, jnp.floating) else jnp.float32
+        a = jax.random.normal(key, tuple(size[c] for c in a_dims) + (rank,), jnp.float32)
+        b_shape = tuple(rank if c == r else size[c] for c in b_dims)
         annotated = any(n is not None for n in names)
+
+        def sharding(dims: str) -> dict:
+            return ({"out_sharding": tuple(RANK_AXIS if c == r else name[c] for c in dims)}
+                    if annotated else {})
+
         with nnx.use_eager_sharding(False):
-            self.lora_a = nnx.LoRAParam(a.astype(w.dtype), **(
-                {"out_sharding": (names[0], "lora_rank")} if annotated else {}))
-            self.lora_b = nnx.LoRAParam(jnp.zeros((rank, fan_out), w.dtype), **(
-                {"out_sharding": ("lora_rank", names[1])} if annotated else {}))
+            self.lora_a = nnx.LoRAParam((a / math.sqrt(fan_in)).astype(dtype),
+                                        **sharding(a_dims + r))
+            self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, dtype), **sharding(b_dims))
         self.scale = float(alpha) / rank
+        low = "".join(c for c in spec.x if c not in spec.in_letters) + r
+        self.equation_a = f"{spec.x},{a_dims}{r}->{low}"
+        self.equation_b = f"{low},{b_dims}->{spec.out}"
+        self.equation_w = f"{a_dims}{r},{b_dims}->{spec.kernel}"
 
     def delta(self, x: jax.Array) -> jax.Array:
+        """The adapter's contribution to the layer's output for input ``x``."""
         a, b = self.lora_a[...], self.lora_b[...]
         dtype = jnp.result_type(x.dtype, a.dtype)
-        return (x.astype(dtype) @ a.astype(dtype)) @ b.astype(dtype) * self.scale
+        low = jnp.einsum(self.equation_a, x.astype(dtype), a.astype(dtype))
+        return jnp.einsum(self.equation_b, low, b.astype(dtype)) * self.scale
+
+    def weight_delta(self) -> jax.Array:
+        """``A @ B * scale`` laid out like the kernel (float32)."""
+        a, b = self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32)
+        return jnp.einsum(self.equation_w, a, b) * self.scale
 
 
 class LinenModel(nnx.Module):
@@ -78,13 +183,36 @@ class LinenModel(nnx.Module):
       layouts: ``(linen class name as "type:Name", or path regex; logical names)`` pairs,
         or ``"auto"``.
       adapters: LoRA adapters by linen module path (``h_0/attn/c_attn``).
+      rng_keys, rng_counts: the linen RNG streams (raw key data, calls made) by name.
+      linen_modules: ``(path, class name, einsum view or None)`` of every linen module the
+        example call ran, the projections LoRA can adapt having an einsum view.
     """
 
     def __init__(self, module: nn.Module, *example_args: Any, rngs: nnx.Rngs,
                  layouts: Sequence[tuple[str, Sequence[Any]]] | str = "auto",
                  mode_arg: str | None = None, **example_kwargs: Any):
         self.linen = bridge.ToNNX(module, rngs=rngs)
-        bridge.lazy_init(self.linen, *example_args, **example_kwargs)
+        seen: dict[str, tuple[str, ProjectionSpec | None]] = {}
+
+        def record(next_fun, args, kwargs, context):
+            sub = context.module
+            path = "/".join(str(p) for p in sub.path)
+            if context.method_name == "__call__" or path not in seen:
+                seen[path] = (type(sub).__qualname__, projection_spec(sub, args, kwargs))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            bridge.lazy_init(self.linen, *example_args, **example_kwargs)
+        # The RNG streams, held as raw key data and a counter (the way jaxpar.lora holds
+        # adapter dropout keys) instead of typed keys, so a checkpoint stores them as it
+        # stores any array; each call folds the counter in and advances it.
+        streams = dict(self.linen.to_nnx__rngs.items()) if self.linen.to_nnx__rngs else {}
+        self.rng_keys = nnx.Dict({name: LinenRngKey(jax.random.key_data(stream.key[...]))
+                                  for name, stream in streams.items()})
+        self.rng_counts = nnx.Dict({name: LinenRngCount(stream.count[...])
+                                    for name, stream in streams.items()})
+        self.linen.to_nnx__rngs = None
+        self.linen_modules = tuple((p, cls, spec) for p, (cls, spec) in sorted(seen.items()))
         if mode_arg is None:
             params = inspect.signature(module.__call__).parameters
             mode_arg = next((name for name in MODE_ARGS if name in params), None)
@@ -97,31 +225,155 @@ class LinenModel(nnx.Module):
         self.adapters = nnx.Dict()
 
     # --- LoRA -----------------------------------------------------------------------------
-    def dense_paths(self) -> list[str]:
-        """Paths of the linen ``nn.Dense``-shaped kernels (2-D ``kernel`` variables)."""
-        out = []
-        for path, var in nnx.to_flat_state(nnx.state(self.linen, nnx.Param)):
-            if path[-1] == "kernel" and getattr(var.get_value(), "ndim", 0) == 2:
-                out.append(path_str(path[:-1]))
-        return out
+    def _params(self) -> dict[tuple[str, ...], nnx.Variable]:
+        return {tuple(str(k) for k in p): v
+                for p, v in nnx.to_flat_state(nnx.state(self.linen, nnx.Param))}
+
+    def projection_paths(self) -> list[str]:
+        """Paths of the linen ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers
+        LoRA can adapt (``h_0/attn/query``)."""
+        return [p for p, _, spec in self.linen_modules if spec is not None]
 
     def add_adapters(self, target: str, rank: int, alpha: float, key: jax.Array) -> list[str]:
-        """Adapters for the ``nn.Dense`` layers whose path ``target`` matches; returns
-        their paths.
+        """Adapters for the projections whose path ``target`` matches (``re.search``);
+        returns their paths. Modules holding no parameter themselves (an
+        ``nn.MultiHeadDotProductAttention`` at ``attn``, a block) are passed over: their
+        projections are matched by their own paths.
 
         Raises:
-          JaxparError: when it matches none (the message lists the paths it could).
+          JaxparError: when it matches none (the message lists the paths it could), or a
+            module that holds parameters but is not a projection (``nn.Conv``,
+            ``nn.Embed``, a norm, a Hugging Face ``FlaxConv1D``); nothing is added then.
         """
         pattern = re.compile(target)
-        paths = [p for p in self.dense_paths() if pattern.search(p)]
+        params = self._params()
+        specs = {p: spec for p, _, spec in self.linen_modules if spec is not None}
+        classes = {p: cls for p, cls, _ in self.linen_modules}
+        owners = {"/".join(path[:-1]) for path in params}
+        bad = [f"{p or '<root>'} ({classes.get(p, 'unknown')})" for p in sorted(owners)
+               if p not in specs and pattern.search(p)]
+        if bad:
+            raise JaxparError(
+                f"LoRA target {target!r} matches linen modules that hold parameters but are "
+                f"not nn.Dense, nn.DenseGeneral or nn.Einsum: {', '.join(bad)}; narrow the "
+                f"regex (e.g. anchor it with '$'). Adaptable paths: {list(specs)}")
+        paths = [p for p in specs if pattern.search(p) and p in owners and p not in self.adapters]
         if not paths:
-            raise JaxparError(f"LoRA target {target!r} matches no nn.Dense layer of the linen "
-                              f"model; available paths: {self.dense_paths()}")
-        flat = dict(nnx.to_flat_state(nnx.state(self.linen, nnx.Param)))
-        for i, p in enumerate(paths):
-            kernel = flat[(*p.split("/"), "kernel")]
-            self.adapters[p] = LoraAdapter(kernel, rank, alpha, jax.random.fold_in(key, i))
+            done = list(self.adapters)
+            raise JaxparError(f"LoRA target {target!r} matches no nn.Dense, nn.DenseGeneral or "
+                              f"nn.Einsum layer of the linen model; available paths: "
+                              f"{[p for p in specs if p not in self.adapters]}"
+                              + (f"; already adapted: {done}" if done else ""))
+        new = {p: LoraAdapter(params[(*p.split("/"), "kernel")], specs[p], rank, alpha,
+                              jax.random.fold_in(key, i), p) for i, p in enumerate(paths)}
+        for p, adapter in new.items():  # all built first: a failure leaves the model as it was
+            self.adapters[p] = adapter
         return paths
+
+    def merge_adapters(self, dtype: Any = None) -> list[str]:
+        """Fold every adapter into its kernel (``W + A @ B * scale``, computed in float32,
+        stored as ``dtype`` or the kernel's own) and drop the adapters; returns their
+        paths. :func:`jaxpar.lora.merge` calls it for a linen model.
+
+        Raises:
+          JaxparError: when the model has no adapters.
+        """
+        if not self.adapters:
+            raise JaxparError("model has no LoRA adapters to merge")
+        params = self._params()
+        paths = list(self.adapters)
+        for p in paths:
+            kernel = params[(*p.split("/"), "kernel")]
+            w = kernel.get_value()
+            merged = w.astype(jnp.float32) + self.adapters[p].weight_delta()
+            kernel.set_value(merged.astype(dtype or w.dtype))
+        self.adapters = nnx.Dict()
+        return paths
+
+    # --- export ---------------------------------------------------------------------------
+    def _weights(self) -> dict[tuple[str, ...], jax.Array]:
+        """Every param as the linen module computes with it (adapters folded in, float32
+        sums cast back to the kernel's dtype), on the devices."""
+        out = {path: var.get_value() for path, var in self._params().items()}
+        for p, adapter in self.adapters.items():
+            key = (*p.split("/"), "kernel")
+            w = out[key]
+            out[key] = (w.astype(jnp.float32) + adapter.weight_delta()).astype(w.dtype)
+        return out
+
+    def linen_params(self) -> dict[str, Any]:
+        """The trained weights as the linen ``params`` collection: a nested dict of numpy
+        arrays (gathered whole onto this host), laid out as the linen module expects,
+        LoRA adapters folded into their kernels (the model itself is left as it is).
+
+        ``module.apply({"params": model.linen_params()}, x)`` computes what the model
+        computes; a Hugging Face Flax model writes them with
+        ``hf_model.save_pretrained(folder, params=model.linen_params())``.
+        """
+        nested: dict[str, Any] = {}
+        for path, value in self._weights().items():
+            node = nested
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = _host(value)
+        return nested
+
+    def save_hf(self, folder: str | Path, config: Any, *, dtype: Any = None,
+                max_shard_bytes: int = 5 * 10**9) -> Path:
+        """Write the weights (adapters folded in) as a Hugging Face PyTorch folder:
+        ``config.json`` and safetensors that ``transformers.AutoModelFor...
+        .from_pretrained(folder)`` loads, for a linen model laid out as a Hugging Face Flax
+        model of that family (its ``.module``, or your own port with the same names).
+
+        Tensors are named by the rule transformers' own Flax-to-PyTorch conversion follows:
+        the path joined by dots (``model/layers/0/mlp/up_proj/kernel`` ->
+        ``model.layers.0.mlp.up_proj.weight``), a 2-D ``kernel`` transposed to
+        ``weight``, a 4-D (convolution) kernel from ``HWIO`` to ``OIHW``, ``embedding``
+        and ``scale`` renamed ``weight``. Written by process 0, one tensor gathered at a
+        time; every process must call it.
+
+        Args:
+          config: the family's config: a ``transformers`` config object (``to_dict()``) or a
+            dict with ``model_type``, written as ``config.json``.
+          dtype: dtype of the stored tensors (default: each parameter's own).
+          max_shard_bytes: safetensors shard size (an index is written for several).
+
+        Raises:
+          JaxparError: for a config without ``model_type``, or a kernel that is not 2-D or
+            4-D (no PyTorch layout to give it).
+        """
+        from jaxpar.folders import staged_folder
+        from jaxpar.hf.convert import writing
+        from jaxpar.hf.safetensors_io import write_shards
+
+        hf = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if not hf.get("model_type"):
+            raise JaxparError("save_hf needs the Hugging Face config of the model's family "
+                              "(a transformers config, or a dict with 'model_type')")
+        weights = self._weights()
+        sources, entries = {}, []
+        for path, value in weights.items():
+            name, perm = _torch_name(path, value.ndim)
+            out_dtype = np.dtype(jnp.dtype(dtype or value.dtype))
+            shape = tuple(value.shape[i] for i in perm)
+            sources[name] = (value, perm, out_dtype)
+            entries.append((name, shape, out_dtype))
+
+        def produce(name: str) -> np.ndarray:
+            value, perm, out_dtype = sources[name]
+            return np.ascontiguousarray(_host(value).transpose(perm).astype(out_dtype))
+
+        folder = Path(folder)
+        writer = jax.process_index() == 0
+        with writing(folder), staged_folder(folder, write=writer) as staging:
+            write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
+                         write=writer)
+            if writer:
+                (staging / "config.json").write_text(json.dumps(hf, indent=2, default=str)
+                                                     + "\n")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxpar_linen_save_hf")
+        return folder
 
     # --- calling ------------------------------------------------------------------------------
     def _pin(self, module: nn.Module) -> tuple | None:
@@ -165,7 +417,7 @@ class LinenModel(nnx.Module):
         if context.method_name != "__call__":
             return out
         path = "/".join(str(p) for p in module.path)
-        adapter = self.adapters.get(path) if isinstance(module, nn.Dense) else None
+        adapter = self.adapters.get(path) if isinstance(module, PROJECTIONS) else None
         if adapter is not None:
             out = out + adapter.delta(args[0]).astype(out.dtype)
         names = self._pin(module)
@@ -177,8 +429,31 @@ class LinenModel(nnx.Module):
         if self.mode_arg and self.mode_arg not in kwargs:
             training = not self.deterministic
             kwargs[self.mode_arg] = training if MODE_ARGS[self.mode_arg] else not training
+        keys = {}
+        for name, data in self.rng_keys.items():
+            count = self.rng_counts[name]
+            keys[name] = jax.random.fold_in(jax.random.wrap_key_data(data[...]), count[...])
+            count.set_value(count[...] + 1)
+        # Applied here rather than through ToNNX's call, to hand the linen module plain
+        # arrays: ToNNX boxes an annotated variable, which breaks linen code that reads
+        # ``self.variables`` itself (Hugging Face's tied heads do). Collections other than
+        # params (batch statistics) are mutable and written back.
+        variables, targets = {}, {}
+        for path, var in nnx.to_flat_state(nnx.state(self.linen)):
+            key = (variablelib.variable_name_from_type(type(var)), *map(str, path))
+            variables[key], targets[key] = var.get_value(), var
+        variables = traverse_util.unflatten_dict(variables)
+        mutable = [c for c in variables if c != "params"]
         with nn.intercept_methods(self._interceptor):
-            return self.linen(*args, **kwargs)
+            out = self.linen.to_nnx__module.apply(variables, *args, rngs=keys,
+                                                  mutable=mutable or False, **kwargs)
+        if not mutable:
+            return out
+        out, updates = out
+        for key, value in traverse_util.flatten_dict(dict(updates)).items():
+            if key in targets:
+                targets[key].set_value(value)
+        return out
 
 
 def from_linen(module: nn.Module, *example_args: Any, rngs: nnx.Rngs | int = 0,

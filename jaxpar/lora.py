@@ -319,10 +319,10 @@ def apply(
         bad rank, dropout, regex or base_dtype; the model is left unchanged.
     """
     pattern = _check_args(target, rank, dropout)
-    if isinstance(model, LinenModel):  # nn.Dense layers inside, adapted by interception
+    if isinstance(model, LinenModel):  # linen projections, adapted by interception
         if dropout or base_dtype != "float32":
             raise JaxparError("LoRA on a linen model takes no dropout or base_dtype (its "
-                              "adapters are added to nn.Dense outputs as they run)")
+                              "adapters are added to the linen layers' outputs as they run)")
         key = rngs.params() if isinstance(rngs, nnx.Rngs) else jax.random.key(rngs)
         model.add_adapters(target, rank, alpha, key)
         return place(model, plan)
@@ -400,6 +400,9 @@ def merge(model: nnx.Module, *, dtype: Any = None, plan: Plan | None = None) -> 
         for an int8 base). Use ``jnp.float32`` to merge a bf16 base without rounding.
       plan: re-place the merged kernels by this plan (default: the active plan, if any).
     """
+    if isinstance(model, LinenModel):  # adapters held by the wrapper, folded into kernels
+        model.merge_adapters(dtype)
+        return place(model, plan)
     found = [(p, m) for p, m in nnx.iter_graph(model) if isinstance(m, LoraProjection)]
     if not found:
         raise JaxparError("model has no LoRA adapters to merge")

@@ -18,7 +18,8 @@ sharding constraints inside. This notebook shards such a model without touching 
 3. **layouts** pin the decoder blocks' outputs, so GSPMD has nothing left to guess;
 4. the model trains on `fsdp=4 x tensor=2`, then LoRA adapters on every attention and MLP
    projection train alone;
-5. the compiled FSDP step, read from the HLO, with and without layouts.''',
+5. the compiled FSDP step, read from the HLO, with and without layouts;
+6. a Flax **linen** model, wrapped with `jaxpar.from_linen` and trained the same way.''',
         setup,
         '''md:## The model
 
@@ -167,7 +168,12 @@ of every module a target matches, a class, `"type:ClassName"` or a path regex, t
 names resolved by the activation rules. A regex that matches a *variable* pins that
 weight's compute layout instead: the embedding table is gathered whole before the lookup
 instead of the looked-up rows being exchanged with all-to-alls. The matched modules keep
-their class, attributes and paths; outside a plan the pins do nothing.''',
+their class, attributes and paths; outside a plan the pins do nothing.
+
+Written out here to show the mechanism: a plan with no `layouts` of its own pins the
+same two things by default (`layouts="auto"`: the outputs of repeated blocks such as
+these `nnx.List` entries, and annotated `nnx.Embed` tables); `layouts=()` opts out, as
+section 5 does for its "without layouts" step.''',
         '''\
 from jaxpar.annotate import path_str
 from jaxpar.layouts import pinned
@@ -270,6 +276,92 @@ right.set_ylabel("MiB per device")
 right.set_title("temporaries", fontsize=10)
 right.tick_params(axis="x", labelsize=8)
 fig.tight_layout()''',
+        '''md:## 6. A Flax linen model
+
+A linen module, your own or a Hugging Face Flax model's `.module`, is wrapped by
+`jaxpar.from_linen(module, example_input, rngs=seed)` (inside the factory, so its weights
+are born sharded). Its variables sit under `linen/` with their linen paths, so the same
+kind of annotations name them; the wrapper passes `train=` (or `deterministic=`) to the
+linen call, so the steps run with dropout and `eval_loss` without. Below, a small decoder
+written as linen users write it: `nn.DenseGeneral` attention projections to and from
+`(heads, head_dim)`, a tied `nn.Embed`.''',
+        '''\
+from flax import linen
+
+
+class LinenBlock(linen.Module):
+    dim: int
+    heads: int
+
+    @linen.compact
+    def __call__(self, x, mask, train):
+        hd = self.dim // self.heads
+        h = linen.RMSNorm(name="attn_norm")(x)
+        q, k, v = (linen.DenseGeneral((self.heads, hd), use_bias=False, name=n)(h)
+                   for n in ("query", "key", "value"))
+        h = linen.dot_product_attention(q, k, v, mask=mask)
+        x = x + linen.DenseGeneral(self.dim, axis=(-2, -1), use_bias=False, name="out")(h)
+        h = linen.Dense(4 * self.dim, name="up")(linen.RMSNorm(name="mlp_norm")(x))
+        h = linen.Dropout(0.1, deterministic=not train)(linen.gelu(h))
+        return x + linen.Dense(self.dim, name="down")(h)
+
+
+class LinenDecoder(linen.Module):
+    vocab: int = 256
+    dim: int = 64
+    heads: int = 4
+    layers: int = 2
+
+    @linen.compact
+    def __call__(self, tokens, train: bool = False):
+        embed = linen.Embed(self.vocab, self.dim, name="embed")
+        pos = self.param("pos", linen.initializers.normal(0.02), (128, self.dim))
+        x = embed(tokens) + pos[: tokens.shape[1]]
+        mask = linen.make_causal_mask(tokens)
+        for i in range(self.layers):
+            x = LinenBlock(self.dim, self.heads, name=f"block_{i}")(x, mask, train)
+        return embed.attend(linen.RMSNorm(name="norm")(x))
+
+
+LINEN_ANNOTATIONS = [
+    (r"embed/embedding$", ("vocab", "embed")),
+    (r"pos$", (None, "embed")),
+    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"out/kernel$", ("heads", "head_dim", "embed")),
+    (r"up/kernel$", ("embed", "mlp")),
+    (r"down/kernel$", ("mlp", "embed")),
+]
+lplan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", annotations=LINEN_ANNOTATIONS)
+example = jnp.zeros((16, 32), jnp.int32)
+linen_model = jaxpar.init_sharded(
+    lambda: jaxpar.from_linen(LinenDecoder(), example, rngs=0), lplan)
+for path, var in nnx.to_flat_state(nnx.state(linen_model, nnx.Param)):
+    if path_str(path).startswith("linen/block_0/") and path[-1] == "kernel":
+        print(f"{path_str(path):28s} {str(var.get_value().shape):12s} "
+              f"{var.get_value().sharding.spec}")
+lt = jaxpar.Trainer(linen_model, optax.adamw(3e-3), lplan)
+print(f"eval_loss before: {lt.eval_loss(data.batch(100)):.3f}")
+print("train losses:", " ".join(f"{lt.step(data.batch(s))['loss']:.3f}" for s in range(3)))
+print(f"eval_loss after:  {lt.eval_loss(data.batch(100)):.3f}")''',
+        '''md:LoRA reaches `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers by path; the
+adapters are named like the kernel's own dimensions, so they shard like it (`lora_b` of a
+`(embed, heads, head_dim)` kernel is `(lora_rank, heads, head_dim)`). A target that
+matches another module holding weights (a norm, the embedding) is an error.
+`linen_params()` gives the weights back as the linen params tree (adapters folded in),
+ready for `module.apply` or a Hugging Face Flax model's `save_pretrained(params=...)`;
+`save_hf(folder, config)` writes a PyTorch `transformers` folder for a model laid out as
+a Hugging Face family.''',
+        '''\
+tuned_linen = lt.model
+lora.apply(tuned_linen, r"(query|key|value|out)$", rank=4, plan=lplan)
+b = tuned_linen.adapters["block_0/query"].lora_b[...]
+print("block_0/query lora_b", b.shape, b.sharding.spec)
+try:
+    lora.apply(tuned_linen, r"norm$", rank=4)
+except jaxpar.JaxparError as err:
+    print("refused:", str(err)[:100], "...")
+params = tuned_linen.linen_params()
+print({k: v.shape for k, v in params["block_0"]["query"].items()})''',
         '''md:## From the command line
 
 The same run as a config: `model.factory` names a function returning the model

@@ -364,3 +364,171 @@ def image_loss(model: nnx.Module, batch: dict) -> jax.Array:
     logits = model(batch["images"])
     labels = jax.nn.one_hot(batch["labels"], logits.shape[-1])
     return -(jax.nn.log_softmax(logits) * labels).sum(-1).mean()
+
+
+# --- (g) linen with nn.DenseGeneral and nn.Einsum projections -----------------------------
+
+
+class LinenEinsumBlock(linen.Module):
+    """Pre-norm block: multi-dimensional attention projections (``nn.DenseGeneral`` to and
+    from ``(heads, head_dim)``) and an MLP of two ``nn.Einsum``."""
+
+    d: int
+    heads: int
+
+    @linen.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        head_dim = self.d // self.heads
+        h = linen.RMSNorm(name="attn_norm")(x)
+        q, k, v = (linen.DenseGeneral((self.heads, head_dim), use_bias=False, name=n)(h)
+                   for n in ("query", "key", "value"))
+        h = linen.dot_product_attention(q, k, v, mask=mask)
+        x = x + linen.DenseGeneral(self.d, axis=(-2, -1), use_bias=False, name="out")(h)
+        h = linen.RMSNorm(name="mlp_norm")(x)
+        h = linen.Einsum((self.d, 4 * self.d), "bsd,df->bsf", name="wi")(h)
+        return x + linen.Einsum((4 * self.d, self.d), "bsf,fd->bsd", use_bias=False,
+                                name="wo")(linen.gelu(h))
+
+
+class LinenEinsumLM(linen.Module):
+    """A decoder of :class:`LinenEinsumBlock` with an untied output head."""
+
+    vocab: int = VOCAB
+    d: int = 32
+    heads: int = 4
+    layers: int = 2
+
+    @linen.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = linen.Embed(self.vocab, self.d, name="embed")(tokens)
+        mask = linen.make_causal_mask(tokens)
+        for i in range(self.layers):
+            x = LinenEinsumBlock(self.d, self.heads, name=f"layers_{i}")(x, mask)
+        x = linen.RMSNorm(name="norm")(x)
+        return linen.Dense(self.vocab, use_bias=False, name="lm_head")(x)
+
+
+EINSUM_ANNOTATIONS = [
+    (r"embed/embedding$", ("vocab", "embed")),
+    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"out/kernel$", ("heads", "head_dim", "embed")),
+    (r"wi/kernel$", ("embed", "mlp")),
+    (r"wi/bias$", ("mlp",)),
+    (r"wo/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+]
+"""Names by path for :class:`LinenEinsumLM`."""
+
+
+# --- (h) a linen Llama laid out as Hugging Face's Flax Llama (names, nesting) ---------------
+
+
+class LinenLlamaAttention(linen.Module):
+    """Grouped-query attention with rotary positions, one ``nn.Dense`` per projection."""
+
+    heads: int
+    kv_heads: int
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        hd = d // self.heads
+
+        def proj(name: str, n: int) -> jax.Array:
+            return linen.Dense(n * hd, use_bias=False, name=name)(x).reshape(b, s, n, hd)
+
+        q, k = _rope(proj("q_proj", self.heads)), _rope(proj("k_proj", self.kv_heads))
+        out = jax.nn.dot_product_attention(q, k, proj("v_proj", self.kv_heads), is_causal=True)
+        return linen.Dense(d, use_bias=False, name="o_proj")(out.reshape(b, s, d))
+
+
+class LinenLlamaMLP(linen.Module):
+    ff: int
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = linen.Dense(self.ff, use_bias=False, name="gate_proj")(x)
+        up = linen.Dense(self.ff, use_bias=False, name="up_proj")(x)
+        return linen.Dense(x.shape[-1], use_bias=False, name="down_proj")(linen.silu(gate) * up)
+
+
+class LinenLlamaLayer(linen.Module):
+    heads: int
+    kv_heads: int
+    ff: int
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = linen.RMSNorm(epsilon=1e-6, name="input_layernorm")(x)
+        x = x + LinenLlamaAttention(self.heads, self.kv_heads, name="self_attn")(h)
+        h = linen.RMSNorm(epsilon=1e-6, name="post_attention_layernorm")(x)
+        return x + LinenLlamaMLP(self.ff, name="mlp")(h)
+
+
+class LinenLlamaLayers(linen.Module):
+    """The layers, named ``0``, ``1``, ... (so their params sit at ``layers/0/...``)."""
+
+    heads: int
+    kv_heads: int
+    ff: int
+    n: int
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(self.n):
+            x = LinenLlamaLayer(self.heads, self.kv_heads, self.ff, name=str(i))(x)
+        return x
+
+
+class LinenLlamaModel(linen.Module):
+    vocab: int
+    d: int
+    heads: int
+    kv_heads: int
+    ff: int
+    layers: int
+
+    @linen.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = linen.Embed(self.vocab, self.d, name="embed_tokens")(tokens)
+        x = LinenLlamaLayers(self.heads, self.kv_heads, self.ff, self.layers, name="layers")(x)
+        return linen.RMSNorm(epsilon=1e-6, name="norm")(x)
+
+
+class LinenLlamaForCausalLM(linen.Module):
+    """A Llama whose params nest and are named as Hugging Face's Flax Llama's
+    (``model/layers/0/self_attn/q_proj/kernel``), with an untied head; the
+    ``transformers`` config of the same sizes is :func:`linen_llama_config`'s."""
+
+    vocab: int = VOCAB
+    d: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    ff: int = 64
+    layers: int = 2
+
+    @linen.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = LinenLlamaModel(self.vocab, self.d, self.heads, self.kv_heads, self.ff,
+                            self.layers, name="model")(tokens)
+        return linen.Dense(self.vocab, use_bias=False, name="lm_head")(x)
+
+
+LINEN_LLAMA_ANNOTATIONS = [
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"self_attn/[qkv]_proj/kernel$", ("embed", "heads")),
+    (r"self_attn/o_proj/kernel$", ("heads", "embed")),
+    (r"mlp/(gate|up)_proj/kernel$", ("embed", "mlp")),
+    (r"mlp/down_proj/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+]
+
+
+def linen_llama_config(model: LinenLlamaForCausalLM) -> dict:
+    """The Hugging Face ``config.json`` of a :class:`LinenLlamaForCausalLM`."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "vocab_size": model.vocab, "hidden_size": model.d,
+            "intermediate_size": model.ff, "num_hidden_layers": model.layers,
+            "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": False, "hidden_act": "silu"}
