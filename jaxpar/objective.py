@@ -136,10 +136,15 @@ def check_causal(name: str, diff: np.ndarray, scale: float, t: int) -> None:
 def first_id_outside(tokens: jax.Array, *, vocab: int) -> tuple[jax.Array, jax.Array]:
     """The flat index of the first id of ``tokens`` outside ``[0, vocab)`` (-1 if none)
     and that id: one reduction, meant to run jitted on the sharded batch."""
-    flat = tokens.reshape(-1)
-    bad = (flat < 0) | (flat >= vocab)
-    at = jnp.argmax(bad)
-    return jnp.where(bad[at], at, -1), flat[at]
+    # Only elementwise ops and full reductions: no reshape or gather of the sharded batch,
+    # so it lowers on explicit meshes too.
+    rows, cols = tokens.shape
+    index = (jax.lax.broadcasted_iota(jnp.int32, tokens.shape, 0) * cols
+             + jax.lax.broadcasted_iota(jnp.int32, tokens.shape, 1))
+    bad = (tokens < 0) | (tokens >= vocab)
+    first = jnp.min(jnp.where(bad, index, rows * cols))
+    value = jnp.sum(jnp.where(index == first, tokens, 0))
+    return jnp.where(first < rows * cols, first, -1), value
 
 
 def id_outside_error(value: int, row: int, position: int, vocab: int) -> JaxparError:

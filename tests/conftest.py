@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices, created before any backend starts, and one XLA
-compilation cache for the session.
+"""Test set-up: 8 simulated CPU devices, created before any backend starts, unoptimised CPU
+code generation, and one XLA compilation cache for the session.
 
 Many tests compile the same programs (the small reference model's step on the same mesh,
 in this process and in every ``jaxpar`` subprocess and notebook kernel the tests start):
@@ -17,6 +17,12 @@ import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+# The programs here are tiny: compiling them, mostly LLVM optimising the CPU code, costs far
+# more than running them. LLVM optimisation off halves the suite; the HLO passes (SPMD
+# partitioning, collectives, buffer assignment: what the tests read) are unchanged.
+# Inherited by every subprocess and notebook kernel the tests start; benchmarks do not set it.
+UNOPTIMISED = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), UNOPTIMISED]).strip()
 
 _CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
