@@ -342,9 +342,7 @@ class LinenModel(nnx.Module):
           JaxparError: for a config without ``model_type``, or a kernel that is not 2-D or
             4-D (no PyTorch layout to give it).
         """
-        from jaxpar.folders import staged_folder
-        from jaxpar.hf.convert import writing
-        from jaxpar.hf.safetensors_io import write_shards
+        from jaxpar.hf.convert import write_hf_folder
 
         hf = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         if not hf.get("model_type"):
@@ -363,17 +361,11 @@ class LinenModel(nnx.Module):
             value, perm, out_dtype = sources[name]
             return np.ascontiguousarray(_host(value).transpose(perm).astype(out_dtype))
 
-        folder = Path(folder)
-        writer = jax.process_index() == 0
-        with writing(folder), staged_folder(folder, write=writer) as staging:
-            write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
-                         write=writer)
-            if writer:
-                (staging / "config.json").write_text(json.dumps(hf, indent=2, default=str)
-                                                     + "\n")
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxpar_linen_save_hf")
-        return folder
+        def finish(staging: Path) -> None:
+            (staging / "config.json").write_text(json.dumps(hf, indent=2, default=str) + "\n")
+
+        return write_hf_folder(Path(folder), entries, produce, finish,
+                               max_shard_bytes=max_shard_bytes)
 
     # --- calling ------------------------------------------------------------------------------
     def _pin(self, module: nn.Module) -> tuple | None:

@@ -314,6 +314,17 @@ def _snapshot(root: Path) -> dict[str, tuple[bool, int, int]]:
     return out
 
 
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``jaxpar.cli.main(argv)`` in this process: exit status, stdout, stderr."""
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def _check(case: Case, code, out: str, err: str) -> None:
     lines = err.strip().splitlines()
     assert code == 2, f"exit status {code}; stderr: {err!r}"
@@ -331,12 +342,7 @@ def test_bad_input_in_process(case: Case, tmp_path, capsys, monkeypatch):
         monkeypatch.setattr(jaxpar.data, "SCAN_CHUNK", case.chunk)
     argv = _prepare(case, tmp_path)
     before = _snapshot(tmp_path)
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse errors
-        code = exit_.code
-    out, err = capsys.readouterr()
+    code, out, err = run_main(argv, capsys)
     _check(case, code, out, err)
     assert _snapshot(tmp_path) == before, "the output folder changed"
 

@@ -34,6 +34,7 @@ from tests.test_bad_input import (
     _params,
     _prepare,
     _snapshot,
+    run_main,
 )
 
 RUNS: dict[str, str] = {}
@@ -111,12 +112,7 @@ def test_bad_input_in_process(case: Case, runs, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     argv = _prepare(case, tmp_path)
     before = _snapshot(tmp_path)
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse errors
-        code = exit_.code
-    out, err = capsys.readouterr()
+    code, out, err = run_main(argv, capsys)
     _check(case, code, out, err)
     assert out == "", "nothing is printed before the error"
     assert _snapshot(tmp_path) == before, "the output folder changed"

@@ -27,7 +27,16 @@ from jaxpar import hf
 from jaxpar.cli import main
 from jaxpar.errors import JaxparError
 from jaxpar.hf import safetensors_io
-from tests.test_bad_input import ROOT, Case, Setup, _check, _params, _prepare, _snapshot
+from tests.test_bad_input import (
+    ROOT,
+    Case,
+    Setup,
+    _check,
+    _params,
+    _prepare,
+    _snapshot,
+    run_main,
+)
 from tests.test_hf import make_hf_model
 
 SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -192,15 +201,6 @@ def moe_run(tmp_path_factory) -> Path:
     return out
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse errors
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 @pytest.mark.parametrize("case", _params(CASES))
 def test_bad_input_hf(case: Case, tmp_path, capsys, monkeypatch, hf_model, request):
@@ -213,7 +213,7 @@ def test_bad_input_hf(case: Case, tmp_path, capsys, monkeypatch, hf_model, reque
             argv = [a.replace(key, run) for a in argv]
     argv = _prepare(dataclasses.replace(case, argv=argv), tmp_path)
     before = _snapshot(tmp_path)
-    code, out, err = _run(argv, capsys)
+    code, out, err = run_main(argv, capsys)
     _check(case, code, out, err)
     assert _snapshot(tmp_path) == before, "the folder changed"
 
@@ -259,7 +259,7 @@ def test_full_disk_during_export(fault, dense_run, tmp_path, capsys, monkeypatch
                               'StorageFull, message: "No space left on device" })')
 
     monkeypatch.setattr(safetensors_io, "save_file", full_disk)
-    code, out, err = _run(["export", "--run", str(dense_run), "--to-hf", str(target)], capsys)
+    code, out, err = run_main(["export", "--run", str(dense_run), "--to-hf", str(target)], capsys)
     _check(Case("full_disk", [], (str(target), "no space left on device", "free there",
                                   "left as it was")), code, out, err)
     assert _snapshot(tmp_path) == before, "the earlier export changed"
@@ -271,7 +271,7 @@ def test_compatible_overrides_are_applied(hf_model, tmp_path, capsys):
     from jaxpar.generate import load_run_model
 
     run = tmp_path / "run"
-    code, _, err = _run(["convert", "--from-hf", str(hf_model), "--out", str(run),
+    code, _, err = run_main(["convert", "--from-hf", str(hf_model), "--out", str(run),
                          "model.max_seq_len=32", "model.loss_chunk=8", "model.attention=xla",
                          "model.d_model=32"], capsys)
     assert code == 0, err
@@ -285,7 +285,7 @@ def test_compatible_overrides_are_applied(hf_model, tmp_path, capsys):
 
 def test_train_applies_compatible_overrides(hf_model, tmp_path, capsys):
     run = tmp_path / "run"
-    code, _, err = _run(["train", "--out", str(run), f"init_from=hf:{hf_model}", *SMALL_RUN,
+    code, _, err = run_main(["train", "--out", str(run), f"init_from=hf:{hf_model}", *SMALL_RUN,
                          "train.steps=1", "model.max_seq_len=32", "model.loss_chunk=8",
                          "model.d_model=32"], capsys)
     assert code == 0, err
@@ -294,7 +294,7 @@ def test_train_applies_compatible_overrides(hf_model, tmp_path, capsys):
 
 
 def _convert_for_resume(hf_model: Path, run: Path, capsys) -> str:
-    code, out, err = _run(["convert", "--from-hf", str(hf_model), "--out", str(run),
+    code, out, err = run_main(["convert", "--from-hf", str(hf_model), "--out", str(run),
                            *SMALL_RUN], capsys)
     assert code == 0, err
     return out
@@ -308,7 +308,7 @@ def _trained_steps(run: Path) -> list[int]:
 def test_converted_run_resumes_with_its_config(hf_model, tmp_path, capsys):
     run = tmp_path / "run"
     _convert_for_resume(hf_model, run, capsys)
-    code, _, err = _run(["train", "--config", str(run / "config.yaml"), "--out", str(run),
+    code, _, err = run_main(["train", "--config", str(run / "config.yaml"), "--out", str(run),
                          "--resume"], capsys)
     assert code == 0, err
     assert _trained_steps(run) == [1, 2]
@@ -320,6 +320,6 @@ def test_convert_next_step_runs_as_printed(hf_model, tmp_path, capsys):
     printed = out.split("continue with ", 1)[1].split(", or start")[0]
     argv = shlex.split(printed)
     assert argv[:2] == ["jaxpar", "train"], printed
-    code, _, err = _run(argv[1:], capsys)
+    code, _, err = run_main(argv[1:], capsys)
     assert code == 0, err
     assert _trained_steps(run) == [1, 2]

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -364,19 +364,31 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
                                         tuple(int(k) for k in np.argsort(t.perm)), t.shape,
                                         out_dtype))
 
-    folder = Path(path)
+    def finish(staging: Path) -> None:
+        stored = str(entries[0][2]) if entries else "float32"
+        hf = families.to_hf(cfg, architecture, dtype=stored)
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if tokenizer:
+            copy_tokenizer(tokenizer, staging)
+
+    return write_hf_folder(Path(path), entries, produce, finish,
+                           max_shard_bytes=max_shard_bytes)
+
+
+def write_hf_folder(folder: Path, entries: list, produce: Callable[[str], np.ndarray],
+                    finish: Callable[[Path], None], *, max_shard_bytes: int) -> Path:
+    """Write a Hugging Face model folder: the safetensors shards of ``entries`` (``(name,
+    shape, dtype)``, each tensor made by ``produce(name)`` when its shard is written), then
+    ``finish(staging)`` adds ``config.json`` and the rest. Written by process 0 (every
+    process must call it) whole into a hidden sibling and swapped in: a kill at any moment
+    leaves the earlier export (or none) or this one, never shards of one beside the other's
+    config; a write the file system refuses is one line (:func:`writing`)."""
     writer = jax.process_index() == 0
-    # Written whole into a hidden sibling and swapped in: a kill at any moment leaves the
-    # earlier export (or none) or this one, never shards of one beside the other's config.
     with writing(folder), staged_folder(folder, write=writer) as staging:
         write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
                      write=writer)
         if writer:
-            stored = str(entries[0][2]) if entries else "float32"
-            hf = families.to_hf(cfg, architecture, dtype=stored)
-            (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-            if tokenizer:
-                copy_tokenizer(tokenizer, staging)
+            finish(staging)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxpar_hf_save")
     return folder
