@@ -318,6 +318,33 @@ class LinenModel(nnx.Module):
             node[path[-1]] = _host(value)
         return nested
 
+    def load_linen_params(self, params: Any) -> None:
+        """Overwrite the weights with a linen ``params`` tree (a pretrained model's, e.g. a
+        Hugging Face Flax model's ``.params``, or :meth:`linen_params` of another run),
+        each array placed in the sharding of the weight it replaces, in its dtype.
+
+        Raises:
+          JaxparError: naming the paths missing from ``params``, not in the model, or of
+            another shape (nothing is changed then).
+        """
+        given = {tuple(str(k) for k in path): value for path, value
+                 in traverse_util.flatten_dict(dict(params.get("params", params))).items()}
+        mine = dict(nnx.to_flat_state(nnx.state(self.linen, nnx.Param)))
+        mine = {tuple(str(k) for k in path): var for path, var in mine.items()}
+        missing = sorted("/".join(p) for p in mine.keys() - given.keys())
+        extra = sorted("/".join(p) for p in given.keys() - mine.keys())
+        wrong = sorted(f"{'/'.join(p)} {tuple(np.shape(given[p]))} (model: "
+                       f"{tuple(mine[p].get_value().shape)})" for p in mine.keys() & given.keys()
+                       if tuple(np.shape(given[p])) != tuple(mine[p].get_value().shape))
+        if missing or extra or wrong:
+            parts = [f"{what}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+                     for what, items in (("missing", missing), ("not in the model", extra),
+                                         ("other shapes", wrong)) if items]
+            raise JaxparError("the linen params do not fit the model: " + "; ".join(parts))
+        for path, var in mine.items():
+            old = var.get_value()
+            var.set_value(jax.device_put(jnp.asarray(given[path], old.dtype), old.sharding))
+
     def save_hf(self, folder: str | Path, config: Any, *, dtype: Any = None,
                 max_shard_bytes: int = 5 * 10**9) -> Path:
         """Write the weights (adapters folded in) as a Hugging Face PyTorch folder:

@@ -247,9 +247,14 @@ def _low_rank_sharding(x: jax.Array, equation: str) -> P | None:
 # --- applying, finding, merging -----------------------------------------------------------
 
 
-def adapted(model: nnx.Module) -> list[tuple[str, LoraProjection]]:
-    """``(path, module)`` of every :class:`LoraProjection` in ``model``."""
-    return [(path_str(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, LoraProjection)]
+def adapted(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """``(path, module)`` of every adapter in ``model``: each :class:`LoraProjection`, and
+    a linen model's adapters by their linen path (:mod:`jaxpar.linen`)."""
+    found = [(path_str(p), m) for p, m in nnx.iter_graph(model)
+             if isinstance(m, LoraProjection)]
+    if isinstance(model, LinenModel):
+        found += [(f"linen/{p}", m) for p, m in model.adapters.items()]
+    return found
 
 
 def _shown(path: tuple) -> str:

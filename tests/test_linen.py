@@ -273,3 +273,29 @@ def test_linen_trainer_checkpoint_round_trip_is_exact(devices, tmp_path):
     for key, value in got.items():
         assert np.array_equal(host(value), saved[key]), key
     assert fresh.step(tokens(2))["loss"] == expected
+
+
+def test_pretrained_linen_params_load_into_a_sharded_model(devices):
+    """Weights from elsewhere (here: a plain ``LinenGPT().init``, as a pretrained Flax
+    model's ``.params`` would be) load into the sharded wrapper: its forward equals linen's
+    own ``apply`` on them, and a tree that does not fit is refused, naming the paths."""
+    module = um.LinenGPT()
+    example = jnp.asarray(tokens()[:, :-1])
+    pretrained = module.init(jax.random.key(7), example)["params"]
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2})
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", annotations=um.GPT_ANNOTATIONS)
+    net = jaxpar.init_sharded(lambda: jaxpar.from_linen(module, example, rngs=0), plan)
+    net.load_linen_params({"params": pretrained})
+    flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(net.linen))}
+    assert flat["h_0/c_fc/kernel"].get_value().sharding.spec == P("fsdp", "tensor")
+    net.eval()
+    with plan.activate(mesh_context=True):
+        ours = np.asarray(jax.jit(lambda m, x: m(x))(net, example))
+    np.testing.assert_allclose(ours, np.asarray(module.apply({"params": pretrained}, example)),
+                               rtol=1e-5, atol=1e-5)
+    broken = {k: v for k, v in pretrained.items() if k != "wpe"}
+    broken["extra"] = np.zeros(3)
+    with pytest.raises(jaxpar.JaxparError, match=r"do not fit the model: missing: wpe; not in "
+                                                 r"the model: extra"):
+        net.load_linen_params(broken)
+
