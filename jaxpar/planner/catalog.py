@@ -127,7 +127,7 @@ BUILTIN: dict[str, Chip] = {
     "tpu-v4": Chip("tpu-v4", 275e12, 32 * GiB, 300 * GB, 25 * _GBPS, 4096, hbm_bw=1200 * GB,
                    matmul_tile=128, torus_dims=3, ici_links=6, ici_link_bw=45 * GB,
                    host_bw=16 * GB,
-                   matmul_efficiency=0.8, memory_efficiency=1.0,
+                   matmul_efficiency=0.92, memory_efficiency=0.6,
                    source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper; "
                           "jax-ml.github.io/scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI
@@ -136,7 +136,7 @@ BUILTIN: dict[str, Chip] = {
     "tpu-v5e": Chip("tpu-v5e", 197e12, 16 * GB, 1600 * _GBPS, 25 * _GBPS, 256,
                     hbm_bw=819 * GB, matmul_tile=128, torus_dims=2, ici_links=4,
                     ici_link_bw=45 * GB, host_bw=16 * GB,
-                    matmul_efficiency=0.86, memory_efficiency=0.9,
+                    matmul_efficiency=0.86, memory_efficiency=1.0,
                     source="cloud.google.com/tpu/docs/v5e; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI
     # 4800 Gbps over 6 links (3D torus), DCN 50 Gbps per chip, slices up to 6144 chips;
@@ -144,7 +144,7 @@ BUILTIN: dict[str, Chip] = {
     "tpu-v5p": Chip("tpu-v5p", 459e12, 95 * GiB, 4800 * _GBPS, 50 * _GBPS, 6144,
                     hbm_bw=2765 * GB, matmul_tile=128, torus_dims=3, ici_links=6,
                     ici_link_bw=90 * GB, host_bw=16 * GB,
-                    matmul_efficiency=0.74, memory_efficiency=0.8,
+                    matmul_efficiency=0.76, memory_efficiency=0.7,
                     source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, ICI
     # 3584 Gbps over 4 links (2D torus), pod of 256, DCN 25.6 Tbps per pod (100 Gbps a
@@ -167,14 +167,14 @@ BUILTIN: dict[str, Chip] = {
     "a100-80gb": Chip("a100-80gb", 312e12, 80 * GB, 300 * GB, 200 * _GBPS, 8,
                       hbm_bw=2039 * GB, f32_flops=19.5e12, matmul_tile=128,
                       ici_latency_s=5e-6, dcn_latency_s=1e-5, host_bw=32 * GB,
-                      matmul_efficiency=0.8, memory_efficiency=0.7,
+                      matmul_efficiency=0.76, memory_efficiency=0.8,
                       source="NVIDIA A100 datasheet; DGX A100 user guide"),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 80 GB HBM3 at
     # 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU,
     # PCIe Gen5 x16.
     "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=3350 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
-                 host_bw=64 * GB, matmul_efficiency=0.6, memory_efficiency=1.0,
+                 host_bw=64 * GB, matmul_efficiency=0.64, memory_efficiency=0.6,
                                   source="NVIDIA H100 datasheet; DGX H100 user guide"),
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU.
