@@ -86,21 +86,35 @@ def test_linen_decoder_eval_is_deterministic_and_lora_trains_adapters_only(devic
     assert noisy != expected  # dropout is on in train mode
 
 
-def test_linen_vision_model_with_a_user_loss_equals_one_device(devices):
-    rng = np.random.default_rng(0)
-    batches = [{"images": rng.normal(size=(8, 8, 8, 3)).astype(np.float32),
-                "labels": rng.integers(0, 10, 8).astype(np.int32)} for _ in range(3)]
-    runs = []
-    for axes, devs in (({"data": 1}, jax.devices()[:1]), ({"fsdp": 4, "tensor": 2}, None)):
-        plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes, devices=devs), "fsdp_tp",
-                                       annotations=um.VIT_ANNOTATIONS)
-        net = jaxpar.init_sharded(
-            lambda: jaxpar.from_linen(um.LinenViT(), jnp.zeros((8, 8, 8, 3)), rngs=0), plan)
-        trainer = jaxpar.Trainer(net, optax.adam(1e-2), plan, loss_fn=um.image_loss)
-        runs.append([trainer.step(b)["loss"] for b in batches])
-    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
-    assert specs(trainer)["linen/mlp_0_in/kernel"] == P("fsdp", "tensor")
+VIT_BATCHES = [{"images": np.random.default_rng(i).normal(size=(8, 8, 8, 3)).astype(np.float32),
+                "labels": np.random.default_rng(i).integers(0, 10, 8).astype(np.int32)}
+               for i in range(3)]
 
+
+def _vit_losses(layout: str | None) -> tuple[list[float], jaxpar.Trainer]:
+    axes, rules = LAYOUTS[layout] if layout else ({"data": 1}, "dp")
+    mesh = jaxpar.make_mesh(axes, devices=None if layout else jax.devices()[:1])
+    plan = jaxpar.Plan.from_preset(mesh, rules, annotations=um.VIT_ANNOTATIONS)
+    net = jaxpar.init_sharded(
+        lambda: jaxpar.from_linen(um.LinenViT(), jnp.zeros((8, 8, 8, 3)), rngs=0), plan)
+    trainer = jaxpar.Trainer(net, optax.adam(1e-2), plan, loss_fn=um.image_loss)
+    return [trainer.step(b)["loss"] for b in VIT_BATCHES], trainer
+
+
+@functools.cache
+def _vit_one_device() -> tuple[float, ...]:
+    return tuple(_vit_losses(None)[0])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_linen_vision_model_with_a_user_loss_equals_one_device(devices, layout):
+    losses, trainer = _vit_losses(layout)
+    np.testing.assert_allclose(losses, _vit_one_device(), rtol=1e-5)
+    if layout == "fsdp":  # no layout lines: the numbered blocks are pinned
+        counts = count_collectives(trainer.lower(VIT_BATCHES[0]).compile().as_text())
+        assert counts["all-to-all"] == 0 and counts["all-gather"] > 0, counts
+    if layout == "fsdp_tp":
+        assert specs(trainer)["linen/mlp_0_in/kernel"] == P("fsdp", "tensor")
 
 
 EINSUM_TARGET = r"(query|key|value|out|wi|wo)$"
