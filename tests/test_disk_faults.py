@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -52,20 +53,24 @@ def _messages(stderr: str) -> list[str]:
 
 
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_earlier_checkpoints(tmp_path):
-    with small_disk(tmp_path, "1m") as disk:
-        run = _train(disk / "run", "train.steps=6")
+    with small_disk(tmp_path, "2m") as disk:
+        run = _train(disk / "run", "train.steps=10")
         lines = _messages(run.stderr)
         assert run.returncode == 2, run.stderr[-3000:]
         assert "Traceback" not in run.stderr, run.stderr[-3000:]
         assert len(lines) == 1, lines
-        assert lines[0].startswith(f"jaxpar: error: saving checkpoint 2 into {disk}/run/"
-                                   "checkpoints failed:"), lines[0]
-        assert "free there" in lines[0] and "checkpoints [1] are intact" in lines[0]
-        # What was saved before is whole: checkpoint 1 restores.
+        # How many checkpoints fit depends on how compactly orbax wrote them: at least one.
+        found = re.match(rf"jaxpar: error: saving checkpoint (\d+) into {disk}/run/"
+                         r"checkpoints failed: .* free there\)?; checkpoints \[([\d, ]+)\] are "
+                         r"intact", lines[0])
+        assert found, lines[0]
+        failed, kept = int(found.group(1)), [int(x) for x in found.group(2).split(", ")]
+        assert failed <= 10 and kept == list(range(1, failed))
+        # What was saved before is whole: the newest one reads back.
         reader = read_only(disk / "run")
         try:
-            assert reader.steps() == [1]
-            assert reader.meta(1)["step"] == 1
+            assert reader.steps() == kept
+            assert reader.meta(kept[-1])["step"] == kept[-1]
         finally:
             reader.close()
 
