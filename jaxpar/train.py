@@ -22,7 +22,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,17 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     loss, extra = out if isinstance(out, tuple) else (out, {})
     return (jnp.asarray(loss).astype(jnp.float32),
             {name: jnp.asarray(v).astype(jnp.float32) for name, v in dict(extra).items()})
+
+
+class CompiledSteps(NamedTuple):
+    """The Trainer's jitted functions for one batch structure (state and batch in)."""
+
+    train: Callable
+    """One optimisation step: ``(state, batch) -> (new state, metrics)``, state donated."""
+    evaluate: Callable
+    """The loss in eval mode: ``(state, batch) -> scalar``."""
+    gradients: Callable
+    """The gradients a step would apply, laid out as the ZeRO stage stores them."""
 
 
 _MUTABLE = nnx.Not(nnx.Param)
@@ -195,20 +206,20 @@ class Trainer:
         if self.loss_scale is not None:
             self.state["loss_scale"] = jax.device_put(self.loss_scale.init(), plan.replicated)
             self.state_shardings["loss_scale"] = plan.replicated
-        self._compiled: dict[Any, tuple[Callable, Callable, Callable]] = {}
+        self._compiled: dict[Any, CompiledSteps] = {}
         self._host_step: int | None = 0
 
     def batch_shardings(self, batch: Batch) -> Any:
         """The sharding of each leaf of a (global) batch like ``batch``."""
         return jax.tree.map(lambda x: self.plan.batch_sharding(np.ndim(x)), batch)
 
-    def _steps(self, batch: Batch) -> tuple[Callable, Callable, Callable]:
+    def _steps(self, batch: Batch) -> CompiledSteps:
         """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
         key = jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch))
         if key not in self._compiled:
             batch_sh = self.batch_shardings(batch)
             state_sh, rep = self.state_shardings, self.plan.replicated
-            self._compiled[key] = (
+            self._compiled[key] = CompiledSteps(
                 jax.jit(self._step_impl, in_shardings=(state_sh, batch_sh),
                         out_shardings=(state_sh, rep), donate_argnums=0),
                 jax.jit(self._eval_impl, in_shardings=(state_sh, batch_sh), out_shardings=rep),
@@ -358,7 +369,7 @@ class Trainer:
         """The gradients one step would apply, laid out as the ZeRO stage stores them."""
         batch = self._as_global(batch)
         with self.plan.activate(mesh_context=True):
-            return self._steps(batch)[2](self.state, batch)
+            return self._steps(batch).gradients(self.state, batch)
 
     def memory_report(self, batch: Batch) -> dict[str, Any]:
         """Per-device bytes of parameters, gradients and optimizer state (master weights
@@ -411,7 +422,7 @@ class Trainer:
         """``jax.stages.Lowered`` of one train step on a batch like ``batch`` (for inspection)."""
         batch = self._as_global(batch)
         with self.plan.activate(mesh_context=True):
-            return self._steps(batch)[0].lower(self.state, batch)
+            return self._steps(batch).train.lower(self.state, batch)
 
     def check_default_loss(self, batch: Batch) -> None:
         """Check, once, what the default loss assumes of the model: that its logits at
@@ -495,7 +506,7 @@ class Trainer:
         if not self._loss_checked:
             self.check_default_loss(batch)
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
-            self._state, metrics = self._steps(batch)[0](self._state, batch)
+            self._state, metrics = self._steps(batch).train(self._state, batch)
         if self._host_step is not None:
             self._host_step += 1
         return metrics
@@ -513,7 +524,7 @@ class Trainer:
         batch = self._as_global(batch)
         self._check_token_ids(batch)
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
-            return float(self._steps(batch)[1](self.state, batch))
+            return float(self._steps(batch).evaluate(self.state, batch))
 
     @property
     def model(self) -> nnx.Module:

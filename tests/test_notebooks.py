@@ -46,6 +46,21 @@ def test_every_notebook_is_committed_without_outputs():
                 assert not cell.outputs and cell.execution_count is None, path.name
 
 
+def test_committed_notebooks_are_what_the_generators_make(monkeypatch):
+    """The ``.ipynb`` files are generated (``notebooks/make_notebooks.py``): an edit made
+    to one without its generator, or the other way round, fails here."""
+    monkeypatch.syspath_prepend(str(ROOT / "notebooks"))
+    import make_notebooks
+
+    assert set(make_notebooks.NOTEBOOKS) == {p.name for p in NOTEBOOKS}
+    for name, cells in make_notebooks.NOTEBOOKS.items():
+        want = make_notebooks.build(cells)
+        have = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+        assert [(c.cell_type, c.source) for c in have.cells] == [
+            (c.cell_type, c.source) for c in want.cells], (
+            f"{name} differs from its generator: run python notebooks/make_notebooks.py")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_env, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_env))
