@@ -452,15 +452,19 @@ class Trainer:
             flipped = inputs.at[:, t].set(jnp.where(inputs[:, t] == 0, 1, 0))
             both = self.plan.place(jnp.concatenate([inputs, flipped]),
                                    self.plan.batch_sharding(2))
-            model = self._merged(state["params"], state["frozen"])
-            model.eval()
-            logits = next_token_logits(model, both, nnx.Rngs(0)).astype(jnp.float32)
+            logits = self._eval_logits(state, both).astype(jnp.float32)
             diff = jnp.abs(logits[:rows] - logits[rows:]).max(axis=(0, 2))
             return diff, jnp.abs(logits).max()
 
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             diff, scale = jax.device_get(jax.jit(changed_logits)(self.state, batch))
         check_causal(name, diff, float(scale), t)
+
+    def _eval_logits(self, state: dict[str, Any], inputs: jax.Array) -> jax.Array:
+        """The default loss's logits on ``inputs``, the model in eval mode (to trace)."""
+        model = self._merged(state["params"], state["frozen"])
+        model.eval()
+        return next_token_logits(model, inputs, nnx.Rngs(0))
 
     def vocabulary(self, batch: Batch) -> int:
         """The model's vocabulary size: ``model.config.vocab_size`` when it has one (the
@@ -469,14 +473,11 @@ class Trainer:
             model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
             size = getattr(getattr(model, "config", None), "vocab_size", None)
             if not isinstance(size, int):
-                def logits(state, tokens):
-                    model = self._merged(state["params"], state["frozen"])
-                    model.eval()
-                    return next_token_logits(model, tokens[:, :-1], nnx.Rngs(0))
-
                 with self.plan.activate(mesh_context=True), \
                         explained_model_errors(self.plan):
-                    size = int(jax.eval_shape(logits, self.state, batch).shape[-1])
+                    logits = jax.eval_shape(lambda st, b: self._eval_logits(st, b[:, :-1]),
+                                            self.state, batch)
+                size = int(logits.shape[-1])
             self._vocab = size
         return self._vocab
 
