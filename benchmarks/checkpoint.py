@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jaxpar
-    from jaxpar.assembly import build_trainer
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.run import make_loader
+    from jaxpar.checkpoint.checkpointer import Checkpointer
+    from jaxpar.config.assembly import build_trainer
+    from jaxpar.runs.loop import make_loader
 
     n = args.devices
     defaults = ["mesh.data=1", f"mesh.fsdp={n}", "mesh.tensor=1", "train.global_batch=8",

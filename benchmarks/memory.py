@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jaxpar
-    from jaxpar.assembly import build_trainer
-    from jaxpar.inspect import memory_stats
-    from jaxpar.run import make_loader
+    from jaxpar.analysis.hlo import memory_stats
+    from jaxpar.config.assembly import build_trainer
+    from jaxpar.runs.loop import make_loader
 
     n = args.devices
     strategies = {f"zero{s}": [f"mesh.data={n}", "mesh.fsdp=1", "mesh.tensor=1",

@@ -14,9 +14,9 @@ metrics in order, so every step's completion time is known without stalling the
 dispatch: the step time is the median gap between consecutive completions (the mean,
 wall time over all steps, is shown beside it).
 
-Model FLOPs per step are the planner's count (``jaxpar.monitor.model_flops_per_step``:
+Model FLOPs per step are the planner's count (``jaxpar.runs.monitor.model_flops_per_step``:
 ``6 N + 12 L H Q s`` per token, PaLM appendix B; no remat recomputation), the peak the
-chip's dense bf16 FLOP/s from the planner's catalog (``jaxpar.monitor.peak_flops_per_device``,
+chip's dense bf16 FLOP/s from the planner's catalog (``jaxpar.runs.monitor.peak_flops_per_device``,
 none on CPU), and MFU = flops / (step time x devices x peak).
 
 Presets: ``tiny`` (configs/tiny.yaml: d_model 128, 4 layers, vocab 256; seconds on 8
@@ -123,7 +123,7 @@ def resolved_mesh(config, n_devices: int) -> tuple[dict[str, int], dict[str, int
 
 def chip_key(platform: str, device_kind: str) -> str | None:
     """The planner's catalog key of these devices (``cpu`` on the host), or None."""
-    from jaxpar.monitor import chip_for_kind
+    from jaxpar.runs.monitor import chip_for_kind
 
     return "cpu" if platform == "cpu" else chip_for_kind(device_kind)
 
@@ -138,7 +138,7 @@ def planner_remat(config, n_devices: int, key: str | None, backend: str) -> tupl
     from jaxpar.planner import api
     from jaxpar.planner.cost import DTYPE_BYTES, Candidate
     from jaxpar.planner.search import REMATS
-    from jaxpar.precision import Policy
+    from jaxpar.sharding.precision import Policy
 
     compute = Policy.parse(config.plan.precision).compute
     if key is None:
@@ -228,9 +228,9 @@ def dry_run(args, name: str, n_devices: int, key: str | None, backend: str) -> N
     import jax
     from flax import nnx
 
-    from jaxpar.assembly import model_factory
-    from jaxpar.monitor import model_flops_per_step
+    from jaxpar.config.assembly import model_factory
     from jaxpar.planner.catalog import BUILTIN
+    from jaxpar.runs.monitor import model_flops_per_step
 
     config = build_config(args, name, n_devices, args.remat)
     remat, how = ((args.remat, "--remat") if args.remat is not None
@@ -265,7 +265,7 @@ def run(args, name: str, devices, platform: str, device_kind: str) -> None:
     import numpy as np
 
     import jaxpar
-    from jaxpar.monitor import mfu, model_flops_per_step, peak_flops_per_device
+    from jaxpar.runs.monitor import mfu, model_flops_per_step, peak_flops_per_device
 
     n = len(devices)
     config = build_config(args, name, n, args.remat)

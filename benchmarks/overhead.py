@@ -170,7 +170,7 @@ _HAND_NAMES = {("embed",): "embed", ("lm_head", "kernel"): "lm_head",
 
 def jaxpar_trainer(layout: str):
     import jaxpar
-    from jaxpar.config import Config, MeshConfig, ModelConfig, PlanConfig, TrainConfig
+    from jaxpar.config.schema import Config, MeshConfig, ModelConfig, PlanConfig, TrainConfig
 
     mesh, rules = JAXPAR_LAYOUTS[layout]
     config = Config(

@@ -32,10 +32,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import inspect as jinspect  # noqa: E402
-from jaxpar import pipeline as pl  # noqa: E402
+from jaxpar.analysis import hlo as jinspect  # noqa: E402
 from jaxpar.models import Transformer, TransformerConfig  # noqa: E402
 from jaxpar.models.transformer import rotary_tables  # noqa: E402
+from jaxpar.parallel import pipeline as pl  # noqa: E402
 
 SCHEDULES = [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1),
              (2, 2, 2), (4, 4, 2), (4, 8, 2), (4, 4, 4)]

@@ -7,7 +7,7 @@
 does) or reads the chip ``NAME`` from ``--catalog``; (b) for each layout of
 :data:`LAYOUTS` (a small decoder: d_model 256, 4 layers, 8 heads, d_ff 1024, vocab
 4096, seq 128, global batch 16, float32; the ``moe`` layout swaps the MLP for 4 experts,
-2 per token) predicts the step time with ``jaxpar.planner.predict`` on the calibrated
+2 per token) predicts the step time with ``jaxpar.planner.prediction`` on the calibrated
 chip, then builds the trainer (``jaxpar.build_trainer``) and measures it: a warm-up (the
 first step compiles), then ``--rounds`` rounds over all layouts in turn (the order
 reversed every other round), each the median of ``--steps`` blocking steps; a layout's
@@ -71,7 +71,7 @@ def predict_layout(overrides: list[str], chip) -> dict:
     """Predicted step seconds and the estimate's breakdown on ``N_DEVICES`` x ``chip``."""
     from jaxpar.planner.catalog import Machine
     from jaxpar.planner.cost import estimate
-    from jaxpar.planner.predict import candidate_from_config, spec_from_config
+    from jaxpar.planner.prediction import candidate_from_config, spec_from_config
 
     config = layout_config(overrides)
     cand = candidate_from_config(config, N_DEVICES)
@@ -84,9 +84,9 @@ def predict_layout(overrides: list[str], chip) -> dict:
 def planner_choice(chip) -> tuple[list[str], str]:
     """``jaxpar.planner.plan``'s winner for the dense model on ``cpu:8`` at float32: its
     config overrides (measured as the layout ``plan``) and a description."""
-    from jaxpar.mesh import MESH_AXES
     from jaxpar.planner import plan
     from jaxpar.planner.catalog import Machine
+    from jaxpar.sharding.mesh import MESH_AXES
 
     config = layout_config([])
     best = plan(config, chips=Machine(chip, N_DEVICES, 1), global_batch=16, seq=128,

@@ -31,9 +31,11 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import inspect, lora  # noqa: E402
-from jaxpar.data import TokenLoader, load_tokens  # noqa: E402
-from jaxpar.partitioning import ReplicationWarning, path_str  # noqa: E402
+from jaxpar.adapters import lora  # noqa: E402
+from jaxpar.analysis import hlo  # noqa: E402
+from jaxpar.data.loader import TokenLoader, load_tokens  # noqa: E402
+from jaxpar.sharding.partitioning import ReplicationWarning  # noqa: E402
+from jaxpar.sharding.paths import path_str  # noqa: E402
 
 # --- the user's model: plain Flax NNX, nothing from jaxpar ---------------------------------
 
@@ -131,8 +133,8 @@ def fsdp_step_collectives(plan: jaxpar.Plan, batch) -> tuple[list[dict], dict]:
     """Collectives and memory of one compiled (not run) train step of a fresh model."""
     model = jaxpar.init_sharded(lambda: TinyLlama(rngs=nnx.Rngs(0)), plan)
     compiled = jaxpar.Trainer(model, optax.adamw(3e-3), plan).lower(batch).compile()
-    return (inspect.collective_table(compiled.as_text(), plan.mesh),
-            inspect.memory_stats(compiled))
+    return (hlo.collective_table(compiled.as_text(), plan.mesh),
+            hlo.memory_stats(compiled))
 
 
 def main() -> None:
@@ -186,7 +188,7 @@ def main() -> None:
 
     # 5. What XLA did: the FSDP x TP step, then a pure FSDP step without and with layouts.
     print("4. collectives of the fsdp=4 x tensor=2 train step:")
-    for row in inspect.collective_table(train_hlo, plan.mesh):
+    for row in hlo.collective_table(train_hlo, plan.mesh):
         print(f"   {row['kind']:20s} over {','.join(row['axes']):13s} x{row['count']:<3d} "
               f"{row['bytes_per_device']:>9,d} B/device")
     fsdp = jaxpar.make_mesh({"fsdp": 8})

@@ -39,7 +39,7 @@ import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from jaxpar import cli  # noqa: E402
-from jaxpar.generate import TextCodec, load_run_model  # noqa: E402
+from jaxpar.runs.generate import TextCodec, load_run_model  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 # PEFT calls a transformers method that transformers 5 has deprecated.

@@ -25,8 +25,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import lora  # noqa: E402
-from jaxpar.data import TokenLoader, load_tokens, split_holdout  # noqa: E402
+from jaxpar.adapters import lora  # noqa: E402
+from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout  # noqa: E402
 from jaxpar.models import Transformer, TransformerConfig  # noqa: E402
 
 SMALL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -9,8 +9,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar import inspect  # noqa: E402
-from jaxpar.data import TokenLoader, load_tokens  # noqa: E402
+from jaxpar.analysis import hlo  # noqa: E402
+from jaxpar.data.loader import TokenLoader, load_tokens  # noqa: E402
 from jaxpar.models import Transformer, TransformerConfig  # noqa: E402
 
 
@@ -29,9 +29,9 @@ def main() -> None:
             print(f"step {metrics['step']:3d}  loss {metrics['loss']:.4f}")
 
     compiled = trainer.lower(data.batch(0)).compile()
-    for row in inspect.collective_table(compiled.as_text(), mesh):
+    for row in hlo.collective_table(compiled.as_text(), mesh):
         print(row)
-    print(inspect.memory_stats(compiled))
+    print(hlo.memory_stats(compiled))
 
 
 if __name__ == "__main__":

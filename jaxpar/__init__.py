@@ -20,22 +20,23 @@ Or let the planner choose the mesh for a machine you do not have::
     best = jaxpar.plan(cfg, chips="tpu-v5p:256", global_batch=512, seq=4096)[0]
 """
 
-from jaxpar import lora, models, pipeline, planner
-from jaxpar.annotate import annotate, logical_names
-from jaxpar.assembly import assemble, build_trainer
-from jaxpar.config import Config, load_config
+from jaxpar import models, planner
+from jaxpar.adapters import lora
+from jaxpar.config.assembly import assemble, build_trainer
+from jaxpar.config.schema import Config, load_config
 from jaxpar.errors import JaxparError
-from jaxpar.layouts import constrain_outputs
-from jaxpar.linen import from_linen
-from jaxpar.mesh import MESH_AXES, make_mesh
-from jaxpar.partitioning import init_sharded, replication_report, state_shardings
-from jaxpar.plan import Plan, constrain, current_plan
-from jaxpar.rules import Rules
-from jaxpar.train import Trainer
+from jaxpar.models.linen import from_linen
+from jaxpar.parallel import pipeline
+from jaxpar.sharding.annotations import annotate, logical_names
+from jaxpar.sharding.layouts import constrain_outputs
+from jaxpar.sharding.mesh import MESH_AXES, make_mesh
+from jaxpar.sharding.partitioning import init_sharded, replication_report, state_shardings
+from jaxpar.sharding.plan import Plan, constrain, current_plan
+from jaxpar.sharding.rules import Rules
+from jaxpar.training.trainer import Trainer
 
-# ``jaxpar.plan(...)`` is the planner's entry point. The ``jaxpar.plan`` module (home of
-# :class:`Plan`) was imported above, so ``from jaxpar.plan import ...`` keeps working;
-# only the package attribute now names the function.
+# ``jaxpar.plan(...)`` is the planner's search; the Plan type lives in jaxpar.sharding.plan,
+# so no module of this package is hidden behind the name.
 plan = planner.plan
 
 __all__ = [

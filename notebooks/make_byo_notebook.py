@@ -175,8 +175,8 @@ same two things by default (`layouts="auto"`: the outputs of repeated blocks suc
 these `nnx.List` entries, and annotated `nnx.Embed` tables); `layouts=()` opts out, as
 section 5 does for its "without layouts" step.''',
         '''\
-from jaxpar.annotate import path_str
-from jaxpar.layouts import pinned
+from jaxpar.sharding.paths import path_str
+from jaxpar.sharding.layouts import pinned
 
 LAYOUTS = [
     (DecoderBlock, ("batch", "seq", "embed")),
@@ -200,7 +200,7 @@ token ids shaped `(batch, seq + 1)`; a model with other inputs takes
         '''\
 import optax
 
-from jaxpar.data import TokenLoader, load_tokens
+from jaxpar.data.loader import TokenLoader, load_tokens
 
 data = TokenLoader(load_tokens("stdlib", 1_000_000), global_batch=16, seq_len=32)
 trainer = jaxpar.Trainer(model, optax.adamw(3e-3), plan)
@@ -212,7 +212,7 @@ whose path matches. They take their shardings from the kernels they adapt, so th
 annotation of their own; with `trainable=nnx.LoRAParam` only they get gradients and
 optimizer state.''',
         '''\
-from jaxpar import lora
+from jaxpar.adapters import lora
 
 tuned = trainer.model
 with plan.activate():
@@ -236,7 +236,7 @@ optimized HLO. Without guidance GSPMD moves activations between layouts with all
 and keeps more temporaries; with the two layout lines the step only all-gathers weights
 just in time and reduces gradients.''',
         '''\
-from jaxpar import inspect
+from jaxpar.analysis import hlo
 
 fsdp = jaxpar.make_mesh({"fsdp": 8})
 batch = data.batch(0)
@@ -245,8 +245,8 @@ for label, layouts in (("without layouts", ()), ("with layouts", LAYOUTS)):
     p = jaxpar.Plan.from_preset(fsdp, "fsdp", annotations=ANNOTATIONS, layouts=layouts)
     step = jaxpar.Trainer(jaxpar.init_sharded(new_model, p), optax.adamw(3e-3), p)
     compiled = step.lower(batch).compile()
-    tables[label] = inspect.collective_table(compiled.as_text(), fsdp)
-    temps[label] = inspect.memory_stats(compiled).get("temp_bytes", 0)
+    tables[label] = hlo.collective_table(compiled.as_text(), fsdp)
+    temps[label] = hlo.memory_stats(compiled).get("temp_bytes", 0)
     print(f"--- {label}: {temps[label]:,} temp bytes per device")
     for row in tables[label]:
         print(f"  {row['kind']:20s} over {','.join(row['axes']):6s} x{row['count']:<3d} "

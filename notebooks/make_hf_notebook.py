@@ -146,7 +146,7 @@ import jax.numpy as jnp
 import numpy as np
 import peft
 
-from jaxpar.generate import load_run_model
+from jaxpar.runs.generate import load_run_model
 
 # PEFT calls a transformers method that transformers 5 has deprecated.
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")

@@ -34,10 +34,10 @@ import numpy as np
 from flax import nnx
 
 import jaxpar
-from jaxpar.assembly import make_optimizer
-from jaxpar.config import load_config
-from jaxpar.data import TokenLoader, load_tokens
-from jaxpar.inspect import collective_table
+from jaxpar.training.optimizer import make_optimizer
+from jaxpar.config.schema import load_config
+from jaxpar.data.loader import TokenLoader, load_tokens
+from jaxpar.analysis.hlo import collective_table
 from jaxpar.models import Transformer, TransformerConfig
 
 cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
@@ -75,7 +75,7 @@ skips blocks no query can see, so the work per device is what the plot counts.''
         '''\
 import matplotlib.pyplot as plt
 
-from jaxpar.context import balanced_order
+from jaxpar.parallel.context import balanced_order
 
 SEQ_LEN, C = 1024, 4
 
@@ -115,9 +115,9 @@ tensor axis as well: the all-reduce becomes a reduce-scatter into the split resi
 the next block all-gathers its normed input. Same bytes on the wire, but norms, residual
 adds and dropout work on a quarter of the sequence. (The CPU backend writes a
 reduce-scatter as an all-reduce whose result each device slices;
-`jaxpar.inspect.count_reduce_scatters` counts both forms.)''',
+`jaxpar.analysis.hlo.count_reduce_scatters` counts both forms.)''',
         '''\
-from jaxpar.inspect import count_reduce_scatters
+from jaxpar.analysis.hlo import count_reduce_scatters
 
 for sp in (False, True):
     trainer = trainer_on({"data": 2, "tensor": 4}, sequence_parallel=sp)

@@ -48,7 +48,7 @@ axis may be `-1`, which takes whatever devices are left. The mesh always has all
 axes, outermost (most tolerant of slow links) first.''',
     '''\
 import jaxpar
-from jaxpar.mesh import describe
+from jaxpar.sharding.mesh import describe
 
 mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 print(describe(mesh))
@@ -94,8 +94,8 @@ weights and optimizer state are stored) and **activation rules** (how the comput
 split). The table shows how each resolves the reference model's names on the
 `data=2 x fsdp=2 x tensor=2` mesh.''',
     '''\
-from jaxpar.report import table  # plain-text aligned columns
-from jaxpar.rules import PRESETS, preset
+from jaxpar.analysis.report import table  # plain-text aligned columns
+from jaxpar.sharding.rules import PRESETS, preset
 
 weights = {
     "embedding (vocab, embed)": ("vocab", "embed"),
@@ -118,7 +118,7 @@ weight. `param_table` lists every weight with its logical names and `PartitionSp
 from flax import nnx
 
 from jaxpar.models import Transformer, TransformerConfig
-from jaxpar.partitioning import param_table
+from jaxpar.sharding.partitioning import param_table
 
 plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
 cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -219,7 +219,7 @@ and the circular schedule with `R = 2` (each iteration is one layer).''',
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxpar import pipeline as pl
+from jaxpar.parallel import pipeline as pl
 
 
 def timeline(stages, microbatches, repeats):
@@ -299,7 +299,7 @@ the same seed gives the same weights and, up to float rounding, the same logits.
 from flax import nnx
 
 import jaxpar
-from jaxpar.inspect import collective_table
+from jaxpar.analysis.hlo import collective_table
 from jaxpar.models import Transformer, TransformerConfig
 
 cfg = TransformerConfig(vocab_size=128, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2,
@@ -370,7 +370,7 @@ from YAML (`--catalog`).""",
     """\
 import jaxpar
 from jaxpar.planner import BUILTIN, parse_chips, plan
-from jaxpar.report import table
+from jaxpar.analysis.report import table
 
 rows = [(name, f"{c.peak_flops / 1e12:.0f}", f"{c.hbm_bytes / 2**30:.0f}",
          f"{c.ici_bw / 1e9:.0f}", f"{c.dcn_bw / 1e9:.1f}", c.domain)
@@ -549,8 +549,8 @@ memory, every collective in the optimized HLO, and FLOPs. Here on the 8 simulate
 devices, for the tiny config on a `data=2 x fsdp=2 x tensor=2` mesh (the CLI:
 `jaxpar inspect --config configs/tiny.yaml --devices 8`).""",
     """\
-from jaxpar.inspect import inspect_config
-from jaxpar.report import render_inspection
+from jaxpar.analysis.inspection import inspect_config
+from jaxpar.analysis.report import render_inspection
 
 tiny = jaxpar.load_config("configs/tiny.yaml", ["train.global_batch=16", "train.seq_len=64"])
 report = inspect_config(tiny, source="configs/tiny.yaml")

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxpar
-from jaxpar.assembly import make_optimizer
-from jaxpar.data import TokenLoader, load_tokens
+from jaxpar.data.loader import TokenLoader, load_tokens
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.models.transformer import RESIDUAL, rotary_tables
+from jaxpar.training.optimizer import make_optimizer
 
 SMALL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                           d_ff=128, max_seq_len=64)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxpar.launch import initialize
+from jaxpar.runs.distributed import initialize
 
 initialize()
 

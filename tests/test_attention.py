@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import attention as attention_lib
-from jaxpar.attention import attention, chunked_attention, resolve, splash_attention
 from jaxpar.errors import JaxparError
 from jaxpar.models.transformer import Transformer, TransformerConfig
-from jaxpar.rules import Rules
+from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel.attention import attention, chunked_attention, resolve, splash_attention
+from jaxpar.sharding.rules import Rules
 
 
 def _qkv(b=2, s=37, n=4, kv=2, h=16, seed=0):
@@ -60,7 +60,7 @@ def _sharded_model_loss_and_grads(impl):
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(params):
-        return jaxpar.train.lm_loss(nnx.merge(graphdef, params), tokens)
+        return jaxpar.training.trainer.lm_loss(nnx.merge(graphdef, params), tokens)
 
     with plan.activate(mesh_context=True):
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -176,7 +176,7 @@ def test_splash_without_a_plan_does_not_shard(monkeypatch):
     (("head_dim", "tensor"), "queries along head_dim over tensor"),
 ], ids=["seq", "head_dim"])
 def test_splash_refuses_a_split_sequence_or_head_dim(rule, message):
-    _, acts = jaxpar.rules.preset("fsdp_tp")
+    _, acts = jaxpar.sharding.rules.preset("fsdp_tp")
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 4, "tensor": 2}), "fsdp_tp")
     plan = plan.replace(act_rules=Rules([rule, *acts.rules]))
     q, k, v, _ = _qkv(4, 128, 4, 2, 8)

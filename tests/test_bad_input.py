@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import jaxpar.data
+import jaxpar.data.loader
 from jaxpar.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ class Case:
     argv: list[str]
     culprits: tuple[str, ...]
     setup: Setup | None = None
-    chunk: int | None = None  # jaxpar.data.SCAN_CHUNK for this case
+    chunk: int | None = None  # jaxpar.data.loader.SCAN_CHUNK for this case
     xfail: str = ""  # a known library bug: the reason (strict xfail until it is fixed)
 
 
@@ -339,7 +339,7 @@ def _check(case: Case, code, out: str, err: str) -> None:
 def test_bad_input_in_process(case: Case, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     if case.chunk is not None:
-        monkeypatch.setattr(jaxpar.data, "SCAN_CHUNK", case.chunk)
+        monkeypatch.setattr(jaxpar.data.loader, "SCAN_CHUNK", case.chunk)
     argv = _prepare(case, tmp_path)
     before = _snapshot(tmp_path)
     code, out, err = run_main(argv, capsys)

@@ -1,7 +1,7 @@
 """Bad input, part 2: ``jaxpar launch`` flags that clash with its child's, ``jaxpar sample``
 (a --max-tokens past the model's context, prompt text the tokenizer cannot spell, ids it
 has no text for, output streamed as it is generated) and the prompt checks of
-:func:`jaxpar.generate.generate`.
+:func:`jaxpar.runs.generate.generate`.
 
 The table and its helpers are those of ``tests/test_bad_input.py``.
 """
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import jaxpar.generate as gen
+import jaxpar.runs.generate as gen
 from jaxpar import load_config
 from jaxpar.cli import main
 from jaxpar.errors import JaxparError, JaxparWarning

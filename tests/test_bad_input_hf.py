@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpar import hf
 from jaxpar.cli import main
 from jaxpar.errors import JaxparError
-from jaxpar.hf import safetensors_io
+from jaxpar.storage import safetensors_io
 from tests.test_bad_input import (
     ROOT,
     Case,
@@ -188,9 +188,9 @@ def moe_run(tmp_path_factory) -> Path:
     """A run of a tiny mixture-of-experts decoder (step 0, never trained)."""
     import jax
 
-    from jaxpar.assembly import assemble
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.config import load_config
+    from jaxpar.checkpoint.checkpointer import Checkpointer
+    from jaxpar.config.assembly import assemble
+    from jaxpar.config.schema import load_config
 
     out = tmp_path_factory.mktemp("hf-bad-moe") / "run"
     config = load_config(None, ["model.d_model=32", "model.n_layers=1", "model.d_ff=64",
@@ -268,7 +268,7 @@ def test_full_disk_during_export(fault, dense_run, tmp_path, capsys, monkeypatch
 def test_compatible_overrides_are_applied(hf_model, tmp_path, capsys):
     """``model.*`` overrides that leave the weights alone are kept (in the checkpoint's
     config and config.yaml); the model's shape stays the checkpoint's."""
-    from jaxpar.generate import load_run_model
+    from jaxpar.runs.generate import load_run_model
 
     run = tmp_path / "run"
     code, _, err = run_main(["convert", "--from-hf", str(hf_model), "--out", str(run),

@@ -21,18 +21,19 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.assembly import build_trainer, make_optimizer
-from jaxpar.checkpoint import (
+from jaxpar.checkpoint.checkpointer import (
     SAVE_DELAY_ENV,
     Checkpointer,
     CheckpointWarning,
     CorruptCheckpoint,
     flat_paths,
 )
+from jaxpar.config.assembly import build_trainer
 from jaxpar.models import Transformer
-from jaxpar.pipeline import Schedule
-from jaxpar.run import train
-from jaxpar.train import Trainer
+from jaxpar.parallel.pipeline import Schedule
+from jaxpar.runs.loop import train
+from jaxpar.training.optimizer import make_optimizer
+from jaxpar.training.trainer import Trainer
 from tests.helpers import MESH_2X2X2, SMALL, loader, small_config
 
 # The run the CLI tests use: the small model on a 2 x 2 x 2 mesh.

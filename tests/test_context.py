@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.attention import KV_NAMES, Q_NAMES
-from jaxpar.context import balanced_order, context_attention, inverse_order
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.attention import KV_NAMES, Q_NAMES
+from jaxpar.parallel.context import balanced_order, context_attention, inverse_order
 
 B, S, N, KV, H = 2, 32, 4, 2, 8
 MESHES = {

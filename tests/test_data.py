@@ -6,10 +6,16 @@ import numpy as np
 import pytest
 
 import jaxpar
-import jaxpar.data
+import jaxpar.data.loader
 from jaxpar import JaxparError
-from jaxpar.data import TokenLoader, check_token_ids, load_tokens, split_holdout, stdlib_corpus
-from jaxpar.run import make_loader
+from jaxpar.data.loader import (
+    TokenLoader,
+    check_token_ids,
+    load_tokens,
+    split_holdout,
+    stdlib_corpus,
+)
+from jaxpar.runs.loop import make_loader
 
 
 def test_stdlib_corpus_is_bytes_and_deterministic():
@@ -184,7 +190,7 @@ BAD_DATA = {  # case: (make files under tmp_path -> (source, overrides), message
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
 def test_bad_data_is_a_one_line_error_naming_the_source(case, tmp_path, monkeypatch):
-    monkeypatch.setattr(jaxpar.data, "SCAN_CHUNK", 1024)
+    monkeypatch.setattr(jaxpar.data.loader, "SCAN_CHUNK", 1024)
     make, fragments = BAD_DATA[case]
     source, overrides = make(tmp_path)
     holdout = "holdout" in overrides

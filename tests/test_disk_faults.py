@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxpar.checkpoint import Checkpointer, CheckpointSaveFailed, read_only
+from jaxpar.checkpoint.checkpointer import Checkpointer, CheckpointSaveFailed, read_only
 from tests.test_checkpoint import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_earlier_checkpoints(tmp_
 def test_a_save_refused_in_the_background_is_one_error(tmp_path, monkeypatch, capfd):
     """The space check passes (faked), the write itself hits the full disk: the error still
     comes as one CheckpointSaveFailed, and orbax's logs of it are not shown."""
-    monkeypatch.setattr("jaxpar.checkpoint.free_bytes", lambda path: 1 << 40)
+    monkeypatch.setattr("jaxpar.checkpoint.checkpointer.free_bytes", lambda path: 1 << 40)
     trainer = build({"data": 1}, devices=jax.devices()[:1])
     with small_disk(tmp_path, "64k") as disk:
         ckpt = Checkpointer(disk / "checkpoints", every=1)

@@ -20,12 +20,12 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import lora
-from jaxpar.assembly import make_optimizer
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.inspect import collective_table, group_axes, parse_collectives
+from jaxpar.adapters import lora
+from jaxpar.analysis.hlo import collective_table, group_axes, parse_collectives
+from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.checkpoint.reshard import flat_paths
 from jaxpar.models import Transformer
-from jaxpar.reshard import flat_paths
+from jaxpar.training.optimizer import make_optimizer
 from tests.helpers import SMALL, loader, small_config
 
 MOE = dataclasses.replace(SMALL, n_experts=4, experts_per_token=2, expert_d_ff=24,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import JaxparError
-from jaxpar.folders import LOCK_NAME, FolderLock, staged_folder
-from jaxpar.hf.safetensors_io import EXPORT_DELAY_ENV
+from jaxpar.storage.folders import LOCK_NAME, FolderLock, staged_folder
+from jaxpar.storage.safetensors_io import EXPORT_DELAY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORT = """

@@ -1,4 +1,4 @@
-"""Text generation (jaxpar.generate) and ``jaxpar sample``: greedy decoding against a naive
+"""Text generation (jaxpar.runs.generate) and ``jaxpar sample``: greedy decoding against a naive
 loop, seeded sampling, and whole runs (byte-level and LoRA) trained, loaded and sampled."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli import main
-from jaxpar.generate import TextCodec, generate, load_run_model
 from jaxpar.models.transformer import Transformer, TransformerConfig
+from jaxpar.runs.generate import TextCodec, generate, load_run_model
 
 TINY = TransformerConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                          d_ff=32, max_seq_len=8, init_std=0.5)

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import lora
+from jaxpar.adapters import lora
 from jaxpar.cli import main
-from jaxpar.generate import load_run_model
-from jaxpar.launch import free_port, run_all
+from jaxpar.runs.distributed import free_port, run_all
+from jaxpar.runs.generate import load_run_model
 from tests.helpers import without_cache
 from tests.test_hf import IDS, TOL, make_hf_model
 

@@ -10,8 +10,8 @@ import pytest
 
 import jaxpar
 from jaxpar import cli
-from jaxpar.inspect import compare_collectives
-from jaxpar.report import fmt_bytes, table
+from jaxpar.analysis.inspection import compare_collectives
+from jaxpar.analysis.report import fmt_bytes, table
 from tests.helpers import MESH_2X2X2
 
 # The tiny config on a 3D fsdp_tp mesh (data=2 x fsdp=2 x tensor=2), with a short batch
@@ -130,7 +130,7 @@ def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.inspect import matmul_flops
+    from jaxpar.analysis.hlo import matmul_flops
 
     def f(x, ws):
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
@@ -144,7 +144,7 @@ def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
 
 def test_planner_failure_or_absence_leaves_a_note(monkeypatch):
     import jaxpar.planner
-    from jaxpar.inspect import planner_prediction
+    from jaxpar.analysis.inspection import planner_prediction
 
     config = jaxpar.load_config("configs/tiny.yaml")
 

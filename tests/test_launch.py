@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import jaxpar
-import jaxpar.launch as launch
-from jaxpar.assembly import build_trainer
-from jaxpar.checkpoint import Checkpointer, flat_paths
-from jaxpar.launch import command, first_failure, initialize, run_all
-from jaxpar.run import train
+import jaxpar.cli.launch as launch
+from jaxpar.checkpoint.checkpointer import Checkpointer, flat_paths
+from jaxpar.cli.launch import command
+from jaxpar.config.assembly import build_trainer
+from jaxpar.runs.distributed import first_failure, initialize, run_all
+from jaxpar.runs.loop import train
 from tests.helpers import MESH_2X2X2, SMALL, without_cache
 
 RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), *MESH_2X2X2, "train.seq_len=32",
@@ -107,12 +108,12 @@ def test_first_failure_is_the_earliest_failed_exit():
 
 INJECT = """
 import sys
-import jaxpar.run
+import jaxpar.runs.loop
 from jaxpar.errors import JaxparError
 def train(*args, **kwargs):
     raise JaxparError("data.source 'shard-1.txt': a bad input only process 1 sees")
-jaxpar.run.train = train
-from jaxpar.launch import child_main
+jaxpar.runs.loop.train = train
+from jaxpar.cli.child import child_main
 child_main(sys.argv[1:])
 """
 """Process 1's command: ``jaxpar train`` whose training fails at once, after the
@@ -124,7 +125,7 @@ def test_launch_names_the_process_that_failed_first(monkeypatch, capsys):
 
     def child_processes(cmd, processes, port):
         commands, envs = made(cmd, processes, port)
-        assert commands[1][1:3] == ["-m", "jaxpar.launch"]
+        assert commands[1][1:3] == ["-m", "jaxpar.cli.child"]
         commands[1] = [sys.executable, "-c", INJECT, *commands[1][3:]]
         return commands, [without_cache(env) for env in envs]
 

@@ -17,10 +17,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar import lora
-from jaxpar.annotate import path_str
-from jaxpar.inspect import count_collectives
-from jaxpar.loss import cross_entropy
+from jaxpar.adapters import lora
+from jaxpar.analysis.hlo import count_collectives
+from jaxpar.parallel.loss import cross_entropy
+from jaxpar.sharding.paths import path_str
 from tests import user_models as um
 from tests.test_user_models import LAYOUTS, specs, tokens
 
@@ -263,7 +263,7 @@ def test_transformers_flax_model_trains_and_exports(devices, tmp_path, family):
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 def test_linen_trainer_checkpoint_round_trip_is_exact(devices, tmp_path):
-    from jaxpar.checkpoint import Checkpointer, flat_paths
+    from jaxpar.checkpoint.checkpointer import Checkpointer, flat_paths
 
     # Dropout on (its RNG stream is state too) and adapters on nn.DenseGeneral.
     trainer = _linen_gpt_trainer("fsdp_tp", lora_target=r"attn/(query|value)$")

@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.assembly import make_optimizer
-from jaxpar.inspect import count_collectives
+from jaxpar.analysis.hlo import count_collectives
 from jaxpar.models import Transformer
+from jaxpar.training.optimizer import make_optimizer
 from tests.helpers import SMALL, loader, make_trainer, small_config
 
 STEPS = 2

@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import lora, quant
+from jaxpar.adapters import lora, quant
 from jaxpar.models import Transformer, TransformerConfig
-from jaxpar.partitioning import logical_names, path_str
+from jaxpar.sharding.partitioning import logical_names
+from jaxpar.sharding.paths import path_str
 
 CFG = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32)
@@ -385,7 +386,7 @@ def test_finetune_report_counts():
 def test_pipeline_layout_adapters_follow_stage_sharding(devices):
     # Abstract only: adapters of (repeat, stage)-stacked blocks carry both axes, and the
     # stage axis is sharded over the "stage" mesh axis like the weights they adapt.
-    from jaxpar import pipeline as pl
+    from jaxpar.parallel import pipeline as pl
 
     mesh = jaxpar.make_mesh({"stage": 2, "fsdp": 2, "tensor": 2})
     pp_plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")

@@ -18,8 +18,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import jaxpar
-from jaxpar import lora, quant
-from jaxpar.partitioning import logical_names, path_str
+from jaxpar.adapters import lora, quant
+from jaxpar.sharding.partitioning import logical_names
+from jaxpar.sharding.paths import path_str
 
 D, HEADS, FF_GROUPS, FF = 32, 4, 2, 16
 BATCH, SEQ, RANK = 8, 4, 2

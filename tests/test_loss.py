@@ -13,13 +13,13 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import lora
-from jaxpar import pipeline as pl
+from jaxpar.adapters import lora
 from jaxpar.errors import JaxparError
-from jaxpar.loss import chunked_cross_entropy
 from jaxpar.models.transformer import Transformer, TransformerConfig
-from jaxpar.precision import Policy
-from jaxpar.train import lm_loss
+from jaxpar.parallel import pipeline as pl
+from jaxpar.parallel.loss import chunked_cross_entropy
+from jaxpar.sharding.precision import Policy
+from jaxpar.training.trainer import lm_loss
 
 CFG = TransformerConfig(vocab_size=96, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32)

@@ -3,7 +3,7 @@ import pytest
 from jax.sharding import AxisType
 
 from jaxpar import JaxparError, make_mesh
-from jaxpar.mesh import MESH_AXES, describe
+from jaxpar.sharding.mesh import MESH_AXES, describe
 
 
 def test_axes_fixed_order_and_fill(devices):

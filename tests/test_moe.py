@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models import TransformerConfig
-from jaxpar.moe import MoE, aux_loss, capacity, top_k
+from jaxpar.models.moe import MoE, aux_loss, capacity, top_k
 
 E, K, B, S, D = 4, 2, 8, 8, 16
 CFG = TransformerConfig(d_model=D, d_ff=32, n_heads=4, n_kv_heads=2, n_experts=E,

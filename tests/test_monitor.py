@@ -1,4 +1,4 @@
-"""jaxpar.monitor: TensorBoard scalars, tags, MFU, memory and the profiler window."""
+"""jaxpar.runs.monitor: TensorBoard scalars, tags, MFU, memory and the profiler window."""
 
 import math
 from types import SimpleNamespace
@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.schema import ModelConfig
+from jaxpar.config.validate import check_profile_steps
 from jaxpar.errors import JaxparError
 from jaxpar.models.transformer import TransformerConfig
-from jaxpar.monitor import (
+from jaxpar.planner.catalog import BUILTIN
+from jaxpar.runs.monitor import (
     ProfileWindow,
     TensorBoardLog,
-    check_profile_steps,
     chip_for_kind,
     memory_in_use,
     mfu,
@@ -23,7 +24,6 @@ from jaxpar.monitor import (
     peak_flops_per_device,
     tensorboard_tags,
 )
-from jaxpar.planner.catalog import BUILTIN
 
 
 def test_scalars_read_back_by_tensorboard(tmp_path):

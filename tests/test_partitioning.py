@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.models import Transformer
-from jaxpar.partitioning import linen_shardings, logical_names, param_table
+from jaxpar.sharding.partitioning import linen_shardings, logical_names, param_table
 from tests.helpers import SMALL
 
 # (mesh, preset) -> expected PartitionSpec of a few weights.

@@ -13,13 +13,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxpar
-from jaxpar import inspect as jinspect
-from jaxpar import pipeline as pl
-from jaxpar import remat as remat_lib
+from jaxpar.analysis import hlo as jinspect
 from jaxpar.errors import JaxparError
 from jaxpar.models import Transformer, TransformerConfig
-from jaxpar.precision import Policy
-from jaxpar.train import lm_loss
+from jaxpar.parallel import pipeline as pl
+from jaxpar.sharding import remat as remat_lib
+from jaxpar.sharding.precision import Policy
+from jaxpar.training.trainer import lm_loss
 
 CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32)

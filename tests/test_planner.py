@@ -10,14 +10,14 @@ import time
 import pytest
 
 import jaxpar
-from jaxpar.assembly import build_trainer
+from jaxpar.analysis.hlo import collective_table, memory_stats
 from jaxpar.cli import main
-from jaxpar.inspect import collective_table, memory_stats
+from jaxpar.config.assembly import build_trainer
+from jaxpar.config.validate import check_config
 from jaxpar.models import TransformerConfig
 from jaxpar.planner import BUILTIN, Candidate, estimate, parse_chips, plan, predict
 from jaxpar.planner.cost import model_flops
 from jaxpar.planner.model import from_nnx, from_transformer
-from jaxpar.validate import check_config
 from tests.helpers import loader
 
 BATCH, SEQ = 16, 64
@@ -210,7 +210,7 @@ def test_top_level_plan_is_the_planner():
     best = jaxpar.plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=512,
                        seq=4096, top=1)[0]
     assert best.fits and best.candidate.n_devices == 256
-    assert jaxpar.Plan.__module__ == "jaxpar.plan"  # the Plan class is untouched
+    assert jaxpar.Plan.__module__ == "jaxpar.sharding.plan"  # the Plan class is untouched
 
 
 def test_1024_chip_plan_answers_quickly():

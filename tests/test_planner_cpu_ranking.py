@@ -16,7 +16,7 @@ import pytest
 from jaxpar import load_config
 from jaxpar.planner.catalog import Machine, chip_from_mapping
 from jaxpar.planner.cost import estimate
-from jaxpar.planner.predict import candidate_from_config, spec_from_config
+from jaxpar.planner.prediction import candidate_from_config, spec_from_config
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results" / "planner_cpu.json"
 TOLERANCE = 0.25

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.assembly import build_trainer
-from jaxpar.precision import DynamicLossScale, Policy
+from jaxpar.config.assembly import build_trainer
+from jaxpar.sharding.precision import DynamicLossScale, Policy
 from tests.helpers import loader, small_config
 
 

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from jaxpar.prefetch import Prefetcher
+from jaxpar.training.prefetch import Prefetcher
 
 
 def test_batches_come_in_order_and_are_made_ahead():

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar import lora
+from jaxpar.adapters import lora
 from jaxpar.models import Transformer
 from tests import user_models as um
 from tests.helpers import SMALL

@@ -2,7 +2,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import JaxparError, Rules, make_mesh
-from jaxpar.rules import PRESETS, preset
+from jaxpar.sharding.rules import PRESETS, preset
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import jaxpar
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.run import NonFiniteLoss, check_run_folder, train
-from jaxpar.train import Trainer
+from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.runs.loop import NonFiniteLoss, check_run_folder, train
+from jaxpar.training.trainer import Trainer
 from tests.helpers import small_config
 
 STEPS = 10
@@ -102,7 +102,7 @@ def test_metrics_are_fetched_only_when_the_loop_must_look(tmp_path, monkeypatch,
     """log_every=4, a checkpoint every 6, no evaluation: the loop waits for the devices at
     steps 1, 5, 9 (logged), 6 (saved) and 10 (last) only, yet every step's row is in the
     history with the losses of the run that fetched every step."""
-    from jaxpar import run
+    from jaxpar.runs import loop as run
 
     fetched = []
     real_fetch = run._Window.fetch

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.inspect import collective_table, count_collectives, count_reduce_scatters
+from jaxpar.analysis.hlo import collective_table, count_collectives, count_reduce_scatters
 from tests.helpers import block_forward_hlo, loader, make_trainer
 
 

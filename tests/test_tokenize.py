@@ -10,10 +10,10 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import jaxpar
-import jaxpar.tokenize as tok
+import jaxpar.data.tokenizer as tok
 from jaxpar import JaxparError
-from jaxpar.run import make_loader
-from jaxpar.validate import check_config
+from jaxpar.config.validate import check_config
+from jaxpar.runs.loop import make_loader
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "birds sing at dawn",
              "the sun sets over the sea", "rain falls on the roof"]

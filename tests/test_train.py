@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.assembly import build_trainer
-from jaxpar.inspect import collective_table, count_collectives
+from jaxpar.analysis.hlo import collective_table, count_collectives
+from jaxpar.config.assembly import build_trainer
 from tests.helpers import block_forward_hlo, loader, make_trainer, one_device, small_config
 
 STEPS = 5

@@ -26,12 +26,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar import lora
-from jaxpar.annotate import AnnotationWarning, path_str
-from jaxpar.inspect import count_collectives, memory_stats
-from jaxpar.layouts import pinned
-from jaxpar.loss import cross_entropy
-from jaxpar.partitioning import ReplicationWarning
+from jaxpar.adapters import lora
+from jaxpar.analysis.hlo import count_collectives, memory_stats
+from jaxpar.parallel.loss import cross_entropy
+from jaxpar.sharding.annotations import AnnotationWarning
+from jaxpar.sharding.layouts import pinned
+from jaxpar.sharding.partitioning import ReplicationWarning
+from jaxpar.sharding.paths import path_str
 from tests import user_models as um
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def test_no_array_the_caller_holds_is_donated(devices):
 
 def test_a_model_holding_rng_streams_checkpoints_and_resumes_exactly(devices, tmp_path):
     """``nnx.Rngs`` inside the model (dropout) hold typed PRNG keys: saved and restored."""
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.checkpoint.checkpointer import Checkpointer
 
     first = make_trainer("mha", "fsdp")
     first.step(tokens(0))

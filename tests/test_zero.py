@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.assembly import build_trainer
-from jaxpar.inspect import memory_stats
-from jaxpar.zero import formula_bytes, zero_spec
+from jaxpar.analysis.hlo import memory_stats
+from jaxpar.config.assembly import build_trainer
+from jaxpar.parallel.zero import formula_bytes, zero_spec
 from tests.helpers import loader, small_config
 
 MIXED = "plan.precision=params=float32,compute=bfloat16,output=float32"

@@ -13,12 +13,10 @@ the per-layer tensors are stacked (or laid out by pipeline stage) as they are re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +26,17 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
-from safetensors import SafetensorError
 
-from jaxpar import pipeline as pipeline_lib
+from jaxpar.adapters.lora import adapted
 from jaxpar.errors import JaxparError
-from jaxpar.folders import free_bytes, human_bytes, staged_folder, write_fault
 from jaxpar.hf import families, layout
 from jaxpar.hf.families import read_config
-from jaxpar.hf.safetensors_io import SafetensorsFolder, write_shards
 from jaxpar.models.transformer import Transformer, TransformerConfig
-from jaxpar.partitioning import path_str, prepare_model, state_shardings, warn_if_replicated
-from jaxpar.plan import Plan
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.sharding.partitioning import prepare_model, state_shardings, warn_if_replicated
+from jaxpar.sharding.paths import path_str
+from jaxpar.sharding.plan import Plan
+from jaxpar.storage.safetensors_io import SafetensorsFolder, write_hf_folder
 
 MAX_SHARD_BYTES = 5 * 10**9
 """Largest safetensors shard :func:`save` writes (Hugging Face's default, 5 GB)."""
@@ -333,8 +331,6 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
         config uses.
       tokenizer: a ``tokenizer.json`` or a folder with tokenizer files to copy alongside.
     """
-    from jaxpar.lora import adapted
-
     if not isinstance(model, Transformer):
         raise JaxparError(f"jaxpar.hf.save writes jaxpar's reference decoder, not a "
                           f"{type(model).__name__}")
@@ -375,46 +371,6 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
                            max_shard_bytes=max_shard_bytes)
 
 
-def write_hf_folder(folder: Path, entries: list, produce: Callable[[str], np.ndarray],
-                    finish: Callable[[Path], None], *, max_shard_bytes: int) -> Path:
-    """Write a Hugging Face model folder: the safetensors shards of ``entries`` (``(name,
-    shape, dtype)``, each tensor made by ``produce(name)`` when its shard is written), then
-    ``finish(staging)`` adds ``config.json`` and the rest. Written by process 0 (every
-    process must call it) whole into a hidden sibling and swapped in: a kill at any moment
-    leaves the earlier export (or none) or this one, never shards of one beside the other's
-    config; a write the file system refuses is one line (:func:`writing`)."""
-    writer = jax.process_index() == 0
-    with writing(folder), staged_folder(folder, write=writer) as staging:
-        write_shards(staging, entries, produce, max_shard_bytes=max_shard_bytes,
-                     write=writer)
-        if writer:
-            finish(staging)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("jaxpar_hf_save")
-    return folder
-
-
-@contextlib.contextmanager
-def writing(folder: Path) -> Iterator[None]:
-    """Turn a write the file system refuses (a full disk, a read-only or unwritable folder,
-    a path through a file) into one line naming ``folder`` and the free space there; the
-    folder's earlier contents are left as they were (see :func:`staged_folder`)."""
-    existed = folder.is_dir()
-    try:
-        yield
-    except (OSError, SafetensorError) as err:
-        reason = write_fault(err)
-        if reason is None and not isinstance(err, OSError):
-            raise  # not the file system's refusal: a bug, shown whole
-        blocker = next((p for p in folder.absolute().parents if p.exists()), None)
-        if reason is None and blocker is not None and not blocker.is_dir():
-            reason = f"{blocker} is a file, not a folder"
-        reason = reason or err.strerror or str(err)
-        kept = (f"{folder} is left as it was" if existed else "nothing was written")
-        raise JaxparError(f"could not write {folder}: {reason} "
-                          f"({human_bytes(free_bytes(folder))} free there); {kept}") from None
-
-
 def copy_tokenizer(source: str | Path, folder: Path) -> None:
     """Copy a ``tokenizer.json`` (or a folder's tokenizer files) into ``folder``."""
     source = Path(source)
@@ -425,4 +381,4 @@ def copy_tokenizer(source: str | Path, folder: Path) -> None:
             shutil.copyfile(f, folder / f.name)
 
 
-__all__ = ["MAX_SHARD_BYTES", "check_tensors", "copy_tokenizer", "load", "save", "writing"]
+__all__ = ["MAX_SHARD_BYTES", "check_tensors", "copy_tokenizer", "load", "save"]

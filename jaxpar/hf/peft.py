@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.adapters.lora import adapted
 from jaxpar.errors import JaxparError
-from jaxpar.folders import staged_folder
 from jaxpar.hf import layout
-from jaxpar.hf.convert import host_array, writing
+from jaxpar.hf.convert import host_array
 from jaxpar.models.transformer import Transformer
+from jaxpar.storage.folders import staged_folder
+from jaxpar.storage.safetensors_io import save_file, writing
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -47,9 +49,6 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         the base weights came from).
       dtype: dtype of the stored adapter weights.
     """
-    from jaxpar.hf.safetensors_io import save_file
-    from jaxpar.lora import adapted
-
     if not isinstance(model, Transformer):
         raise JaxparError(f"save_adapters writes adapters of jaxpar's reference decoder, not "
                           f"of a {type(model).__name__}")
@@ -103,8 +102,6 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
 
 def adapter_names(model: Transformer) -> list[str]:
     """PEFT tensor names the adapters of ``model`` are written under (for tests/docs)."""
-    from jaxpar.lora import adapted
-
     modules = _modules(model)
     return [PREFIX + modules[p].name.rsplit(".", 1)[0].format(i=i) + f".lora_{x}.weight"
             for p, _ in adapted(model) for i in range(model.config.n_layers) for x in "AB"]

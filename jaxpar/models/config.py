@@ -10,8 +10,8 @@ import dataclasses
 
 import jax
 
-from jaxpar import attention as attention_lib
 from jaxpar.errors import JaxparError
+from jaxpar.parallel import attention as attention_lib
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
 MLP_ACTIVATIONS = {"silu": jax.nn.silu,
@@ -34,12 +34,12 @@ class TransformerConfig:
     ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
     the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
     ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``, ``splash``; see
-    :mod:`jaxpar.attention`), ``attention_block`` the key block of ``chunked``. These two
+    :mod:`jaxpar.parallel.attention`), ``attention_block`` the key block of ``chunked``. These two
     change how attention is computed, not what: any value gives the same model.
-    ``loss_chunk``: the default loss (:func:`jaxpar.train.lm_loss`, through
+    ``loss_chunk``: the default loss (:func:`jaxpar.training.trainer.lm_loss`, through
     :meth:`Transformer.next_token_loss`) computes logits, softmax and their gradient this
     many sequence positions at a time, never holding the full ``(batch, seq, vocab)``
-    logits (see :mod:`jaxpar.loss`); 0 materialises them. It too changes only how.
+    logits (see :mod:`jaxpar.parallel.loss`); 0 materialises them. It too changes only how.
 
     Mixture of experts (``n_experts > 0``): every layer's MLP becomes ``n_experts`` gated
     experts of width ``expert_d_ff`` (0: ``d_ff``), each token routed to
@@ -48,7 +48,7 @@ class TransformerConfig:
     ``capacity x tokens x experts_per_token / n_experts`` tokens of a sequence, the rest
     pass through the residual); 0 is dropless. ``router_aux_loss`` and ``router_z_loss``
     weigh the load-balancing and router z-losses added to the training loss (see
-    :mod:`jaxpar.moe`).
+    :mod:`jaxpar.models.moe`).
     """
 
     vocab_size: int = 256

@@ -27,15 +27,15 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar import attention as attention_lib
-from jaxpar import context as context_lib
-from jaxpar import loss as loss_lib
-from jaxpar import moe as moe_lib
-from jaxpar import pipeline as pipeline_lib
-from jaxpar import remat as remat_lib
 from jaxpar.errors import JaxparError
+from jaxpar.models import moe as moe_lib
 from jaxpar.models.config import MLP_ACTIVATIONS, TransformerConfig
-from jaxpar.plan import constrain, current_plan
+from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel import context as context_lib
+from jaxpar.parallel import loss as loss_lib
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.sharding import remat as remat_lib
+from jaxpar.sharding.plan import constrain, current_plan
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 """Logical names of the residual stream between blocks (``residual_seq`` is split over the
@@ -166,7 +166,7 @@ class Attention(nnx.Module):
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Attention over the whole causal prefix; with the sequence split over the plan's
-        ``context`` axis, exact across the split (see :mod:`jaxpar.context`)."""
+        ``context`` axis, exact across the split (see :mod:`jaxpar.parallel.context`)."""
         plan = current_plan()
         if plan is None or plan.mesh.shape.get("context", 1) == 1:
             return attention_lib.attention(q, k, v, implementation=self.implementation,
@@ -183,7 +183,7 @@ class Attention(nnx.Module):
 def sequence_order(seq_len: int):
     """The order positions are laid out in along the sequence under the active plan:
     ``None`` for the natural order, or (context parallelism with ``context_balance``) the
-    balanced order of :func:`jaxpar.context.balanced_order`."""
+    balanced order of :func:`jaxpar.parallel.context.balanced_order`."""
     plan = current_plan()
     if plan is None or not plan.context_balance:
         return None
@@ -299,7 +299,7 @@ class Transformer(nnx.Module):
     def apply_blocks_with_aux(self, x: jax.Array, block_fn=None
                               ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """:meth:`apply_blocks`, also returning the mixture-of-experts router statistics
-        summed over layers (empty for a dense model; see :mod:`jaxpar.moe`)."""
+        summed over layers (empty for a dense model; see :mod:`jaxpar.models.moe`)."""
         order = sequence_order(x.shape[1])
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=order,
                                  freqs=rope_frequencies(self.config))
@@ -366,7 +366,7 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden_states(tokens, dtype=dtype, block_fn=block_fn))
 
     def unembedding(self) -> loss_lib.Head | None:
-        """The output projection as :func:`jaxpar.loss.chunked_cross_entropy` takes it: the
+        """The output projection as :func:`jaxpar.parallel.loss.chunked_cross_entropy` takes it: the
         kernel ``(embed, vocab)`` in its compute layout (the tied embedding transposed), the
         head module itself when it is wrapped (LoRA, int8), or None when it cannot be
         applied chunk by chunk (a LoRA head with active dropout would draw a new mask per
@@ -383,9 +383,10 @@ class Transformer(nnx.Module):
     def next_token_loss(self, tokens: jax.Array
                         ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]] | None:
         """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
-        ``loss_chunk`` positions at a time (see :mod:`jaxpar.loss`; from the full logits
+        ``loss_chunk`` positions at a time (see :mod:`jaxpar.parallel.loss`; from the full logits
         when it is 0 or the head cannot be chunked), or None in that case for a dense
-        model: the caller then uses the full logits. :func:`jaxpar.train.lm_loss` calls it.
+        model: the caller then uses the full logits.
+        :func:`jaxpar.training.trainer.lm_loss` calls it.
 
         Logits are cast to the active plan's output dtype before the softmax, as the
         full-logits loss does. A mixture-of-experts model returns ``(loss, metrics)``: the

@@ -4,7 +4,7 @@ microbatching for a model on a machine, from a cost model that needs no devices.
 
 Public API: :func:`plan` (search), :func:`estimate` (one candidate), :func:`predict` (the
 figures for an actual run config, as ``jaxpar inspect`` measures them) and :func:`command`
-(the ``jaxpar plan`` CLI, in :mod:`jaxpar.planner.cli`).
+(the ``jaxpar plan`` CLI, in :mod:`jaxpar.cli.plan`).
 
 Example::
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from jaxpar.planner.api import estimate, plan, resolve_model
 from jaxpar.planner.catalog import BUILTIN, Chip, Machine, load_catalog, parse_chips
-from jaxpar.planner.cli import command
 from jaxpar.planner.cost import Candidate, Estimate
-from jaxpar.planner.predict import predict
+from jaxpar.planner.prediction import predict
 
-__all__ = ["BUILTIN", "Candidate", "Chip", "Estimate", "Machine", "command", "estimate",
+__all__ = ["BUILTIN", "Candidate", "Chip", "Estimate", "Machine", "estimate",
            "load_catalog", "parse_chips", "plan", "predict", "resolve_model"]

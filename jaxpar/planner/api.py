@@ -7,15 +7,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpar.config import Config, load_config
+from jaxpar.config.assembly import model_factory
+from jaxpar.config.schema import Config, apply_overrides, from_dict, load_config
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import MESH_AXES
 from jaxpar.models.config import TransformerConfig
 from jaxpar.planner.catalog import Chip, Machine, parse_chips
 from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.cost import estimate as _estimate
 from jaxpar.planner.model import ModelSpec, from_nnx, from_transformer
 from jaxpar.planner.search import reason, search
+from jaxpar.sharding.annotations import annotate
+from jaxpar.sharding.mesh import MESH_AXES
 
 ModelLike = TransformerConfig | Config | str | Path | Callable[[], Any]
 
@@ -42,9 +44,7 @@ def resolve_model(model: ModelLike, overrides: Iterable[str] = ()) -> Resolved:
         overrides = []
     if isinstance(model, Config):
         if overrides:
-            from jaxpar.config import _build, apply_overrides
-
-            model = _build(Config, apply_overrides(model.to_dict(), overrides))
+            model = from_dict(Config, apply_overrides(model.to_dict(), overrides))
         if model.model.factory:
             return _resolve_factory(model)
         cfg = model.model
@@ -75,9 +75,6 @@ def _no_stages(spec: ModelSpec) -> Callable[[int], ModelSpec]:
 def _resolve_factory(config: Config) -> Resolved:
     """A run config whose ``model.factory`` names a user's model: read its parameter shapes
     abstractly, with the config's ``plan.annotations`` applied."""
-    from jaxpar.annotate import annotate
-    from jaxpar.assembly import model_factory
-
     build = model_factory(config)
     spec = from_nnx(lambda: annotate(build(), config.plan.annotations, warn=False),
                     name=config.model.factory)
@@ -209,6 +206,4 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                     "context_attention": c.context_attention}
     data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}
     data["train"] = {**data["train"], "global_batch": global_batch, "seq_len": seq}
-    from jaxpar.config import _build
-
-    return _build(Config, data)
+    return from_dict(Config, data)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.planner.catalog import Chip, GiB, chip_from_mapping
+from jaxpar.planner.roofline import matmul_time
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 MATMUL_GRID = ((16, 256, 256), (64, 64, 128), (128, 64, 128), (128, 256, 256),
@@ -273,8 +274,6 @@ def fit_matmuls(rows: Sequence[dict[str, Any]], hbm_bw: float) -> dict[str, Any]
     """``f32_flops``, ``peak_flops`` (bf16), ``matmul_tile`` and ``op_overhead_s`` so
     that :func:`~jaxpar.planner.roofline.matmul_time` (efficiency 1) fits ``rows`` best
     in log time; the peaks are the median rates of the large shapes."""
-    from jaxpar.planner.roofline import matmul_time
-
     peaks = {}
     for dtype in ("float32", "bfloat16"):
         mine = [r for r in rows if r["dtype"] == dtype]
@@ -368,8 +367,6 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
                   f"({devices[0].device_kind}), {time.strftime('%Y-%m-%d')}",
     }
     chip = chip_from_mapping("calibrated", entry)  # checks the fields
-    from jaxpar.planner.roofline import matmul_time
-
     for r in matmuls:
         r["fitted_s"] = matmul_time(chip, r["m"], r["k"], r["n"],
                                     act_bytes=4 if r["dtype"] == "float32" else 2)

@@ -14,9 +14,9 @@ import math
 from typing import Any
 
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import MESH_AXES
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
+from jaxpar.sharding.mesh import MESH_AXES
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 0}
 DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
@@ -32,7 +32,7 @@ class Candidate:
     one per stage. ``sequence_parallel`` splits the residual stream's sequence over the
     tensor axis (Megatron sequence parallelism); ``context_attention`` is how attention
     spans a sequence split over the ``context`` axis (``allgather`` or ``ring``, see
-    :mod:`jaxpar.context`; it matters only when that axis is larger than 1).
+    :mod:`jaxpar.parallel.context`; it matters only when that axis is larger than 1).
     ``pipeline_repeats`` is how many model chunks each stage holds in its schedule: 0
     (jaxpar's circular schedule) means one per layer of the stage; 1 is a plain GPipe or
     1F1B schedule; ``v`` Megatron's interleaved one with ``v`` virtual stages.

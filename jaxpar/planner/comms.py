@@ -32,7 +32,7 @@ Collectives are listed as XLA emits them for the reference transformer:
   direction.
 
 Per-layer collectives sit inside the layer scan's loop body, so the optimized HLO text holds
-them once; ``bytes_per_device`` reports them that way (what :func:`jaxpar.inspect.
+them once; ``bytes_per_device`` reports them that way (what :func:`jaxpar.analysis.hlo.
 parse_collectives` reads), and ``bytes_per_step`` multiplies by the executions.
 ``exposed_bytes_per_step`` is the part the compute waits for (tensor-parallel and
 sequence-parallel collectives, the context all-gather, the expert all-to-alls, pipeline
@@ -46,7 +46,6 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxpar.mesh import MESH_AXES
 from jaxpar.planner.candidate import (
     Candidate,
     Local,
@@ -58,6 +57,7 @@ from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
+from jaxpar.sharding.mesh import MESH_AXES
 
 PHASES = ("forward", "backward", "gradient", "exposed", "update")
 """When a transfer runs, which sets what it can overlap: ``forward`` and ``backward``:

@@ -46,7 +46,7 @@ from jaxpar.planner.memory import (
 )
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import MOE_IMBALANCE, recomputed_parts
-from jaxpar.remat import POLICIES
+from jaxpar.sharding.remat import POLICIES
 
 __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTION",
            "MOE_IMBALANCE", "OPTIMIZER_MOMENTS", "Candidate", "Estimate", "attention_kind",

@@ -1,8 +1,8 @@
 """Where each parameter lives for a candidate layout, computed without devices.
 
 The planner resolves shardings with the very code the Trainer uses
-(:func:`jaxpar.rules.preset`, :meth:`Rules.spec`, :func:`jaxpar.zero.zero_spec`), against a
-stand-in mesh that has only axis sizes, so its per-device sizes are the Trainer's exactly.
+(:func:`jaxpar.sharding.rules.preset`, :meth:`Rules.spec`,
+:func:`jaxpar.parallel.zero.zero_spec`), against a stand-in mesh that has only axis sizes, so its per-device sizes are the Trainer's exactly.
 
 For every tensor it records the elements one device holds in four layouts:
 
@@ -15,7 +15,7 @@ For every tensor it records the elements one device holds in four layouts:
 Expert weights are the exception to "data-parallel axes are gathered": the ``expert`` mesh
 axis splits the batch (it is a data-parallel axis) and also the experts' leading
 dimension, and a device computes only with the experts it holds, the tokens coming to it
-by all-to-all (see :mod:`jaxpar.moe`). So an axis that splits a tensor's ``expert``
+by all-to-all (see :mod:`jaxpar.models.moe`). So an axis that splits a tensor's ``expert``
 dimension stays in its compute layout, is never gathered, and its gradient is not reduced
 over it (:attr:`Placed.owned_axes`).
 """
@@ -30,11 +30,11 @@ from types import SimpleNamespace
 
 from jax.sharding import PartitionSpec
 
-from jaxpar import rules as rules_lib
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import MESH_AXES
+from jaxpar.parallel.zero import zero_spec
 from jaxpar.planner.model import ModelSpec, Tensor
-from jaxpar.zero import zero_spec
+from jaxpar.sharding import rules as rules_lib
+from jaxpar.sharding.mesh import MESH_AXES
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ length), sequence parallelism divides the residual-stream tensors by the tensor 
 a mixture-of-experts layer adds its routed token slots (see :class:`~jaxpar.planner.
 candidate.Local`). The formulas for the dense, single-sequence-shard case are calibrated
 against XLA:CPU (``tests/test_planner.py``); the rest follow the code paths of
-:mod:`jaxpar.context` and :mod:`jaxpar.moe` tensor by tensor, unmeasured.
+:mod:`jaxpar.parallel.context` and :mod:`jaxpar.models.moe` tensor by tensor, unmeasured.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from jaxpar.planner.model import ModelSpec
 
 FLASH_ATTENTION = ("chunked", "cudnn", "splash")
 """Attention implementations that never hold a ``seq x seq`` score matrix: their backward
-pass recomputes scores from the saved output and log-sum-exp (see :mod:`jaxpar.attention`)."""
+pass recomputes scores from the saved output and log-sum-exp (see
+:mod:`jaxpar.parallel.attention`)."""
 
 _KEEPS_LAYER = ("none",)
 """Remat policies under which the ring's per-step carries (not matmul outputs) stay saved
@@ -41,9 +42,9 @@ def attention_kind(spec: ModelSpec, cand: Candidate, backend: str) -> str:
     """The implementation attention runs as. With the sequence split over ``context``
     it is the candidate's context attention (``allgather``: the local queries against all
     gathered keys in one go, scores materialised; ``ring``: blockwise with an online
-    softmax, see :mod:`jaxpar.context`). Otherwise ``spec.attention``, where ``auto`` is
+    softmax, see :mod:`jaxpar.parallel.context`). Otherwise ``spec.attention``, where ``auto`` is
     splash on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's (scores
-    materialised) elsewhere (see :func:`jaxpar.attention.resolve`)."""
+    materialised) elsewhere (see :func:`jaxpar.parallel.attention.resolve`)."""
     if cand.context > 1:
         return cand.context_attention
     if spec.attention != "auto":

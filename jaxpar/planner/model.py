@@ -16,7 +16,8 @@ from typing import Any
 
 from jaxpar.errors import JaxparError
 from jaxpar.models.config import TransformerConfig
-from jaxpar.partitioning import path_str
+from jaxpar.sharding.annotations import logical_names
+from jaxpar.sharding.paths import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
 
     With ``stages > 1`` the decoder layers use the pipeline layout ``(repeat, stage, ...)``.
     With ``cfg.n_experts > 0`` each layer's MLP is the router, the stacked experts
-    ``(n_experts, ...)`` and the shared experts' dense MLP, as :mod:`jaxpar.moe` builds it.
+    ``(n_experts, ...)`` and the shared experts' dense MLP, as :mod:`jaxpar.models.moe` builds it.
     """
     d, h, L = cfg.d_model, cfg.head_dim, cfg.n_layers
     n, k, f, v = cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
@@ -148,7 +149,7 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
 
 
 def _moe_tensors(cfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
-    """One layer's mixture-of-experts weights as :class:`jaxpar.moe.MoE` names them."""
+    """One layer's mixture-of-experts weights as :class:`jaxpar.models.moe.MoE` names them."""
     d, e, f = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
     out: list[tuple[str, tuple[int, ...], tuple]] = [
         ("mlp/router/kernel", (d, e), ("embed", None)),
@@ -181,8 +182,6 @@ def from_nnx(factory: Callable[[], Any], *, name: str = "model") -> ModelSpec:
     """
     import jax
     from flax import nnx
-
-    from jaxpar.annotate import logical_names
 
     try:
         with nnx.use_eager_sharding(False):

@@ -68,12 +68,12 @@ _RECOMPUTED = {"none": (), "dots_saveable": (), "offload_dots": (),
                "dots_with_no_batch_dims_saveable": ("attention",),
                "save_attention_and_mlp_outputs": ("qkv", "gate_up", "attention"),
                "full": ("qkv", "wo", "gate_up", "down", "attention")}
-"""The layer parts each remat policy of :mod:`jaxpar.remat` reruns in the backward pass."""
+"""The layer parts each remat policy of :mod:`jaxpar.sharding.remat` reruns in the backward pass."""
 
 
 def recomputed_parts(remat: str) -> tuple[str, ...]:
     """The layer parts (``qkv``, ``wo``, ``gate_up``, ``down``, ``attention``) a remat
-    policy reruns in the backward pass: a policy of :mod:`jaxpar.remat`, or
+    policy reruns in the backward pass: a policy of :mod:`jaxpar.sharding.remat`, or
     ``recompute=part+part`` for another framework's selective policy (the published
     runs' ``save_qkv_proj``, MaxText's per-tensor lists, Megatron's selective
     recomputation of the attention core)."""

@@ -22,11 +22,11 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from jaxpar.mesh import MESH_AXES
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.cost import Candidate, Estimate, check_divisible, estimate
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
+from jaxpar.sharding.mesh import MESH_AXES
 
 REMATS = ("none", "dots_with_no_batch_dims_saveable", "save_attention_and_mlp_outputs", "full")
 """Remat policies tried, each recomputing a superset of the one before."""

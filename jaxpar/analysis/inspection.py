@@ -1,0 +1,182 @@
+"""``jaxpar inspect``'s report: a config's training step compiled on this machine, read
+back (collectives by mesh axis, memory, FLOPs, each parameter's stored sharding) and set
+beside the planner's prediction for the same layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxpar.analysis.hlo import collective_table, flops, matmul_flops, memory_stats
+from jaxpar.config.assembly import assemble
+from jaxpar.sharding.mesh import describe
+from jaxpar.sharding.partitioning import logical_names, mostly_replicated
+from jaxpar.sharding.paths import path_str
+
+
+def _json_spec(spec: Any) -> list[Any]:
+    return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
+def param_rows(trainer: Any) -> list[dict[str, Any]]:
+    """One row per model variable as the trainer stores it: path, shape, dtype, logical
+    axes, the PartitionSpec of the stored array (ZeRO-3 included), per-device bytes and
+    whether it trains. JSON-ready."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = []
+    for group, trainable in (("params", True), ("frozen", False)):
+        for path, variable in nnx.to_flat_state(trainer.state[group]):
+            value = variable.get_value()
+            if not hasattr(value, "shape"):
+                continue
+            sharding = getattr(value, "sharding", None)
+            spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+            shard = (sharding.shard_shape(value.shape) if sharding is not None
+                     else tuple(value.shape))
+            names = logical_names(variable)
+            rows.append({
+                "path": path_str(path),
+                "shape": list(value.shape),
+                "dtype": str(value.dtype),
+                "logical_axes": list(names) if names is not None else None,
+                "spec": _json_spec(spec),
+                "shard_shape": list(shard),
+                "bytes_per_device": int(np.prod(shard, dtype=np.int64)) * value.dtype.itemsize,
+                "trainable": trainable,
+            })
+    return sorted(rows, key=lambda r: r["path"])
+
+
+def planner_prediction(config: Any, n_devices: int) -> tuple[dict[str, Any] | None, str]:
+    """``jaxpar.planner.predict(config, n_devices)`` or ``(None, why)`` when unavailable."""
+    try:
+        from jaxpar.planner import predict
+    except ImportError as err:
+        return None, f"no planner prediction: jaxpar.planner is not available ({err})"
+    try:
+        return predict(config, n_devices), ""
+    except Exception as err:  # noqa: BLE001 - a planner failure must not hide the measurement
+        return None, f"no planner prediction: {type(err).__name__}: {err}"
+
+
+def _axes_key(axes: Any, mesh: Mesh) -> tuple[str, ...]:
+    order = {name: i for i, name in enumerate(mesh.shape)}
+    return tuple(sorted((str(a) for a in axes or ()), key=lambda a: order.get(a, len(order))))
+
+
+def compare_collectives(measured: list[dict[str, Any]], predicted: list[dict[str, Any]] | None,
+                        mesh: Mesh) -> list[dict[str, Any]]:
+    """Measured collective rows joined with predicted ones on (kind, mesh axes).
+
+    Each row gets ``predicted_bytes_per_device`` and ``predicted_count`` (None when the
+    planner predicted none of that kind and axes); predicted rows that XLA did not emit
+    appear with ``count`` 0 and ``bytes_per_device`` None.
+    """
+    pred: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for row in predicted or []:
+        key = (row["kind"], _axes_key(row.get("axes"), mesh))
+        total = pred.setdefault(key, [0.0, 0])
+        total[0] += float(row.get("bytes_per_device", 0.0))
+        total[1] += int(row.get("count", 0))
+    out = []
+    for row in measured:
+        nbytes, count = pred.pop((row["kind"], _axes_key(row["axes"], mesh)), (None, None))
+        out.append(dict(row, predicted_bytes_per_device=nbytes, predicted_count=count))
+    for (kind, axes), (nbytes, count) in pred.items():
+        out.append({"kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": None,
+                    "predicted_bytes_per_device": nbytes, "predicted_count": count})
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    return str(x)
+
+
+def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
+    """Build the run's trainer, compile one train step without running it, and report.
+
+    Returns a JSON-ready dict with ``params`` (see :func:`param_rows`), ``memory``
+    (:func:`memory_stats` plus ``total_bytes``), ``collectives`` (:func:`collective_table`),
+    ``flops`` (per device, :func:`matmul_flops`; XLA's cost-analysis figure, which counts
+    loop bodies once, is in ``flops_detail``), ``predicted`` (the planner's prediction or
+    None), ``comparison`` (measured beside predicted), ``param_count``, ``header`` and
+    ``notes``.
+    """
+    import time
+
+    import jax
+
+    run = assemble(config)
+    trainer, plan = run.trainer, run.plan
+    rows = config.train.global_batch // jax.process_count()
+    # Compilation needs only the batch's shape and dtype (what make_loader's batches have).
+    batch = np.zeros((rows, config.train.seq_len + 1), np.int32)
+    start = time.perf_counter()
+    compiled = trainer.lower(batch).compile()
+    compile_s = time.perf_counter() - start
+
+    memory = memory_stats(compiled)
+    if memory:
+        # Outputs that alias donated arguments take no extra space.
+        memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
+                                 - memory["alias_bytes"] + memory["temp_bytes"])
+    hlo = compiled.as_text()
+    collectives = collective_table(hlo, plan.mesh)
+    matmuls = matmul_flops(hlo)
+    params = param_rows(trainer)
+    predicted, note = planner_prediction(config, plan.mesh.size)
+    predicted = _jsonable(predicted) if predicted is not None else None
+    notes = [note] if note else []
+    if matmuls["loops_without_trip_count"]:
+        notes.append(f"{matmuls['loops_without_trip_count']} loop(s) without a known trip "
+                     "count: their bodies' FLOPs are counted once")
+    schedule = run.schedule
+    replication = trainer.replication
+    if mostly_replicated(replication):
+        notes.append(f"{100 * replication['replicated_share']:.0f}% of parameter bytes are "
+                     "replicated; name them with plan.annotations (jaxpar.annotate)")
+    return {
+        "header": {
+            "config": source,
+            "n_devices": plan.mesh.size,
+            "platform": jax.devices()[0].platform,
+            "mesh": describe(plan.mesh),
+            "mesh_shape": dict(plan.mesh.shape),
+            "plan": (f"rules {config.plan.rules}, zero {plan.zero_stage}, precision "
+                     f"{plan.precision}, remat {plan.remat}, microbatches {plan.microbatches}"),
+            "global_batch": config.train.global_batch,
+            "seq_len": config.train.seq_len,
+            "compile_s": compile_s,
+            "pipeline": schedule.describe() if schedule is not None else "",
+        },
+        "replication": {"replicated_share": replication["replicated_share"],
+                        "replicated_bytes": replication["replicated_bytes"],
+                        "largest": [[p, list(s)] for p, s in replication["largest"]]},
+        "param_count": int(sum(np.prod(p["shape"], dtype=np.int64) for p in params)),
+        "params": params,
+        "memory": memory,
+        "collectives": collectives,
+        "flops": matmuls["flops"],
+        "flops_detail": {"matmul_flops": matmuls["flops"], "xla_cost_analysis": flops(compiled),
+                         "dots": matmuls["dots"], "loops": matmuls["loops"]},
+        "predicted": predicted,
+        "comparison": {
+            "collectives": compare_collectives(collectives, (predicted or {}).get("collectives"),
+                                               plan.mesh),
+            "predicted_flops": (predicted or {}).get("flops"),
+        },
+        "notes": notes,
+    }

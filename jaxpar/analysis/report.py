@@ -1,0 +1,148 @@
+"""Plain-text tables for the command line: aligned columns, byte sizes, ratios.
+
+No terminal library is needed; every function returns a string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.50 KiB'``; ``None`` -> ``'-'``."""
+    if n is None:
+        return "-"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{int(value)} B" if unit == 0 else f"{value:.2f} {_UNITS[unit]}"
+
+
+def fmt_count(n: float | None) -> str:
+    """A large count in engineering notation (``9.87e+08``), small ones as integers."""
+    if n is None:
+        return "-"
+    return f"{n:,.0f}" if abs(n) < 1e6 else f"{n:.3e}"
+
+
+def _or_dash(x: Any) -> Any:
+    return "-" if x is None else x
+
+
+def fmt_ratio(predicted: float | None, measured: float | None) -> str:
+    """``predicted / measured`` to two decimals, or ``'-'`` when either is missing or zero."""
+    if predicted is None or not measured:
+        return "-"
+    return f"{predicted / measured:.2f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+          right: Sequence[int] = (), indent: int = 2) -> str:
+    """An aligned plain-text table; columns whose index is in ``right`` are right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        return " " * indent + "  ".join(parts).rstrip()
+
+    rule = (" " * indent + "  ".join("-" * w for w in widths)).rstrip()
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def fmt_spec(spec: Sequence[Any]) -> str:
+    """A JSON-style PartitionSpec (entries None, an axis, or a list of axes) as text."""
+    def one(entry: Any) -> str:
+        if entry is None:
+            return "-"
+        return entry if isinstance(entry, str) else "{" + ",".join(entry) + "}"
+
+    return "(" + ", ".join(one(e) for e in spec) + ")" if spec else "replicated"
+
+
+def fmt_axes(axes: Sequence[Any] | None) -> str:
+    """Logical names or mesh axes, comma-separated; ``None`` entries shown as ``-``."""
+    if axes is None:
+        return "-"
+    return ", ".join("-" if a is None else str(a) for a in axes) or "-"
+
+
+def render_inspection(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`jaxpar.analysis.inspection.inspect_config`'s report."""
+    out: list[str] = []
+    head = report["header"]
+    out.append(f"jaxpar inspect: {head['config']} on {head['n_devices']} {head['platform']} "
+               f"devices, mesh {head['mesh']}")
+    out.append(f"  model {report['param_count']:,} params; {head['plan']}")
+    out.append(f"  batch {head['global_batch']} x {head['seq_len']} tokens; one train step "
+               f"compiled in {head['compile_s']:.1f} s (not run)")
+    if head.get("pipeline"):
+        out.append(f"  {head['pipeline']}")
+
+    params = report["params"]
+    total = sum(p["bytes_per_device"] for p in params)
+    out.append(f"\nParameters: {len(params)} arrays, {report['param_count']:,} values, "
+               f"{fmt_bytes(total)} per device")
+    rep = report.get("replication")
+    if rep:
+        largest = ", ".join(p for p, _ in rep["largest"][:3]) or "none"
+        out.append(f"  replicated by the rules: {100 * rep['replicated_share']:.1f}% of "
+                   f"parameter bytes (largest: {largest})")
+    rows = [(p["path"], str(tuple(p["shape"])), p["dtype"], fmt_axes(p["logical_axes"]),
+             fmt_spec(p["spec"]), fmt_bytes(p["bytes_per_device"]),
+             "" if p.get("trainable", True) else "frozen") for p in params]
+    out.append(table(["path", "shape", "dtype", "logical axes", "spec", "per device", ""],
+                     rows, right=(5,)))
+
+    pred = report.get("predicted") or {}
+    pmem = pred.get("memory") or {}
+    mem = report["memory"]
+    out.append("\nMemory per device (XLA)")
+    mrows = []
+    for key, label in (("argument_bytes", "arguments"), ("output_bytes", "outputs"),
+                       ("temp_bytes", "temp"), ("alias_bytes", "aliased (donated)"),
+                       ("total_bytes", "total = args + outs - aliased + temp")):
+        if key not in mem:
+            continue
+        p = pmem.get(key)
+        mrows.append((label, fmt_bytes(mem[key]), fmt_bytes(p), fmt_ratio(p, mem[key])))
+    out.append(table(["", "measured", "predicted", "pred/meas"], mrows, right=(1, 2, 3)))
+
+    out.append("\nCollectives in the optimized HLO (per device, one step)")
+    rows_c = report["comparison"]["collectives"]
+    crows = [(c["kind"], fmt_axes(c["axes"]), c["count"], _or_dash(c.get("predicted_count")),
+              fmt_bytes(c["bytes_per_device"]), fmt_bytes(c.get("predicted_bytes_per_device")),
+              fmt_ratio(c.get("predicted_bytes_per_device"), c["bytes_per_device"]))
+             for c in rows_c]
+    if crows:
+        meas = sum(c["bytes_per_device"] or 0 for c in rows_c)
+        preds = [c["predicted_bytes_per_device"] for c in rows_c
+                 if c.get("predicted_bytes_per_device") is not None]
+        p_total = sum(preds) if preds else None
+        crows.append(("total", "", sum(c["count"] for c in rows_c), "", fmt_bytes(meas),
+                      fmt_bytes(p_total), fmt_ratio(p_total, meas)))
+        out.append(table(["kind", "mesh axes", "count", "predicted", "bytes", "predicted",
+                          "pred/meas"], crows, right=(2, 3, 4, 5, 6)))
+    else:
+        out.append("  none (a single device, or nothing to communicate)")
+
+    out.append("\nCompute per device")
+    p_flops = report["comparison"].get("predicted_flops")
+    detail = report.get("flops_detail", {})
+    frows = [("matmul FLOPs (every loop trip)", fmt_count(report["flops"]), fmt_count(p_flops),
+              fmt_ratio(p_flops, report["flops"]))]
+    if "xla_cost_analysis" in detail:
+        frows.append(("XLA cost analysis FLOPs (loop bodies once)",
+                      fmt_count(detail["xla_cost_analysis"]), "-", "-"))
+    step = pred.get("step_time_s")
+    if step is not None:
+        frows.append(("step time (s), not run", "-", f"{step:.4g}", "-"))
+    out.append(table(["", "measured", "predicted", "pred/meas"], frows, right=(1, 2, 3)))
+    for note in report.get("notes", []):
+        out.append(f"\nnote: {note}")
+    return "\n".join(out)

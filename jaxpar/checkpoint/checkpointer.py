@@ -1,0 +1,501 @@
+"""Checkpoints that survive faults: asynchronous, atomic, sharded saves restored into any plan.
+
+A run's checkpoints live under ``RUN/checkpoints``, one folder per step, written by an
+``orbax.checkpoint.CheckpointManager`` with three items:
+
+* ``state``: the :class:`~jaxpar.Trainer`'s state pytree (``params``, ``frozen``,
+  ``opt_state``, ``step``, and ``master``/``loss_scale`` when the precision policy has
+  them), each array written shard by shard by the processes that hold it;
+* ``meta`` (JSON): the step, the seed (model init and data order derive from it; LoRA
+  dropout state is part of ``frozen``), the data loader's position and the layout it was
+  saved under;
+* ``config`` (JSON): the resolved run config.
+
+Saves are asynchronous: the step blocks only while arrays are copied off the devices, the
+files are written by a background thread. They are atomic: orbax writes into
+``<step>.orbax-checkpoint-tmp-*`` and renames the folder to ``<step>`` once every item of
+every process is on disk, so a folder named by its step alone is complete.
+
+Restoring reads every array straight into the shardings of the Trainer it restores into
+(each device reads only its own slices), so a checkpoint saved under one plan loads under
+another: another device count, mesh or ZeRO stage, or the pipeline's ``(repeat, stage)``
+layout of stacked layers (a reshape on the devices after reading; see
+:mod:`jaxpar.checkpoint.reshard`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxpar.checkpoint.reshard import flat_paths, flatten_dict, match, nest
+from jaxpar.errors import JaxparError, JaxparWarning
+from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
+
+STATE, META, CONFIG = "state", "meta", "config"
+SAVE_DELAY_ENV = "JAXPAR_CHECKPOINT_TEST_DELAY"
+"""Test hook: seconds each save sleeps in the background before its last file is written."""
+
+
+class CorruptCheckpoint(JaxparError):
+    """A checkpoint folder that exists but cannot be read back."""
+
+
+class CheckpointSaveFailed(JaxparError):
+    """A save the file system refused (full disk, read-only folder); the checkpoints saved
+    before it are intact."""
+
+
+class CheckpointWarning(JaxparWarning):
+    """A checkpoint was skipped (corrupt) and an older one used instead."""
+
+
+class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
+    """JSON item that honours :data:`SAVE_DELAY_ENV`, so tests can kill a process mid-save."""
+
+    async def _save_fn(self, x, directory):
+        delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await super()._save_fn(x, directory)
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_save=True)
+class _MetaSave(ocp.args.JsonSave):
+    """Save args of :class:`_MetaHandler`."""
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
+class _MetaRestore(ocp.args.JsonRestore):
+    """Restore args of :class:`_MetaHandler`."""
+
+
+@contextlib.contextmanager
+def _quiet_asyncio() -> Iterator[None]:
+    """Silence asyncio's dump of every sibling read that failed with a corrupt file (the
+    first failure is reported, once, as a CorruptCheckpoint)."""
+    log = logging.getLogger("asyncio")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        gc.collect()  # the orphaned futures report when collected: do it while quiet
+        log.setLevel(level)
+
+
+class _ReportedWriteFaults(logging.Filter):
+    """Drops orbax's logs of a save the file system refused (a full disk, a read-only
+    folder): :class:`Checkpointer` reports that as one line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not ((err is not None and write_fault(err))
+                    or write_fault(Exception(record.getMessage())))
+
+
+_WRITE_FAULT_FILTER = _ReportedWriteFaults()
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _keys_as_data(flat: dict[str, Any]) -> dict[str, Any]:
+    """Typed PRNG keys (an ``nnx.Rngs`` a model holds) as their ``uint32`` key data, which
+    orbax can store; :meth:`Checkpointer.restore` wraps them back."""
+    return {k: jax.random.key_data(v) if _is_key(v) else v for k, v in flat.items()}
+
+
+def _brief(err: BaseException) -> str:
+    text = " ".join(str(err).split()).split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+# --- the manager --------------------------------------------------------------------------
+def _manager(directory: Path, *, keep: int | None = None, async_save: bool = True,
+             read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
+        read_only=read_only, cleanup_tmp_directories=not read_only)
+    handlers = {STATE: ocp.handlers.PyTreeCheckpointHandler(), META: _MetaHandler(),
+                CONFIG: ocp.handlers.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
+
+
+def resolve_dir(source: str | Path) -> Path:
+    """The checkpoint folder for ``source``: ``RUN/checkpoints`` itself or a ``RUN`` folder."""
+    path = Path(source).expanduser().absolute()
+    if (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
+        path = path / "checkpoints"
+    if not path.is_dir():
+        raise JaxparError(f"checkpoint folder {str(path)!r} does not exist")
+    return path
+
+
+class Checkpointer:
+    """Saves and restores a :class:`~jaxpar.Trainer`'s state under one folder.
+
+    Every process of a multi-process run must create it and call :meth:`save` and
+    :meth:`restore` at the same steps: the arrays are written and read collectively.
+
+    Args:
+      directory: the checkpoint folder (``RUN/checkpoints``); created if missing.
+      every: save when the step is a multiple of this (0: only when forced).
+      keep: how many of the newest checkpoints to keep.
+      async_save: write in the background while training continues.
+    """
+
+    def __init__(self, directory: str | Path, *, every: int = 100, keep: int = 3,
+                 async_save: bool = True):
+        if keep < 1:
+            raise JaxparError(f"checkpoint.keep must be at least 1, got {keep}")
+        if every < 0:
+            raise JaxparError(f"checkpoint.every must be 0 or positive, got {every}")
+        self.directory = Path(directory).expanduser().absolute()
+        self.every = every
+        self._manager = _manager(self.directory, keep=keep, async_save=async_save)
+        self._saving: int | None = None  # the step of the last save started
+        self._failed = False
+        logging.getLogger("absl").addFilter(_WRITE_FAULT_FILTER)  # once: filters are a set
+
+    @classmethod
+    def from_config(cls, directory: str | Path, config: Any) -> Checkpointer:
+        """From a :class:`~jaxpar.config.schema.CheckpointConfig`."""
+        return cls(directory, every=config.every, keep=config.keep,
+                   async_save=config.async_save)
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first (waits for a save in
+        flight)."""
+        with self._write_faults(None):
+            self._manager.wait_until_finished()
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save falls on ``step``."""
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def save(self, trainer: Any, *, config: Any = None, force: bool = False) -> float | None:
+        """Start saving ``trainer.state`` at its current step if due (or ``force``).
+
+        Returns the seconds the caller was blocked (the copy off the devices, plus waiting
+        for the previous save if it is still writing), or None when nothing was saved.
+        """
+        step = trainer.step_count
+        if not (force or self.due(step)) or step in self._manager.all_steps():
+            return None
+        start = time.perf_counter()
+        config = config if config is not None else getattr(trainer, "config", None)
+        seed = config.train.seed if config is not None else None
+        mesh = trainer.plan.mesh
+        meta = {"step": step, "seed": seed,
+                "data": {"position": step, "seed": seed,
+                         "global_batch": config.train.global_batch if config else None},
+                "processes": jax.process_count(), "devices": mesh.size,
+                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage}
+        state = nest(_keys_as_data(flat_paths(trainer.state)))
+        args = ocp.args.Composite(**{
+            STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
+            CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
+        with self._write_faults(None):
+            self._manager.wait_until_finished()  # the save before writes its last bytes
+        need = self._bytes_needed(trainer.state)
+        free = free_bytes(self.directory)
+        if free < need:
+            raise self._fault(step, f"it needs about {human_bytes(need)} but only "
+                                    f"{human_bytes(free)} are free there")
+        self._saving = step
+        with self._write_faults(step):
+            self._manager.save(step, args=args, force=True)
+        return time.perf_counter() - start
+
+    def _bytes_needed(self, state: Any) -> int:
+        """Disk space the next save takes: the newest checkpoint's size when there is one
+        (saves of one run have one size), else the arrays' bytes plus block slack."""
+        saved = self._manager.all_steps()
+        if saved:
+            folder = self.path(max(saved))
+            return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+        leaves = jax.tree.leaves(state)
+        return int(sum(x.nbytes for x in leaves) * 1.25) + 8192 * len(leaves) + (1 << 16)
+
+    def _fault(self, step: int | None, what: str) -> CheckpointSaveFailed:
+        self._failed = True
+        self._manager.reload()
+        done = sorted(s for s in self._manager.all_steps() if s != step)
+        kept = (f"checkpoints {done} are intact; free space (or lower checkpoint.keep) and "
+                f"continue with --resume" if done else "no checkpoint was saved before it")
+        which = f"checkpoint {step}" if step is not None else "a checkpoint"
+        return CheckpointSaveFailed(f"saving {which} into {self.directory} failed: {what}; "
+                                    f"{kept}")
+
+    @contextlib.contextmanager
+    def _write_faults(self, step: int | None) -> Iterator[None]:
+        """Turn a write the file system refused (now, or in the background save that this
+        call waits for) into one :class:`CheckpointSaveFailed` line."""
+        try:
+            yield
+        except CheckpointSaveFailed:
+            raise
+        except Exception as err:
+            fault = write_fault(err)
+            if fault is None:
+                raise
+            step = step if step is not None else self._saving
+            raise self._fault(step, f"{fault} ({human_bytes(free_bytes(self.directory))} "
+                                    f"free there)") from None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk."""
+        with self._write_faults(None):
+            self._manager.wait_until_finished()
+
+    def in_flight(self) -> int | None:
+        """The step of the save still being written in the background, or None."""
+        if not self._manager.is_saving_in_progress():
+            return None
+        return self._manager.latest_step()
+
+    def close(self) -> None:
+        """Finish the save in flight and release the manager (after a failed save, quietly:
+        the failure was reported already)."""
+        if self._failed:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+            return
+        with self._write_faults(None):
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def path(self, step: int) -> Path:
+        """The folder of checkpoint ``step``."""
+        return self.directory / str(step)
+
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        """``{path: shape}`` of the arrays in checkpoint ``step``.
+
+        Raises:
+          CorruptCheckpoint: when its metadata cannot be read.
+        """
+        try:
+            tree = self._manager.item_metadata(step)[STATE]
+            tree = getattr(tree, "tree", tree)
+            shapes = {k: tuple(v.shape) for k, v in flatten_dict(tree).items()}
+        except AttributeError as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable: its array metadata is missing "
+                "or damaged") from e
+        except Exception as e:  # orbax and tensorstore raise many types
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
+        if not shapes:
+            raise CorruptCheckpoint(f"checkpoint {self.path(step)} holds no arrays")
+        return shapes
+
+    def meta(self, step: int) -> dict[str, Any]:
+        """The ``meta`` item of checkpoint ``step`` (step, seed, data position, layout).
+
+        Raises:
+          CorruptCheckpoint: when it cannot be read.
+        """
+        return self._json_item(step, META, _MetaRestore())
+
+    def config(self, step: int) -> dict[str, Any]:
+        """The resolved run config saved with checkpoint ``step`` (a nested dict)."""
+        return self._json_item(step, CONFIG, ocp.args.JsonRestore())
+
+    def _json_item(self, step: int, name: str, args: ocp.args.JsonRestore) -> dict[str, Any]:
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(**{name: args}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is unreadable ({_brief(e)})") from e
+        return dict(out[name] or {})
+
+    def read(self, step: int, target: Mapping[str, Any], what: str = "",
+             partial: bool = False, stages: int = 1
+             ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """Read the arrays at ``target``'s paths from checkpoint ``step`` into ``target``'s
+        shapes, dtypes and shardings; returns them and the checkpoint's ``meta``.
+
+        Raises:
+          CorruptCheckpoint: when the files cannot be read.
+          JaxparError: when shapes or paths do not match (``partial``: extra paths in the
+            checkpoint are fine).
+
+        ``stages``: pipeline stages of ``target``'s layout of stacked layers.
+        """
+        saved = self.saved_shapes(step)
+        meta = self.meta(step)
+        saved_stages = int((meta.get("mesh") or {}).get("stage", 1))
+        if partial:
+            saved = {k: v for k, v in saved.items() if k in target}
+        abstract, fixes = match(saved, target, what or f"checkpoint {self.path(step)}",
+                                (saved_stages, stages))
+        item = nest(abstract)
+        args = ocp.args.PyTreeRestore(item=item, partial_restore=partial,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+        try:
+            with _quiet_asyncio():
+                out = self._manager.restore(step, args=ocp.args.Composite(**{STATE: args}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
+        values = flatten_dict(out[STATE])
+        values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
+        return values, meta
+
+    def restore(self, trainer: Any, step: int | None = None) -> dict[str, Any]:
+        """Load checkpoint ``step`` into ``trainer.state``, resharded to its plan.
+
+        With ``step`` None, the newest complete checkpoint; a corrupt one is skipped with a
+        :class:`CheckpointWarning` and renamed ``corrupt-<step>`` (kept, not deleted) so
+        the run can save that step again. Returns the checkpoint's ``meta``.
+
+        Raises:
+          JaxparError: when no checkpoint exists or none can be read, or when the
+            checkpoint's shapes do not match the trainer's (listing the paths).
+        """
+        if step is not None:
+            return self._restore_step(trainer, step)
+        steps = self.steps()
+        if not steps:
+            raise JaxparError(f"no complete checkpoint in {self.directory}")
+        bad: list[int] = []
+        for s in reversed(steps):
+            try:
+                meta = self._restore_step(trainer, s)
+            except CorruptCheckpoint as e:
+                warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,
+                              stacklevel=2)
+                bad.append(s)
+                continue
+            if bad:
+                self._set_aside(bad)
+            return meta
+        raise JaxparError(f"no readable checkpoint in {self.directory}: steps {steps} "
+                          "are all corrupt")
+
+    def _restore_step(self, trainer: Any, step: int) -> dict[str, Any]:
+        target = flat_paths(trainer.state)
+        values, meta = self.read(step, _keys_as_data(target),
+                                 stages=trainer.plan.mesh.shape["stage"])
+        for k, leaf in target.items():  # typed PRNG keys were stored as their key data
+            if _is_key(leaf):
+                values[k] = jax.random.wrap_key_data(values[k], impl=jax.random.key_impl(leaf))
+        treedef = jax.tree_util.tree_structure(trainer.state)
+        state = jax.tree_util.tree_unflatten(treedef, [values[k] for k in target])
+        if int(state["step"]) != step:
+            raise CorruptCheckpoint(f"checkpoint {self.path(step)} holds step "
+                                    f"{int(state['step'])}, not {step}")
+        trainer.state = state
+        return meta
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for s in steps:
+                dest = self.directory / f"corrupt-{s}"
+                n = 1
+                while dest.exists():
+                    dest, n = self.directory / f"corrupt-{s}.{n}", n + 1
+                self.path(s).rename(dest)
+                warnings.warn(f"kept corrupt checkpoint {self.path(s)} as {dest}",
+                              CheckpointWarning, stacklevel=3)
+        ocp.multihost.sync_global_processes("jaxpar_checkpoint_set_aside")
+        self._manager.reload()
+
+
+# --- weights only (init_from) -------------------------------------------------------------
+def read_only(source: str | Path) -> Checkpointer:
+    """A :class:`Checkpointer` that only reads the checkpoints of ``source`` (a
+    ``RUN/checkpoints`` or ``RUN`` folder): it creates and cleans up nothing there, so it
+    is safe beside a run still writing; close it when done."""
+    directory = resolve_dir(source)
+    reader = Checkpointer.__new__(Checkpointer)
+    reader.directory, reader.every = directory, 0
+    reader._saving, reader._failed = None, False
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager will not save
+    try:
+        reader._manager = _manager(directory, read_only=True)
+    finally:
+        absl.setLevel(level)
+    return reader
+
+
+def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
+                 variables: Any = nnx.Param) -> int:
+    """Overwrite ``model``'s ``nnx.Param`` s with those of the newest readable checkpoint in
+    ``source`` (a ``RUN/checkpoints`` or ``RUN`` folder), each read into the sharding of the
+    variable it replaces; returns the checkpoint's step.
+
+    Float32 master weights are preferred to a half-precision working copy when the
+    checkpoint has both. Use it before wrapping the model with LoRA (or, to load a LoRA
+    run's adapters too, after wrapping it the same way). ``stages``: pipeline stages
+    ``model``'s stacked layers are laid out for. ``variables``: an ``nnx`` filter of the
+    variables to overwrite (default the ``nnx.Param`` s).
+
+    Raises:
+      JaxparError: when no checkpoint can be read, or the checkpoint's model does not match
+        ``model`` (listing the mismatched paths).
+    """
+    reader = read_only(source)
+    directory = reader.directory
+    try:
+        steps = reader.steps()
+        if not steps:
+            raise JaxparError(f"init_from: no complete checkpoint in {directory}")
+        state = nnx.state(model, variables)
+        wanted = flat_paths(state)
+        for step in reversed(steps):
+            try:
+                saved = reader.saved_shapes(step)
+                names = {k: next((f"{g}/{k}" for g in ("master", "params", "frozen")
+                                  if f"{g}/{k}" in saved), f"params/{k}") for k in wanted}
+                target = {names[k]: v for k, v in wanted.items()}
+                values, _ = reader.read(step, target, partial=True, stages=stages,
+                                        what=f"init_from checkpoint {reader.path(step)}")
+            except CorruptCheckpoint as e:
+                warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,
+                              stacklevel=2)
+                continue
+            leaves = [values[names[k]] for k in wanted]
+            new = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves)
+            nnx.update(model, new)
+            return step
+        raise JaxparError(f"init_from: no readable checkpoint in {directory}")
+    finally:
+        reader.close()
+
+
+__all__ = [
+    "CheckpointWarning",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "SAVE_DELAY_ENV",
+    "flat_paths",
+    "load_weights",
+    "match",
+    "read_only",
+    "resolve_dir",
+]

@@ -1,0 +1,97 @@
+"""``jaxpar export --to-hf``: a jaxpar run's newest checkpoint as a Hugging Face folder
+(a whole model, or PEFT adapters). :func:`export_run` does the work and is usable from
+Python."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxpar import hf
+from jaxpar.adapters import lora
+from jaxpar.cli.convert import writer_lock
+from jaxpar.config.schema import hf_folder
+from jaxpar.errors import JaxparError
+from jaxpar.hf.families import to_hf
+from jaxpar.models.transformer import Transformer
+from jaxpar.runs.generate import check_run, load_run_model, run_config
+from jaxpar.storage.folders import export_lock
+
+
+def check_export_target(to: str | Path, *, merge_lora: bool, adapters: bool) -> Path:
+    """The ``--to-hf`` folder, refused when it is a file; the flags, when both are given."""
+    if merge_lora and adapters:
+        raise JaxparError("--merge-lora and --adapters exclude each other: merge the adapters "
+                          "into a whole model, or export the adapters alone")
+    path = Path(to).expanduser()
+    if path.exists() and not path.is_dir():
+        raise JaxparError(f"--to-hf {str(to)!r} is a file, not a folder")
+    existing = path.absolute().parent  # the export is staged beside the target, then swapped
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise JaxparError(f"--to-hf {str(to)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JaxparError(f"--to-hf {str(to)!r}: {str(existing)!r} is not writable")
+    return path
+
+
+def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
+               adapters: bool = False, dtype: str = "float32") -> Path:
+    """Write a jaxpar run's newest checkpoint as a Hugging Face folder.
+
+    A run without LoRA is written whole. A LoRA run needs ``merge_lora`` (the adapters
+    folded into the base weights, written whole) or ``adapters`` (the adapters alone, in
+    PEFT's format, for the base model the run started from). The run's tokenizer (its
+    ``data.tokenizer``, else the Hugging Face folder it started from) is copied along.
+    """
+    target = check_export_target(to, merge_lora=merge_lora, adapters=adapters)
+    check_run(run)
+    model = run_config(run).model
+    if not (model.factory or adapters):  # a model no architecture expresses (experts, ...)
+        to_hf(model.transformer())       # is refused before its weights are read
+    with writer_lock(export_lock(target, "jaxpar export")):
+        return _export(run, target, merge_lora=merge_lora, adapters=adapters, dtype=dtype)
+
+
+def _export(run: str | Path, target: Path, *, merge_lora: bool, adapters: bool,
+            dtype: str) -> Path:
+    model, config = load_run_model(run)
+    if not isinstance(model, Transformer):
+        raise JaxparError(f"the run's model is model.factory={config.model.factory!r}; only "
+                          "jaxpar's decoder has a Hugging Face layout")
+    has_adapters = bool(lora.adapted(model))
+    if has_adapters and not (merge_lora or adapters):
+        raise JaxparError("the run trained LoRA adapters: pass --merge-lora (a whole model) "
+                          "or --adapters (PEFT adapters for the base model)")
+    if not has_adapters and (merge_lora or adapters):
+        raise JaxparError(f"the run has no LoRA adapters; drop "
+                          f"{'--merge-lora' if merge_lora else '--adapters'}")
+    base = hf_folder(config.init_from)
+    tokenizer = config.data.tokenizer or (base if base and _has_tokenizer(base) else None)
+    if adapters:
+        hf.save_adapters(model, target, base_model=str(base or ""), dtype=jnp.dtype(dtype))
+        if tokenizer:
+            hf.convert.copy_tokenizer(tokenizer, target)
+        return target
+    if has_adapters:
+        lora.merge(model, dtype=jnp.float32)
+    return hf.save(model, target, dtype=jnp.dtype(dtype), tokenizer=tokenizer)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file()
+
+
+def command(args: argparse.Namespace) -> int:
+    """``jaxpar export``: check the target and the run, write the folder."""
+    check_export_target(args.to_hf, merge_lora=args.merge_lora, adapters=args.adapters)
+    check_run(args.run)
+    out = export_run(args.run, args.to_hf, merge_lora=args.merge_lora,
+                     adapters=args.adapters, dtype=args.dtype)
+    kind = "PEFT adapters" if args.adapters else "a Hugging Face model"
+    print(f"jaxpar: wrote {kind} to {out}")
+    return 0

@@ -1,0 +1,166 @@
+"""Every ``jaxpar`` command's arguments, in one place: :func:`build_parser` and
+:func:`parse_args`. Parsing imports nothing heavy, and a bad argument is one line with exit
+status 2 (argparse's usage dump left out)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump) with exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def device_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: simulate at least 1 device")
+    return n
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser("calibrate", help="measure this machine's devices and write a "
+                         "catalog entry for jaxpar plan --catalog")
+    cal.add_argument("--out", help="catalog YAML to write (raw timings go beside it, in "
+                                   "OUT.measurements.json); default: print the entry")
+    cal.add_argument("--name", help="catalog key (default: cpuN for N CPU devices, else "
+                                    "the device kind)")
+    cal.add_argument("--devices", type=device_count, help="simulate N CPU devices")
+    cal.add_argument("--quick", action="store_true",
+                     help="a smaller grid and shorter timings (a few seconds)")
+    cal.set_defaults(command="calibrate")
+
+
+def _add_sample(sub: argparse._SubParsersAction) -> None:
+    sample = sub.add_parser("sample", help="continue a prompt with a trained run's model")
+    sample.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens to generate, at most model.max_seq_len minus the "
+                             "prompt's (default: 64, or fewer when that is less)")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the most likely token); higher: more random")
+    sample.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K most likely tokens only (0: all)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    sample.set_defaults(command="sample")
+
+
+def _add_hf(sub: argparse._SubParsersAction) -> None:
+    convert = sub.add_parser("convert", help="a Hugging Face model folder -> a jaxpar run")
+    convert.add_argument("--from-hf", required=True, help="folder with config.json and "
+                         "safetensors (Llama, Mistral, Qwen2, Qwen3, Gemma)")
+    convert.add_argument("--out", required=True, help="run folder to write")
+    convert.add_argument("--devices", type=device_count, help="simulate N CPU devices")
+    convert.add_argument("overrides", nargs="*", metavar="key=value",
+                         help="config overrides (mesh, plan, ...) stored with the run")
+    convert.set_defaults(command="convert")
+    export = sub.add_parser("export", help="a jaxpar run -> a Hugging Face folder")
+    export.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
+    export.add_argument("--to-hf", required=True, help="folder to write")
+    export.add_argument("--merge-lora", action="store_true",
+                        help="fold LoRA adapters into the weights and write the whole model")
+    export.add_argument("--adapters", action="store_true",
+                        help="write the LoRA adapters alone, in PEFT's format")
+    export.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the written tensors")
+    export.set_defaults(command="export")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="choose a mesh, ZeRO stage, remat and microbatches")
+    plan.add_argument("--model", required=True, help="run or model config YAML")
+    plan.add_argument("--chips", required=True,
+                      help="chip kind and count, e.g. tpu-v5p:256, h100:64, cpu:8")
+    plan.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--seq", type=int, required=True, help="sequence length")
+    plan.add_argument("--catalog", help="YAML file with extra chip kinds")
+    plan.add_argument("--context", metavar="SIZES",
+                      help="context-axis sizes to consider, e.g. 1,4,8 (default: 1, and "
+                           "powers of two for sequences of 16384 or more)")
+    plan.add_argument("--expert", metavar="SIZES",
+                      help="expert-axis sizes to consider (default: the divisors of "
+                           "model.n_experts)")
+    plan.add_argument("--top", type=int, default=5, help="plans to show")
+    plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
+    plan.add_argument("--json", action="store_true", help="print the plans as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="model overrides, e.g. model.n_layers=40")
+    plan.set_defaults(command="plan")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    inspect = sub.add_parser("inspect", help="compile one train step and report what XLA did")
+    inspect.add_argument("--config", help="YAML config file")
+    inspect.add_argument("--devices", type=device_count, help="simulate N CPU devices")
+    inspect.add_argument("--keep-mesh", action="store_true",
+                         help="mesh overrides change only the axes given (default: they "
+                              "replace the config's mesh)")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    inspect.set_defaults(command="inspect")
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    launch = sub.add_parser("launch", help="run a jaxpar command as several local processes")
+    launch.add_argument("--processes", type=int, required=True, help="processes to start")
+    launch.add_argument("--devices-per-process", type=int, default=1,
+                        help="simulated CPU devices in each process")
+    launch.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    launch.add_argument("command_args", nargs=argparse.REMAINDER,
+                        help="-- then the jaxpar command, e.g. -- train --config ...")
+    launch.set_defaults(command="launch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every jaxpar command."""
+    parser = _Parser(prog="jaxpar", description="jaxpar: SPMD sharding for JAX and Flax")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a config")
+    train.add_argument("--config", help="YAML config file (without one: the run folder's "
+                       "config.yaml with --resume, else the defaults)")
+    train.add_argument("--devices", type=device_count, help="simulate N CPU devices")
+    train.add_argument("--out", help="run folder for config.yaml, metrics.jsonl, checkpoints/")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in OUT/checkpoints")
+    train.add_argument("--keep-mesh", action="store_true",
+                       help="mesh overrides change only the axes given (default: they "
+                            "replace the config's mesh)")
+    train.add_argument("--coordinator", help="multi-process: coordinator host:port")
+    train.add_argument("--num-processes", type=int, help="multi-process: process count")
+    train.add_argument("--process-id", type=int, help="multi-process: this process's index")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. mesh.tensor=2 train.steps=50")
+    train.set_defaults(command="train")
+    _add_plan(sub)
+    _add_inspect(sub)
+    _add_calibrate(sub)
+    _add_launch(sub)
+    _add_sample(sub)
+    _add_hf(sub)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line, options and ``key=value`` overrides in any order."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if not _OVERRIDE.match(a)]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args

@@ -1,0 +1,59 @@
+"""``jaxpar train``: a run from a config, on this machine's devices or simulated ones, alone
+or as one process of several."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+
+from jaxpar.config.schema import Config, load_config
+from jaxpar.config.validate import check_config
+from jaxpar.parallel.pipeline import Schedule
+from jaxpar.runs.distributed import initialize, simulate_devices
+from jaxpar.runs.loop import check_run_folder, summarize, train
+from jaxpar.sharding.mesh import describe, make_mesh
+
+
+def checked_train_config(args: argparse.Namespace) -> Config:
+    """The config of a parsed ``jaxpar train`` command, checked with its run folder before
+    JAX starts (the checks that need the device count come once it is known)."""
+    source = args.config
+    saved = Path(args.out) / "config.yaml" if args.out else None
+    if source is None and args.resume and saved is not None and saved.is_file():
+        source = saved  # a resumed run continues under the config it was started with
+    config = load_config(source, args.overrides, keep_mesh=args.keep_mesh)
+    check_config(config)
+    check_run_folder(args.out, resume=args.resume, config=config)
+    return config
+
+
+def command(args: argparse.Namespace) -> int:
+    """``jaxpar train``: check the config and run folder, start the devices, train."""
+    config = checked_train_config(args)
+    simulate_devices(args.devices)
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    check_config(config, devices=jax.device_count(), processes=jax.process_count())
+    mesh = make_mesh(config.mesh.ici(), dcn=config.mesh.dcn())
+    writer = jax.process_index() == 0
+    if writer:
+        procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        model = ("" if config.model.factory  # counted once built (jaxpar.runs.loop)
+                 else f", model {config.model.param_count() / 1e6:.2f}M params")
+        print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices{procs}, "
+              f"mesh {describe(mesh)}, rules {config.plan.rules}{model}", flush=True)
+    if mesh.shape["stage"] > 1 and writer:
+        print(Schedule.for_model(config.model.n_layers, mesh.shape["stage"],
+                                 config.pipeline.microbatches, config.pipeline.repeats
+                                 ).describe())
+    _, history = train(config, args.out, resume=args.resume)
+    if writer and history:
+        s = summarize(history)
+        print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "
+              f"{s['mean_tokens_per_s']:,.0f} tokens/s, "
+              f"{s['mean_step_time_s'] * 1e3:.1f} ms/step"
+              + (f"; wrote {args.out}/metrics.jsonl and checkpoints/" if args.out else ""))
+    elif writer:
+        print(f"done: already at step {config.train.steps}; nothing to train")
+    return 0

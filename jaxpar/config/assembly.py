@@ -1,0 +1,169 @@
+"""Assembling a run from a config: mesh, plan, model, initial weights, LoRA, optimizer, loss.
+
+This is the one place that turns a :class:`~jaxpar.config.schema.Config` into the objects the
+lower layers take, so that the :class:`~jaxpar.Trainer` needs nothing but a model, an
+optimizer and a plan. The model is jaxpar's built-in decoder, or the user's own through
+``model.factory: package.module:function`` (and ``train.loss`` for its loss); either is
+created straight into its shardings, after the plan's annotations and layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxpar.adapters import lora as lora_lib
+from jaxpar.checkpoint.checkpointer import load_weights
+from jaxpar.config.schema import Config, hf_folder, with_hf_model
+from jaxpar.config.validate import check_config
+from jaxpar.errors import JaxparError
+from jaxpar.hf import load
+from jaxpar.models.transformer import Transformer
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.sharding.mesh import make_mesh
+from jaxpar.sharding.partitioning import init_sharded
+from jaxpar.sharding.plan import Plan, knobs
+from jaxpar.sharding.rules import preset
+from jaxpar.training.optimizer import make_optimizer
+from jaxpar.training.trainer import LossFn, Trainer, lm_loss
+
+
+def import_object(spec: str, what: str) -> Any:
+    """``"package.module:name"`` (or ``package.module.name``) -> the object it names.
+
+    Raises:
+      JaxparError: naming ``what`` (the config key) when the module or name is missing.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise JaxparError(f"{what}={spec!r} must look like package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise JaxparError(f"{what}={spec!r}: cannot import {module_name!r} ({err})") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise JaxparError(f"{what}={spec!r}: module {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise JaxparError(f"{what}={spec!r} is not callable")
+    return obj
+
+
+def build_mesh(config: Config, devices: Any = None) -> jax.sharding.Mesh:
+    """The mesh of ``config.mesh`` over ``devices`` (default: all)."""
+    m = config.mesh
+    return make_mesh(m.ici(), dcn=m.dcn(), devices=devices, explicit=m.explicit)
+
+
+def build_plan(config: Config, mesh: jax.sharding.Mesh) -> Plan:
+    """The :class:`Plan` of ``config.plan`` on ``mesh``."""
+    p = config.plan
+    params, acts = preset(p.rules, strict=p.strict)
+    return Plan(mesh=mesh, param_rules=params, act_rules=acts,
+                **{knob.name: getattr(p, knob.name) for knob in knobs()})
+
+
+def pipeline_schedule(config: Config, mesh: jax.sharding.Mesh) -> pipeline_lib.Schedule | None:
+    """The pipeline schedule when the mesh has more than one stage, else None."""
+    stages = mesh.shape["stage"]
+    if stages <= 1:
+        return None
+    if config.model.factory:
+        raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory model "
+                          "has no pipeline layout (set mesh.stage=1)")
+    return pipeline_lib.Schedule.for_model(config.model.n_layers, stages,
+                                           config.pipeline.microbatches,
+                                           config.pipeline.repeats)
+
+
+def model_factory(config: Config, schedule: pipeline_lib.Schedule | None = None
+                  ) -> Callable[[], nnx.Module]:
+    """A function that builds the config's model: the user's ``model.factory`` (called with
+    ``model.kwargs`` and, if it takes them, ``rngs``) or the built-in decoder."""
+    seed = config.train.seed
+    if not config.model.factory:
+        cfg = config.model.transformer()
+        return lambda: Transformer(cfg, rngs=nnx.Rngs(seed), pipeline=schedule)
+    fn = import_object(config.model.factory, "model.factory")
+    kwargs = dict(config.model.kwargs)
+    try:
+        takes_rngs = "rngs" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes_rngs = False
+
+    def build() -> nnx.Module:
+        extra = {"rngs": nnx.Rngs(seed)} if takes_rngs and "rngs" not in kwargs else {}
+        try:
+            model = fn(**kwargs, **extra)
+        except TypeError as err:
+            if "argument" not in str(err):
+                raise
+            raise JaxparError(f"model.factory={config.model.factory!r} rejected model.kwargs "
+                              f"{sorted(kwargs)}: {err}") from None
+        if not isinstance(model, nnx.Module):
+            raise JaxparError(f"model.factory={config.model.factory!r} returned a "
+                              f"{type(model).__name__}, not a Flax NNX module")
+        return model
+
+    return build
+
+
+def loss_function(config: Config) -> LossFn:
+    """``train.loss`` imported, or the default next-token loss."""
+    return import_object(config.train.loss, "train.loss") if config.train.loss else lm_loss
+
+
+@dataclasses.dataclass
+class Assembly:
+    """Everything a config assembles to: the trainer and the pieces it was built from."""
+
+    trainer: Trainer
+    plan: Plan
+    schedule: pipeline_lib.Schedule | None
+    config: Config
+
+
+def assemble(config: Config, devices: Any = None) -> Assembly:
+    """Mesh, plan, sharded model (built-in or ``model.factory``), initial weights
+    (``init_from``), LoRA, trainable filter, optimizer and loss from a config, after
+    :func:`jaxpar.config.validate.check_config` has checked it for the devices given.
+
+    With ``config.init_from``, the model's weights come from that run's newest checkpoint
+    (see :func:`jaxpar.checkpoint.checkpointer.load_weights`), or with ``hf:PATH`` from a
+    Hugging Face folder (see :func:`jaxpar.hf.load`); the optimizer starts fresh.
+    """
+    config = with_hf_model(config)
+    n_devices = len(devices) if devices is not None else jax.device_count()
+    check_config(config, devices=n_devices, processes=jax.process_count())
+    mesh = build_mesh(config, devices)
+    plan = build_plan(config, mesh)
+    schedule = pipeline_schedule(config, mesh)
+    loss_fn = loss_function(config)
+    hf = hf_folder(config.init_from)
+    if hf is not None:  # a Hugging Face model, read straight into the plan's shardings
+        model = load(hf, plan=plan, pipeline=schedule, config=config.model.transformer())
+    else:
+        model = init_sharded(model_factory(config, schedule), plan)
+    if config.init_from and hf is None:  # weights of an earlier run, before LoRA wraps them
+        load_weights(model, config.init_from, stages=mesh.shape["stage"])
+    with plan.activate():
+        lora_lib.apply_config(model, config.lora, rngs=config.train.seed, plan=plan)
+    trainable = lora_lib.select_trainable(model, config.train.trainable)
+    trainer = Trainer(model, make_optimizer(config.train), plan, loss_fn=loss_fn,
+                      trainable=trainable)
+    return Assembly(trainer, plan, schedule, config)
+
+
+def build_trainer(config: Config, devices: Any = None) -> Trainer:
+    """The :class:`Trainer` of :func:`assemble`."""
+    return assemble(config, devices).trainer

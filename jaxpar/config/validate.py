@@ -1,0 +1,307 @@
+"""Checking a run config whole, before anything heavy (devices, model, compile) starts.
+
+:func:`check_config` range-checks every field and cross-checks the fields that constrain
+each other (sequence length and the model's context, the global batch and the
+data-parallel size, pipeline stages and layers). Each failure is one
+:class:`~jaxpar.errors.JaxparError` naming the key, its value and what would be valid, e.g.
+``train.lr=-1.0: must be a positive number``. The checks that need the device count (the
+mesh, the batch split) run when it is given; reading it does not start a model.
+
+``jaxpar train``, ``jaxpar inspect`` and :func:`jaxpar.config.assembly.assemble` all run it, so a
+run that starts has a config that makes sense.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh
+
+from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, hf_folder
+from jaxpar.errors import JaxparError
+from jaxpar.models.config import TransformerConfig
+from jaxpar.parallel.pipeline import Schedule
+from jaxpar.sharding.annotations import pairs
+from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
+from jaxpar.sharding.plan import check_knob, knobs
+from jaxpar.sharding.rules import PRESETS, preset
+from jaxpar.training.optimizer import OPTIMIZERS
+
+
+def _bad(key: str, value: Any, valid: str) -> JaxparError:
+    return JaxparError(f"{key}={value!r}: {valid}")
+
+
+_Check = tuple[Callable[[Any], bool], str]
+
+_AT_LEAST_1: _Check = (lambda v: v >= 1, "must be at least 1")
+_AT_LEAST_0: _Check = (lambda v: v >= 0, "must be 0 or more")
+_POSITIVE: _Check = (lambda v: math.isfinite(v) and v > 0, "must be a positive number")
+_NON_NEGATIVE: _Check = (lambda v: math.isfinite(v) and v >= 0, "must be 0 or a positive number")
+_FRACTION: _Check = (lambda v: 0 <= v < 1, "must be a fraction in [0, 1)")
+
+_RANGES: dict[str, _Check] = {
+    "pipeline.microbatches": (lambda v: v >= 0, "must be 0 (one per stage) or more"),
+    "pipeline.repeats": (lambda v: v >= 0, "must be 0 (as many as the layers allow) or more"),
+    "train.steps": _AT_LEAST_1,
+    "train.global_batch": _AT_LEAST_1,
+    "train.seq_len": _AT_LEAST_1,
+    "train.lr": _POSITIVE,
+    "train.warmup_steps": _AT_LEAST_0,
+    "train.weight_decay": _NON_NEGATIVE,
+    "train.grad_clip": (lambda v: math.isfinite(v) and v >= 0,
+                        "must be 0 (no clipping) or a positive number"),
+    "train.seed": _AT_LEAST_0,
+    "train.log_every": _AT_LEAST_1,
+    "train.eval_every": (lambda v: v >= 0, "must be 0 (no evaluation) or more"),
+    "train.eval_batches": _AT_LEAST_1,
+    "data.max_bytes": _AT_LEAST_1,
+    "data.holdout_fraction": _FRACTION,
+    "checkpoint.every": (lambda v: v >= 0, "must be 0 (only at the end) or more"),
+    "checkpoint.keep": _AT_LEAST_1,
+    "lora.alpha": _POSITIVE,
+}
+
+
+def _value(config: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _check_ranges(config: Config) -> None:
+    for key, (ok, valid) in _RANGES.items():
+        value = _value(config, key)
+        if not ok(value):
+            raise _bad(key, value, valid)
+    m = config.mesh
+    for name in MESH_SIZE_KEYS:
+        size = getattr(m, name)
+        if size == 0 or size < -1:
+            raise _bad(f"mesh.{name}", size, "must be at least 1, or -1 (filled from the "
+                       "device count)")
+    free = [a for a in MESH_AXES if getattr(m, a) == -1]
+    if len(free) > 1:
+        raise JaxparError(f"mesh axes {', '.join(f'mesh.{a}' for a in free)} are all -1: at "
+                          "most one axis may be filled from the device count")
+    if any(getattr(m, f"dcn_{a}") == -1 for a in MESH_AXES):
+        raise JaxparError("mesh.dcn_* sizes must be given (at least 1), not -1")
+
+
+def _check_choices(config: Config) -> None:
+    p, t = config.plan, config.train
+    if p.rules not in PRESETS:
+        raise _bad("plan.rules", p.rules, f"choose one of {list(PRESETS)}")
+    for knob in knobs():
+        check_knob(knob.name, getattr(p, knob.name), f"plan.{knob.name}")
+    layouts = () if p.layouts == "auto" else p.layouts
+    for key, items in (("plan.annotations", p.annotations), ("plan.layouts", layouts)):
+        for pattern, _ in pairs(items, key):
+            if isinstance(pattern, str) and not pattern.startswith("type:"):
+                _regex(key, pattern)
+    if t.optimizer not in OPTIMIZERS:
+        raise _bad("train.optimizer", t.optimizer, f"choose one of {list(OPTIMIZERS)}")
+    if t.trainable not in ("", "lora", "all"):
+        _regex("train.trainable", t.trainable)
+    for key in ("train.loss", "model.factory"):
+        spec = _value(config, key)
+        if spec and not re.fullmatch(r"[\w.]+[:.][\w.]+", spec):
+            raise _bad(key, spec, "must look like package.module:function")
+    if t.profile_steps:
+        check_profile_steps(list(t.profile_steps))
+
+
+def check_profile_steps(steps: Any) -> None:
+    """Validate ``train.profile_steps``: None or empty (off), or ``[a, b]``, two ints with
+    ``1 <= a <= b`` (trace steps a..b inclusive); else a :class:`JaxparError` naming the key,
+    the value and what is valid."""
+    if steps is None or (isinstance(steps, list | tuple) and not steps):
+        return
+    if not (isinstance(steps, list | tuple) and len(steps) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            and 1 <= steps[0] <= steps[1]):
+        raise JaxparError(f"train.profile_steps={steps!r} is invalid; expected [a, b], two "
+                          "integer step numbers with 1 <= a <= b (empty turns it off)")
+
+
+def _regex(key: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise _bad(key, pattern, f"is not a valid regular expression ({err})") from None
+
+
+def _check_relations(config: Config) -> None:
+    t, d, model = config.train, config.data, config.model
+    if not model.factory and t.seq_len > model.max_seq_len:
+        raise JaxparError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
+                          f"{model.max_seq_len}: lower train.seq_len or raise "
+                          "model.max_seq_len")
+    if t.eval_every > 0 and d.holdout_fraction == 0:
+        raise JaxparError(f"train.eval_every={t.eval_every} evaluates held-out data, but "
+                          "data.holdout_fraction=0 holds none out: set a fraction such as "
+                          "0.05, or train.eval_every=0")
+    if t.global_batch % config.plan.microbatches:
+        raise JaxparError(f"train.global_batch={t.global_batch} does not split into "
+                          f"plan.microbatches={config.plan.microbatches} equal microbatches")
+    if d.source != "stdlib" and not Path(d.source).exists():
+        raise _bad("data.source", d.source, "is neither 'stdlib' nor an existing file or "
+                   "folder")
+    if d.tokenizer:
+        _check_tokenizer(d.tokenizer, d.source, d.field)
+    elif d.field != DataConfig.field:
+        raise JaxparError(f"data.field={d.field!r} picks the text of .jsonl records for "
+                          "data.tokenizer, which is not set: set data.tokenizer (without "
+                          "one, the file's raw bytes are the tokens)")
+    _check_unused_model_knobs(config)
+    hf = hf_folder(config.init_from)
+    if hf is not None and not (hf / "config.json").is_file():
+        raise _bad("init_from", config.init_from, "is not a Hugging Face model folder (no "
+                   "config.json)")
+    if config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
+        raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
+                   "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
+
+
+_MOE_KNOBS = ("experts_per_token", "expert_d_ff", "expert_capacity", "n_shared_experts",
+              "router_aux_loss", "router_z_loss")
+
+
+def _check_unused_model_knobs(config: Config) -> None:
+    """Knobs that would do nothing in this model are mistakes, not no-ops."""
+    model = config.model
+    if model.factory:
+        return
+    defaults = TransformerConfig()
+    if not model.n_experts:
+        for name in _MOE_KNOBS:
+            if getattr(model, name) != getattr(defaults, name):
+                raise JaxparError(f"model.{name}={getattr(model, name)!r} configures experts, "
+                                  "but model.n_experts=0 (a dense model): set "
+                                  "model.n_experts or drop the knob")
+
+
+def _check_tokenizer(tokenizer: str, source: str, field: str) -> None:
+    """With ``data.tokenizer``: a tokenizer that exists, over text (not ids or the corpus)."""
+    if source == "stdlib" or Path(source).suffix in (".npy", ".bin"):
+        raise _bad("data.source", source, "with data.tokenizer set, must be a text file, a "
+                   "folder or a .jsonl file (not 'stdlib', a .npy or a .bin of token ids)")
+    path = Path(tokenizer).expanduser()
+    if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
+        raise _bad("data.tokenizer", tokenizer, "is neither a tokenizer.json file nor a "
+                   "folder holding one")
+    if not field:
+        raise _bad("data.field", field, "must name the key of each .jsonl record's text")
+
+
+def _check_layout(config: Config, devices: int, processes: int) -> None:
+    """The checks that need the device count: mesh, batch split, pipeline, strict rules."""
+    m, t, p = config.mesh, config.train, config.plan
+    if devices < 1:
+        raise JaxparError(f"{devices} devices: a run needs at least one")
+    ici, dcn = mesh_sizes(m.ici(), m.dcn(), devices)
+    sizes = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
+    if t.global_batch % processes:
+        raise JaxparError(f"train.global_batch={t.global_batch} is not divisible by the "
+                          f"{processes} processes of this run")
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    param_rules, act_rules = preset(p.rules, strict=p.strict)
+    batch_axes = [a for r in act_rules.resolve(("batch",), mesh) for a in r.mesh_axes]
+    dp = math.prod(sizes[a] for a in batch_axes)
+    micro = t.global_batch // p.microbatches
+    if micro % dp:
+        split = f" (each of plan.microbatches={p.microbatches} holds {micro})" if (
+            p.microbatches > 1) else ""
+        axes = " x ".join(f"{a}={sizes[a]}" for a in batch_axes)
+        raise JaxparError(
+            f"train.global_batch={t.global_batch}{split} is not divisible by the "
+            f"data-parallel size {dp} ({axes} under plan.rules={p.rules}): use a multiple "
+            f"of {dp * p.microbatches}")
+    _check_sequence_and_experts(config, sizes)
+    if config.model.attention == "cudnn" and not config.model.factory \
+            and jax.default_backend() != "gpu":
+        raise JaxparError(f"model.attention='cudnn' needs an NVIDIA GPU (cuDNN), but this "
+                          f"run's backend is {jax.default_backend()}: use "
+                          "model.attention=auto (the best this backend has)")
+    if sizes["stage"] > 1:
+        if config.model.factory:
+            raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory "
+                              "model has no pipeline layout (set mesh.stage=1)")
+        schedule = Schedule.for_model(config.model.n_layers, sizes["stage"],
+                                      config.pipeline.microbatches, config.pipeline.repeats)
+        if micro % (schedule.microbatches * dp):
+            raise JaxparError(
+                f"train.global_batch={t.global_batch} does not split into "
+                f"{schedule.microbatches} pipeline microbatches (pipeline.microbatches) of "
+                f"equal size on each of the {dp} data-parallel devices: use a multiple of "
+                f"{schedule.microbatches * dp * p.microbatches}")
+    if p.strict and not config.model.factory:
+        model = config.model
+        dims = {"vocab": ("model.vocab_size", model.vocab_size),
+                "mlp": ("model.d_ff", model.d_ff),
+                "heads": ("model.n_heads", model.n_heads),
+                "kv_heads": ("model.n_kv_heads", model.n_kv_heads),
+                "embed": ("model.d_model", model.d_model)}
+        for name, (key, size) in dims.items():
+            try:
+                param_rules.resolve((name,), mesh, shape=(size,), path=key)
+            except JaxparError as err:
+                raise JaxparError(f"plan.strict=true: {err}") from None
+
+
+def _check_sequence_and_experts(config: Config, sizes: dict[str, int]) -> None:
+    """Context parallelism splits the sequence, expert parallelism the experts: both must
+    divide evenly (a silent fallback would replicate what the user asked to split)."""
+    m, t, model = config.mesh, config.train, config.model
+    c = sizes["context"]
+    if c > 1:
+        chunks = 2 * c if config.plan.context_balance else c
+        if t.seq_len % chunks:
+            why = (" (plan.context_balance lays it out in 2 x context chunks)"
+                   if config.plan.context_balance else "")
+            raise JaxparError(f"train.seq_len={t.seq_len} does not split into {chunks} equal "
+                              f"chunks over mesh.context={m.context}{why}: use a multiple "
+                              f"of {chunks}")
+        if sizes["stage"] > 1:
+            raise JaxparError("mesh.context > 1 with mesh.stage > 1 is not supported yet: "
+                              "use context parallelism without pipeline stages")
+    if sizes["stage"] > 1 and model.n_experts and not model.factory:
+        raise JaxparError("model.n_experts > 0 with mesh.stage > 1 is not supported yet: "
+                          "train a mixture of experts with expert, fsdp, tensor or context "
+                          "parallelism")
+    if sizes["expert"] > 1 and model.n_experts and not model.factory \
+            and model.expert_capacity == 0:
+        raise JaxparError(f"model.expert_capacity=0 (dropless experts) with mesh.expert="
+                          f"{sizes['expert']} is not supported: the dropless path would "
+                          "gather every expert on every device; give a capacity factor "
+                          "(e.g. model.expert_capacity=1.25) or set mesh.expert=1")
+    if (sizes["expert"] > 1 and model.n_experts and not model.factory
+            and model.n_experts % sizes["expert"]):
+        raise JaxparError(f"model.n_experts={model.n_experts} is not divisible by "
+                          f"mesh.expert={sizes['expert']}: every device must hold the "
+                          "same number of experts")
+
+
+def check_config(config: Config, *, devices: int | None = None, processes: int = 1) -> None:
+    """Check every field of ``config`` and how they fit together.
+
+    Args:
+      config: the run config (its types were checked when it was loaded).
+      devices: the number of devices the run will use; with it, the mesh, the batch split
+        over the data-parallel axes, the pipeline schedule and (``plan.strict``) the
+        divisibility of the model's dimensions are checked too.
+      processes: processes of a multi-process run (the global batch must split over them).
+
+    Raises:
+      JaxparError: for the first problem found, naming the key, its value and what would
+        be valid.
+    """
+    _check_ranges(config)
+    _check_choices(config)
+    _check_relations(config)
+    if devices is not None:
+        _check_layout(config, devices, processes)

@@ -1,0 +1,282 @@
+"""Causal self-attention implementations behind one call, chosen by ``model.attention``.
+
+``xla``: ``jax.nn.dot_product_attention`` with XLA's own lowering (scores materialised,
+``seq x seq`` per head). ``cudnn``: the same call with cuDNN's fused flash kernel (NVIDIA
+GPUs, bf16/fp16). ``chunked``: blockwise attention in plain JAX for any backend: keys and
+values are visited ``block`` at a time with an online softmax (running max and sum), and
+the backward pass (a ``custom_vjp``) recomputes each block's probabilities from the saved
+log-sum-exp instead of storing them, so memory grows with ``seq x block`` rather than
+``seq x seq``. ``splash``: the Pallas TPU splash-attention kernel (block-sparse flash
+attention that skips the blocks the causal or window mask hides), in tiles of ``block``
+rounded to a multiple of 128; under a plan it runs per shard inside ``shard_map``, split
+over batch and heads as the activation rules say (sequence and head_dim must not be split).
+Off TPU it runs in Pallas interpret mode: exact but slow, for tests. ``auto`` picks splash
+on a TPU, cuDNN on a GPU for half precision, else ``xla``.
+
+All take queries ``(batch, seq, heads, head_dim)`` and keys/values ``(batch, seq,
+kv_heads, head_dim)`` (grouped-query attention when ``kv_heads < heads``) and an optional
+sliding ``window`` (a query sees itself and the ``window - 1`` keys before it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxpar.errors import JaxparError
+from jaxpar.sharding.plan import current_plan
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "chunked", "splash")
+DEFAULT_BLOCK = 512
+"""Keys and values per block of the chunked implementation (and the splash tile)."""
+SPLASH_TILE = 128
+"""Splash attention's tiles along the sequence are multiples of this (TPU lanes)."""
+Q_NAMES = ("batch", "seq", "heads", "head_dim")
+KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def resolve(implementation: str, dtype: jnp.dtype) -> str:
+    """The concrete implementation ``auto`` stands for on this backend and dtype."""
+    if implementation not in IMPLEMENTATIONS:
+        raise JaxparError(f"model.attention={implementation!r}: choose one of "
+                          f"{list(IMPLEMENTATIONS)}")
+    if implementation != "auto":
+        return implementation
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "splash"
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if backend == "gpu" and half else "xla"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
+              window: int = 0, block: int = DEFAULT_BLOCK) -> jax.Array:
+    """Causal attention ``softmax(q k^T / sqrt(head_dim)) v`` by the chosen implementation."""
+    kind = resolve(implementation, q.dtype)
+    if kind == "chunked":
+        return chunked_attention(q, k, v, window=window, block=block)
+    if kind == "splash":
+        return splash_attention(q, k, v, window=window, block=block)
+    local = (window - 1, 0) if window else None
+    if kind == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
+        f32 = lambda t: t.astype(jnp.float32)
+        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True,
+                                           local_window_size=local)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=kind)
+
+
+# --- chunked (blockwise, online softmax) --------------------------------------------------
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """``(b, s, k, h)`` -> ``(s_padded / block, b, block, k, h)``, zero-padded."""
+    b, s, kv, h = x.shape
+    pad = -s % block
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return x.reshape(b, (s + pad) // block, block, kv, h).swapaxes(0, 1)
+
+
+def _mask(j: jax.Array, s: int, block: int, window: int) -> jax.Array:
+    """``(s, block)``: whether query i may see key ``j * block + c`` (causal, window)."""
+    q_pos = jnp.arange(s)[:, None]
+    k_pos = j * block + jnp.arange(block)[None, :]
+    keep = k_pos <= q_pos
+    if window:
+        keep &= k_pos > q_pos - window
+    return keep
+
+
+def _scores(qg: jax.Array, kj: jax.Array, keep: jax.Array) -> jax.Array:
+    s = jnp.einsum("bskgh,bckh->bskgc", qg, kj.astype(jnp.float32))
+    return jnp.where(keep[None, :, None, None, :], s, -jnp.inf)
+
+
+def _forward(q, k, v, window, block):
+    b, s, n, h = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, s, kvh, n // kvh, h).astype(jnp.float32) * h ** -0.5
+
+    def body(carry, xs):
+        o, m, total = carry
+        kj, vj, j = xs
+        sc = _scores(qg, kj, _mask(j, s, block, window))
+        m_new = jnp.maximum(m, sc.max(-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
+        p = jnp.exp(sc - shift[..., None])
+        corr = jnp.exp(m - shift)
+        total = total * corr + p.sum(-1)
+        o = o * corr[..., None] + jnp.einsum("bskgc,bckh->bskgh", p, vj.astype(jnp.float32))
+        return (o, m_new, total), None
+
+    kb, vb = _blocks(k, block), _blocks(v, block)
+    init = (jnp.zeros(qg.shape, jnp.float32),
+            jnp.full(qg.shape[:-1], -jnp.inf, jnp.float32),
+            jnp.zeros(qg.shape[:-1], jnp.float32))
+    (o, m, total), _ = jax.lax.scan(body, init, (kb, vb, jnp.arange(kb.shape[0])))
+    o = o / total[..., None]
+    lse = m + jnp.log(total)
+    return o.reshape(b, s, n, h).astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(q, k, v, window, block):
+    return _forward(q, k, v, window, block)[0]
+
+
+def _chunked_fwd(q, k, v, window, block):
+    out, lse = _forward(q, k, v, window, block)
+    return out, (q, k, v, out, lse)
+
+
+def _chunked_bwd(window, block, residuals, d_out):
+    q, k, v, out, lse = residuals
+    b, s, n, h = q.shape
+    kvh = k.shape[2]
+    g = n // kvh
+    scale = h ** -0.5
+    qg = q.reshape(b, s, kvh, g, h).astype(jnp.float32) * scale
+    do = d_out.reshape(b, s, kvh, g, h).astype(jnp.float32)
+    delta = jnp.sum(do * out.reshape(b, s, kvh, g, h).astype(jnp.float32), -1)
+
+    def body(dq, xs):
+        kj, vj, j = xs
+        p = jnp.exp(_scores(qg, kj, _mask(j, s, block, window)) - lse[..., None])
+        dv = jnp.einsum("bskgc,bskgh->bckh", p, do)
+        dp = jnp.einsum("bskgh,bckh->bskgc", do, vj.astype(jnp.float32))
+        ds = p * (dp - delta[..., None])
+        dq = dq + jnp.einsum("bskgc,bckh->bskgh", ds, kj.astype(jnp.float32))
+        dk = jnp.einsum("bskgc,bskgh->bckh", ds, qg)
+        return dq, (dk, dv)
+
+    kb, vb = _blocks(k, block), _blocks(v, block)
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32),
+                                (kb, vb, jnp.arange(kb.shape[0])))
+
+    def unblock(x, like):  # (blocks, b, block, k, h) -> (b, s, k, h)
+        x = x.swapaxes(0, 1).reshape(b, -1, kvh, h)[:, :s]
+        return x.astype(like.dtype)
+
+    return ((dq * scale).reshape(b, s, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v))
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
+                      block: int = DEFAULT_BLOCK) -> jax.Array:
+    """Causal attention computed ``block`` keys at a time with an online softmax; its
+    gradient recomputes each block from the saved log-sum-exp (memory O(seq x block))."""
+    if q.shape[2] % k.shape[2]:
+        raise JaxparError(f"{q.shape[2]} query heads do not group over {k.shape[2]} kv heads")
+    return _chunked(q, k, v, int(window), int(min(block, k.shape[1])))
+
+
+# --- splash (Pallas TPU kernel, shard_map over batch and heads) ---------------------------
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
+                     block: int = DEFAULT_BLOCK, interpret: bool | None = None) -> jax.Array:
+    """Causal attention by the Pallas splash-attention kernel.
+
+    The sequence is zero-padded to a multiple of 128 (padded keys lie after every real
+    query, so the causal mask hides them; padded queries are dropped) and tiled by the
+    largest multiple of 128 up to ``block`` that divides it. Each example runs the kernel
+    on ``(heads, seq, head_dim)`` (``jax.vmap`` over the batch); grouped-query attention
+    is the kernel's own (query head ``i`` reads kv head ``i // (heads / kv_heads)``).
+
+    Under an active plan the kernel runs inside ``jax.shard_map`` over the plan's mesh,
+    each device on its own batch and head slice, as ``plan.act_spec`` lays out
+    ``("batch", "seq", "heads", "head_dim")`` (and ``kv_heads`` for keys and values); a
+    plan that splits the sequence or head_dim is an error. If the kv heads are not split
+    like the query heads (too few to divide), they are repeated until they are.
+
+    ``interpret``: run the kernel in Pallas interpret mode; default: off a TPU only.
+    """
+    n, kvh = q.shape[2], k.shape[2]
+    if n % kvh:
+        raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    local = functools.partial(_splash_local, window=int(window), block=int(block),
+                              interpret=bool(interpret))
+    plan = current_plan()
+    if plan is None:
+        return local(q, k, v)
+    qspec = plan.act_spec(Q_NAMES, shape=q.shape, path="attention queries")
+    kspec = plan.act_spec(KV_NAMES, shape=k.shape, path="attention keys")
+    for spec, what in ((qspec, "queries"), (kspec, "keys and values")):
+        split = [f"{name} over {spec[d]}" for d, name in ((1, "seq"), (3, "head_dim"))
+                 if spec[d] is not None]
+        if split:
+            raise JaxparError(
+                f"model.attention='splash' cannot split attention {what} along "
+                f"{' and '.join(split)}: the kernel needs whole sequences and whole heads "
+                "on each device; map 'seq' and 'head_dim' to no mesh axes in the activation "
+                "rules, or choose another model.attention")
+    batch, heads = qspec[0], qspec[2]
+    if kspec[2] != heads:  # kv heads split differently: repeat until they split alike
+        k, v = _repeat_kv(k, v, n, _axes_size(plan.mesh, heads))
+    spec = PartitionSpec(batch, None, heads, None)
+    q, k, v = (plan.place(x, plan.sharding(spec)) for x in (q, k, v))  # explicit meshes
+    # check_vma=False: the kernel's pallas_call does not declare how its outputs vary.
+    shard = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec),
+                          out_specs=spec, check_vma=False)
+    return shard(q, k, v)
+
+
+def _axes_size(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def _repeat_kv(k: jax.Array, v: jax.Array, n: int, shards: int):
+    """Repeat each kv head ``r`` times, ``r`` the least divisor of the group size that
+    makes the kv heads divisible by ``shards``; query head ``i`` still reads its own kv
+    head (now number ``i // (group / r)``)."""
+    kvh = k.shape[2]
+    group = n // kvh
+    r = next(r for r in range(1, group + 1) if group % r == 0 and (kvh * r) % shards == 0)
+    return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+
+
+def _splash_tile(padded: int, block: int) -> int:
+    """The largest multiple of 128 that is at most ``max(block, 128)`` and divides
+    ``padded`` (itself a multiple of 128)."""
+    units = padded // SPLASH_TILE
+    most = max(block // SPLASH_TILE, 1)
+    return SPLASH_TILE * max(d for d in range(1, min(units, most) + 1) if units % d == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if window:
+        mask = sa.LocalMask((padded, padded), window_size=(window - 1, 0), offset=0)
+    else:
+        mask = sa.CausalMask((padded, padded))
+    sizes = sa.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile,
+                          block_q_dkv=tile, block_kv_dkv=tile, block_kv_dkv_compute=tile,
+                          block_q_dq=tile, block_kv_dq=tile)
+    with jax.ensure_compile_time_eval():  # the mask tables are constants, even mid-trace
+        return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash_local(q, k, v, *, window: int, block: int, interpret: bool):
+    """Splash attention on (this device's) ``(batch, seq, heads, head_dim)`` arrays."""
+    s, n, h = q.shape[1:]
+    padded = -(-s // SPLASH_TILE) * SPLASH_TILE
+    kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret)
+
+    def heads_major(x):  # (b, s, k, h) -> (b, k, padded, h)
+        return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).swapaxes(1, 2)
+
+    q = q * jnp.asarray(h ** -0.5, q.dtype)
+    out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v))
+    return out.swapaxes(1, 2)[:, :s]

@@ -1,0 +1,147 @@
+"""Next-token cross-entropy without the full ``(batch, seq, vocab)`` logits.
+
+:func:`chunked_cross_entropy` runs the output projection, the log-sum-exp and the target
+logit over ``chunk`` sequence positions at a time under ``jax.lax.scan``. Each chunk is
+wrapped in ``jax.checkpoint`` keeping only its log-sum-exp, so the backward pass recomputes
+that chunk's logits instead of storing them, and forms their gradient ``softmax - one_hot``
+in one pass (a custom VJP). Memory for the loss then grows with ``batch x chunk x vocab``
+rather than ``batch x seq x vocab``, which dominates the step's temporaries for large
+vocabularies; the price is one more output-projection matmul in the backward pass.
+
+Sharding follows the model's logical names: hidden states are ``("batch", "seq",
+"embed")``, each chunk's logits ``("batch", "seq", "vocab")``, so under tensor parallelism
+the vocabulary stays split and the target logit is picked with a mask rather than a gather
+(Megatron's vocab-parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.errors import JaxparError
+from jaxpar.sharding.plan import constrain, current_plan
+
+Head = jax.Array | Callable[[jax.Array], jax.Array]
+"""The unembedding: a kernel ``(d_model, vocab)``, or a callable mapping hidden states
+``(batch, chunk, d_model)`` to logits ``(batch, chunk, vocab)`` (a wrapped projection such
+as a LoRA-adapted head)."""
+
+_LSE = "loss_logsumexp"
+"""Name of each chunk's log-sum-exp, the one thing its backward pass keeps."""
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array,
+                  mask: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of full ``logits`` ``(batch, seq, vocab)`` against integer
+    ``targets`` ``(batch, seq)``, in the active plan's output dtype (optax); with ``mask``
+    ``(batch, seq)``, the mean over the positions it weights (e.g. 0 on a prompt). Works
+    on explicit-sharding meshes too, where a hand-written label lookup needs an
+    ``out_sharding``."""
+    plan = current_plan()
+    out_dtype = plan.precision.output if plan is not None else jnp.float32
+    if plan is not None and plan.explicit:
+        # Sharding in types: logits and labels must agree on the batch split for the
+        # label lookup (GSPMD works that out itself on an Auto mesh).
+        logits = constrain(logits, ("batch", "seq", None))
+        targets = constrain(targets, ("batch", "seq"))
+        if mask is not None:
+            mask = constrain(jnp.asarray(mask), ("batch", "seq"))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(out_dtype), targets)
+    if mask is None:
+        return nll.mean()
+    mask = jnp.asarray(mask).astype(nll.dtype)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1)
+
+
+def _project(head: Head, h: jax.Array) -> jax.Array:
+    if callable(head):
+        return head(h)
+    dtype = jnp.result_type(h.dtype, head.dtype)
+    return jnp.einsum("bse,ev->bsv", h.astype(dtype), head.astype(dtype))
+
+
+def _picked(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``logits[..., targets]`` by a mask over the vocabulary, so a vocab-split array needs
+    no gather (each shard contributes its own part to the sum)."""
+    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    return jnp.sum(jnp.where(vocab == targets[..., None], logits, 0), axis=-1)
+
+
+@jax.custom_vjp
+def _summed_nll(logits: jax.Array, targets: jax.Array, keep: jax.Array) -> jax.Array:
+    """``sum(keep * (logsumexp(logits) - logits[target]))`` in float32; its gradient is
+    ``(softmax - one_hot) * keep``, formed in one pass over the chunk's logits."""
+    return _summed_nll_fwd(logits, targets, keep)[0]
+
+
+def _summed_nll_fwd(logits, targets, keep):
+    lse = checkpoint_name(jax.nn.logsumexp(logits, axis=-1), _LSE)
+    per_token = (lse - _picked(logits, targets)).astype(jnp.float32)
+    return jnp.sum(jnp.where(keep, per_token, 0.0)), (logits, targets, keep, lse)
+
+
+def _summed_nll_bwd(residuals, g):
+    logits, targets, keep, lse = residuals
+    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    grad = jnp.exp(logits - lse[..., None]) - (vocab == targets[..., None])
+    grad = jnp.where(keep[..., None], grad * g, 0).astype(logits.dtype)
+    return grad, None, None
+
+
+_summed_nll.defvjp(_summed_nll_fwd, _summed_nll_bwd)
+
+
+def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, chunk: int,
+                          dtype=jnp.float32) -> jax.Array:
+    """Mean cross-entropy of ``softmax(hidden @ kernel)`` against ``targets``, by chunks.
+
+    Args:
+      hidden: final hidden states ``(batch, seq, d_model)`` in the compute dtype (after
+        the final norm).
+      head: the unembedding kernel ``(d_model, vocab)`` (a tied embedding transposed), or
+        a callable projection (see :data:`Head`).
+      targets: integer token ids ``(batch, seq)``.
+      chunk: sequence positions per chunk; the sequence is padded to a multiple of it and
+        the padded positions are masked out.
+      dtype: the dtype logits are cast to before the softmax (the precision policy's
+        output dtype); the sum over positions is accumulated in float32.
+
+    Returns:
+      The float32 mean over all ``batch x seq`` positions.
+    """
+    if chunk < 1:
+        raise JaxparError(f"loss chunk={chunk}: must be at least 1")
+    b, s, _ = hidden.shape
+    chunk = min(int(chunk), s)
+    pad = -s % chunk
+    n = (s + pad) // chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # (n, batch, chunk, ...): the scan walks the leading axis, one chunk per iteration.
+    hs = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)
+    ts = targets.reshape(b, n, chunk).swapaxes(0, 1)
+    valid = (jnp.arange(s + pad) < s).reshape(n, chunk)
+    kernel = None if callable(head) else head
+
+    @functools.partial(jax.checkpoint, prevent_cse=False,
+                       policy=jax.checkpoint_policies.save_only_these_names(_LSE))
+    def chunk_loss(h, t, keep, kernel):
+        h = constrain(h, ("batch", "seq", "embed"))
+        logits = _project(head if kernel is None else kernel, h).astype(dtype)
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        t = constrain(t, ("batch", "seq"))
+        return _summed_nll(logits, t, jnp.broadcast_to(keep, t.shape))
+
+    def body(total, xs):
+        h, t, keep = xs
+        return total + chunk_loss(h, t, keep, kernel), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, valid))
+    return total / (b * s)

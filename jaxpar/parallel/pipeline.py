@@ -1,0 +1,344 @@
+"""Pipeline parallelism as vectorized stages, the GSPMD way.
+
+A stack of identical blocks is stored with two leading axes, ``(repeat, stage, ...)``,
+named ``("repeat", "stage", ...)``: layer ``r * S + s`` lives at ``[r, s]``. The ``stage``
+dimension is sharded over the ``stage`` mesh axis by the parameter rules, so each device
+holds only the layers of its own stages, and the same storage layout serves training,
+checkpoints and inspection; no weight ever moves between stages.
+
+The batch is split into ``M`` microbatches. A buffer holds one microbatch activation per
+stage, shaped ``(S, microbatch, ...)`` and sharded over ``stage``. Each iteration every
+stage applies its current layer to its slot at once (``jax.vmap`` with
+``spmd_axis_name="stage"``, so the blocks' own activation constraints gain the stage
+axis), then the buffer rolls by one along the stage dimension, which XLA lowers to a
+``collective-permute`` between neighbouring stages; stage 0 takes the next fresh
+microbatch instead.
+
+Circular schedule: with ``R`` repeats, stage ``s`` holds layers ``s, s + S, s + 2S, ...``
+and a microbatch leaving the last stage goes round to stage 0 again for its next repeat.
+Stage 0 processes ``M`` microbatches per repeat, so the last stage's output for
+microbatch ``m`` is needed ``M - S + 1`` iterations after it is made: with ``M = S`` it
+feeds straight back, with ``M > S`` it waits in a circular buffer held on the stage-0
+devices. ``R * M + S - 1`` iterations run in all, so the bubble (idle stage-iterations)
+is ``(S - 1) / (R * M + S - 1)`` instead of GPipe's ``(S - 1) / (M + S - 1)``.
+
+Bubble iterations compute on zeros (or on stale values) whose results are never read;
+their gradients are exactly zero. Embedding and head stay outside the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.errors import JaxparError
+from jaxpar.sharding.annotations import _NAME_KEYS, logical_names
+from jaxpar.sharding.plan import constrain
+
+LAYERS, REPEAT, STAGE = "layers", "repeat", "stage"
+DEFAULT_ACT_NAMES: tuple[str, ...] = ("batch", "seq", "embed")
+"""Logical names of one microbatch of the residual stream of jaxpar's reference model."""
+
+
+
+# --- Schedule and reporting ----------------------------------------------------------------
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Theoretical fraction of idle stage-iterations: ``(S - 1) / (R * M + S - 1)``.
+
+    ``repeats=1`` is GPipe's ``(S - 1) / (M + S - 1)``.
+    """
+    _check_positive(stages=stages, microbatches=microbatches, repeats=repeats)
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def describe_schedule(stages: int, microbatches: int, repeats: int = 1) -> str:
+    """One line for logs and the CLI, e.g.
+    ``pipeline: S=2 stages x R=2 repeats, M=4 microbatches, 9 iterations, bubble 11.1%``."""
+    sched = Schedule(stages, microbatches, repeats)
+    kind = "circular, " if repeats > 1 else ""
+    buffered = ", buffered" if repeats > 1 and microbatches > stages else ""
+    return (f"pipeline: S={stages} stages x R={repeats} repeats, M={microbatches} "
+            f"microbatches ({kind}{sched.iterations} iterations{buffered}), "
+            f"bubble {100 * sched.bubble:.1f}%")
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if int(value) != value or value < 1:
+            raise JaxparError(f"pipeline {name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: ``stages`` (S), ``microbatches`` (M), ``repeats`` (R).
+
+    The model has ``S * R`` layers; layer ``r * S + s`` is stage ``s``'s ``r``-th layer.
+    ``R > 1`` (circular) needs ``M >= S``, since a microbatch must leave the last stage
+    before stage 0 needs it for its next repeat. ``S`` must be a multiple of the mesh's
+    ``stage`` axis (each device then runs ``S / mesh.stage`` stages).
+    """
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive(stages=self.stages, microbatches=self.microbatches,
+                        repeats=self.repeats)
+        if self.repeats > 1 and self.microbatches < self.stages:
+            raise JaxparError(
+                f"a circular pipeline (repeats={self.repeats}) needs microbatches >= stages, "
+                f"got microbatches={self.microbatches} < stages={self.stages}; raise "
+                f"pipeline.microbatches or use repeats=1"
+            )
+
+    @classmethod
+    def for_model(cls, n_layers: int, stages: int, microbatches: int = 0,
+                  repeats: int = 0) -> Schedule:
+        """The schedule for a model of ``n_layers`` on ``stages`` stages, filling defaults.
+
+        ``repeats=0`` means ``n_layers // stages`` (the deepest circular schedule the model
+        allows, the smallest bubble); ``microbatches=0`` means one per stage (``M = S``).
+
+        Raises:
+          JaxparError: when ``n_layers`` is not ``stages * repeats``.
+        """
+        _check_positive(n_layers=n_layers, stages=stages)
+        if n_layers % stages:
+            raise JaxparError(f"model.n_layers={n_layers} is not divisible by "
+                              f"{stages} pipeline stages (mesh.stage)")
+        repeats = repeats or n_layers // stages
+        if stages * repeats != n_layers:
+            raise JaxparError(f"model.n_layers={n_layers} must equal stages x repeats = "
+                              f"{stages} x {repeats}; set pipeline.repeats={n_layers // stages}")
+        return cls(stages, microbatches or stages, repeats)
+
+    @property
+    def layers(self) -> int:
+        """Number of layers the schedule runs: ``S * R``."""
+        return self.stages * self.repeats
+
+    @property
+    def iterations(self) -> int:
+        """Pipeline iterations: ``R * M + S - 1``."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """See :func:`bubble_fraction`."""
+        return bubble_fraction(self.stages, self.microbatches, self.repeats)
+
+    def describe(self) -> str:
+        """See :func:`describe_schedule`."""
+        return describe_schedule(self.stages, self.microbatches, self.repeats)
+
+
+# --- Storage layout: ("layers", ...) <-> ("repeat", "stage", ...) --------------------------
+def _renamed(variable: nnx.Variable, value: Any, names: tuple[str | None, ...]) -> nnx.Variable:
+    new = variable.replace(value)
+    metadata = variable.get_metadata()
+    for key in _NAME_KEYS:
+        if metadata.get(key):
+            new.set_metadata(key, names)
+            break
+    return new
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def to_pipeline_layout(tree: Any, stages: int) -> Any:
+    """Restack every variable whose leading logical axis is ``"layers"`` as (repeat, stage).
+
+    ``tree`` is any pytree of ``nnx.Variable`` s (an ``nnx.State`` of a model, its
+    gradients, optimizer state built from it). A variable shaped ``(L, ...)`` named
+    ``("layers", ...)`` becomes ``(L // stages, stages, ...)`` named
+    ``("repeat", "stage", ...)``; layer ``r * stages + s`` lands at ``[r, s]``, so this is a
+    pure reshape. Variables without a leading ``"layers"`` axis are returned unchanged.
+
+    Raises:
+      JaxparError: when a stacked variable's layer count is not a multiple of ``stages``.
+    """
+    _check_positive(stages=stages)
+
+    def one(path, variable):
+        if not _is_variable(variable):
+            return variable
+        names = logical_names(variable)
+        if not names or names[0] != LAYERS:
+            return variable
+        value = variable.get_value()
+        if value.shape[0] % stages:
+            raise JaxparError(
+                f"{jax.tree_util.keystr(path)} stacks {value.shape[0]} layers, not a multiple "
+                f"of {stages} pipeline stages"
+            )
+        value = value.reshape(value.shape[0] // stages, stages, *value.shape[1:])
+        return _renamed(variable, value, (REPEAT, STAGE, *names[1:]))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+
+
+def from_pipeline_layout(tree: Any) -> Any:
+    """Inverse of :func:`to_pipeline_layout`: ``("repeat", "stage", ...)`` -> ``("layers", ...)``.
+
+    Use it to compare with, or to save a checkpoint for, an unpipelined model.
+    """
+
+    def one(variable):
+        if not _is_variable(variable):
+            return variable
+        names = logical_names(variable)
+        if not names or tuple(names[:2]) != (REPEAT, STAGE):
+            return variable
+        value = variable.get_value()
+        value = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
+        return _renamed(variable, value, (LAYERS, *names[2:]))
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def relayout_module(module: nnx.Module, stages: int) -> nnx.Module:
+    """A copy of ``module`` (e.g. an ``nnx.vmap``-stacked block) in the pipeline layout."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, to_pipeline_layout(state, stages))
+
+
+# --- The transform ------------------------------------------------------------------------
+def pipeline(
+    fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    x: jax.Array,
+    *,
+    microbatches: int,
+    act_names: Sequence[str | None] = DEFAULT_ACT_NAMES,
+    remat: bool = False,
+    remat_policy: Callable[..., bool] | None = None,
+    unroll: int | bool = 1,
+) -> jax.Array:
+    """Apply ``R * S`` stacked layers to ``x`` as an ``S``-stage, ``M``-microbatch pipeline.
+
+    Numerically it equals applying layers ``0, 1, ..., R*S - 1`` in order to every row of
+    ``x`` (``fn(layer_params, h)`` each time), but the layers of different stages run at
+    once on different microbatches.
+
+    Args:
+      fn: ``fn(layer_params, h) -> h`` for one layer; ``h`` is one microbatch, shaped like
+        ``x`` with a smaller leading (batch) dimension. Its output is cast to ``x.dtype``,
+        the dtype of the pipeline's activation buffers.
+      params: pytree whose leaves are shaped ``(R, S, ...)`` (see :func:`to_pipeline_layout`).
+      x: the input, ``(batch, ...)``; ``batch`` must be divisible by ``microbatches``.
+      microbatches: ``M``; for ``R > 1`` at least ``S``.
+      act_names: logical names of one microbatch's dimensions (``("batch", "seq",
+        "embed")`` for a transformer's residual stream). The state buffer gets
+        ``("stage", *act_names)``.
+      remat: recompute each stage's forward pass in the backward pass (``jax.checkpoint``),
+        with ``remat_policy`` if given.
+      unroll: passed to ``lax.scan`` over the iterations (``True`` unrolls fully, which lets
+        XLA's cost analysis count every iteration).
+
+    Returns:
+      The output, shaped like ``x``.
+    """
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise JaxparError("pipeline params are empty")
+    if any(leaf.ndim < 2 or leaf.shape[:2] != leaves[0].shape[:2] for leaf in leaves):
+        shapes = sorted({tuple(leaf.shape) for leaf in leaves})
+        raise JaxparError(f"pipeline params must all lead with (repeat, stage), got {shapes}")
+    repeats, stages = (int(d) for d in leaves[0].shape[:2])
+    sched = Schedule(stages, microbatches, repeats)
+    names = tuple(act_names)
+    if len(names) != x.ndim:
+        raise JaxparError(f"act_names {names} do not match the input's shape {x.shape}")
+    batch, rest = x.shape[0], tuple(x.shape[1:])
+    if batch % microbatches:
+        raise JaxparError(
+            f"batch size {batch} is not divisible by pipeline.microbatches={microbatches}"
+        )
+    mb, n_iter = batch // microbatches, sched.iterations
+    state_names, buffer_names = (STAGE, *names), (STAGE, None, *names)
+
+    # Microbatch m takes rows m, m + M, m + 2M, ...: a batch split in contiguous blocks over
+    # the data axes then splits every microbatch evenly over them, with no communication.
+    xs = constrain(x.reshape(mb, microbatches, *rest).swapaxes(0, 1), (None, *names))
+    first_stage = (jnp.arange(stages) == 0).reshape(stages, *(1,) * x.ndim)
+    stage_ids = jnp.arange(stages)
+
+    def stage_step(stage_params, repeat, h):
+        if repeats > 1:
+            layer = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False),
+                stage_params)
+        else:
+            layer = jax.tree.map(lambda a: a[0], stage_params)
+        return fn(layer, h).astype(h.dtype)
+
+    if remat:
+        stage_step = jax.checkpoint(stage_step, policy=remat_policy)
+    all_stages = jax.vmap(stage_step, in_axes=(1, 0, 0), spmd_axis_name=STAGE)
+
+    state = constrain(jnp.where(first_stage, xs[0], jnp.zeros((), x.dtype)), state_names)
+    # buffer[0, m] (on the stage-0 devices) holds the last stage's latest output for
+    # microbatch m; rows 1.. are scratch, kept so that every write is local to a stage.
+    buffer = constrain(jnp.zeros((stages, microbatches, mb, *rest), x.dtype), buffer_names)
+
+    def body(carry, t):
+        state, buffer = carry
+        repeat = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
+        out = constrain(all_stages(params, repeat, state), state_names)
+        # Shift one stage on: stage s + 1 receives stage s's output, stage 0 the last one's.
+        shifted = constrain(jnp.roll(out, 1, axis=0), state_names)
+        # The last stage finished slot t - (S - 1), i.e. microbatch (t - S + 1) mod M. Early
+        # (t < S - 1) writes are garbage and are overwritten before anything reads them.
+        column = (t - (stages - 1)) % microbatches
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, shifted, column, axis=1)
+        buffer = constrain(buffer, buffer_names)
+        nxt = (t + 1) % microbatches
+        fresh = jax.lax.dynamic_index_in_dim(xs, nxt, 0, keepdims=False)
+        if repeats > 1:
+            again = jax.lax.dynamic_index_in_dim(buffer, nxt, 1, keepdims=False)
+            fresh = jnp.where(t + 1 < microbatches, fresh[None], again)
+        state = constrain(jnp.where(first_stage, fresh, shifted), state_names)
+        return (state, buffer), None
+
+    (_, buffer), _ = jax.lax.scan(body, (state, buffer), jnp.arange(n_iter), unroll=unroll)
+    # Bring the finished microbatches from the stage-0 devices to every stage (one
+    # all-reduce of the output over the stage axis), then undo the microbatch split.
+    outs = jnp.sum(jnp.where(first_stage[:, None], buffer, jnp.zeros((), x.dtype)), axis=0)
+    outs = constrain(outs, (None, *names))
+    return constrain(outs.swapaxes(0, 1).reshape(batch, *rest), names)
+
+
+def pipeline_module(
+    blocks: nnx.Module,
+    x: jax.Array,
+    call: Callable[[nnx.Module, jax.Array], jax.Array] | None = None,
+    *,
+    microbatches: int,
+    act_names: Sequence[str | None] = DEFAULT_ACT_NAMES,
+    remat: bool = False,
+    remat_policy: Callable[..., bool] | None = None,
+    unroll: int | bool = 1,
+) -> jax.Array:
+    """:func:`pipeline` over an NNX module stacked in the pipeline layout.
+
+    ``blocks`` is one module whose variables all lead with ``(repeat, stage)`` (build it
+    with ``nnx.vmap`` and :func:`relayout_module`); ``call(block, h)`` applies one layer
+    (default ``block(h)``). Stateful updates inside blocks (batch-norm statistics, say)
+    are not carried out of the pipeline.
+    """
+    graphdef, state = nnx.split(blocks)
+    call = call or (lambda block, h: block(h))
+
+    def fn(layer_state, h):
+        return call(nnx.merge(graphdef, layer_state), h)
+
+    return pipeline(fn, state, x, microbatches=microbatches, act_names=act_names, remat=remat,
+                    remat_policy=remat_policy, unroll=unroll)

@@ -1,0 +1,441 @@
+"""The training run behind ``jaxpar train``: config in, a trained model and a run folder out.
+
+The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` and
+``tensorboard/`` (one row per logged step: step, loss, grad_norm, lr, step_time_s,
+tokens_per_s, eval_loss on steps that evaluated the held-out data (``train.eval_every``),
+checkpoint_block_s on steps that started a save, mfu and memory_bytes where known; see
+:mod:`jaxpar.runs.runlog`), ``checkpoints/`` (see :mod:`jaxpar.checkpoint`) and, with
+``train.profile_steps``, ``profile/`` (a ``jax.profiler`` trace).
+
+A run stops early, and cleanly, in two cases. A non-finite loss or gradient norm (without
+fp16 loss scaling, which skips such steps itself) stops it before that step is saved: the
+newest checkpoint holds finite weights. Ctrl-C or SIGTERM stops it after the step in
+flight (see :mod:`jaxpar.runs.interrupts`): the checkpoint being written is finished, and on
+SIGTERM (preemption) the current step is saved too when ``checkpoint.on_preempt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxpar.config.assembly import build_trainer
+from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.config.schema import Config
+from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
+from jaxpar.errors import JaxparError, RunStopped
+from jaxpar.storage.folders import LOCK_NAME, FolderLock
+from jaxpar.runs.interrupts import StopOnSignal
+from jaxpar.runs.monitor import ProfileWindow
+from jaxpar.training.prefetch import Prefetcher
+from jaxpar.runs.runlog import RunLog
+from jaxpar.training.trainer import Trainer
+from jaxpar.data.tokenizer import load_tokenizer, vocab_size
+
+
+class NonFiniteLoss(JaxparError):
+    """The loss or gradient norm became NaN or infinite; the run stopped before saving it."""
+
+
+def load_corpus(config: Config) -> np.ndarray:
+    """The whole corpus of ``config.data`` as token ids (a tokenizer's vocabulary is checked
+    against ``model.vocab_size`` before anything is tokenized)."""
+    data = config.data
+    if data.tokenizer:
+        vocab = vocab_size(load_tokenizer(data.tokenizer))
+        if vocab > config.model.vocab_size:
+            raise JaxparError(
+                f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} tokens but "
+                f"model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
+                "or more")
+    return load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
+                       field=data.field)
+
+
+def make_loader(config: Config, *, holdout: bool = False,
+                tokens: np.ndarray | None = None) -> TokenLoader:
+    """This process's loader over the training tokens (or, with ``holdout``, over the
+    held-out tail of the corpus: ``data.holdout_fraction``). ``tokens``: the corpus, when
+    :func:`load_corpus` has read it already."""
+    data, train = config.data, config.train
+    tokens = load_corpus(config) if tokens is None else tokens
+    train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
+    chosen = held_out if holdout else train_tokens
+    # One batch of distinct windows; a window also needs one spare id to vary its start.
+    need = max(train.global_batch * (train.seq_len + 1), train.seq_len + 2)
+    if len(chosen) < need:
+        formula = (f"train.global_batch * (train.seq_len + 1) = {train.global_batch} * "
+                   f"{train.seq_len + 1} = {need}" if train.global_batch > 1
+                   else f"train.seq_len + 2 = {need}")
+        if holdout:
+            raise JaxparError(
+                f"data.source {data.source!r}: the held-out part has {len(chosen)} tokens "
+                f"(data.holdout_fraction={data.holdout_fraction} of {len(tokens)}), fewer "
+                f"than one batch needs ({formula}) for train.eval_every={train.eval_every}; "
+                f"raise data.holdout_fraction or set train.eval_every=0")
+        cut_short = (tokens.dtype == "uint8" and len(tokens) == data.max_bytes
+                     and Path(data.source).suffix != ".npy")
+        more = (f"more data (data.max_bytes={data.max_bytes} cut it short)" if cut_short
+                else "more data")
+        raise JaxparError(
+            f"data.source {data.source!r}: the training part has {len(chosen)} tokens "
+            f"(of {len(tokens)}, after data.holdout_fraction={data.holdout_fraction}), "
+            f"fewer than one batch needs ({formula}); lower train.global_batch or "
+            f"train.seq_len, or use {more}")
+    loader = TokenLoader(
+        chosen, train.global_batch, train.seq_len,
+        seed=train.seed + (1 if holdout else 0),
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    )
+    # Every id is checked (streamed in chunks); positions count from the file's start.
+    loader.vocab_check(config.model.vocab_size, source=data.source,
+                       offset=len(train_tokens) if holdout else 0)
+    return loader
+
+
+def evaluate(trainer: Trainer, holdout: TokenLoader, batches: int) -> float:
+    """Mean loss over the first ``batches`` held-out batches (the same ones every time)."""
+    return sum(trainer.eval_loss(holdout.batch(i)) for i in range(batches)) / batches
+
+
+def _changed_keys(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """Config keys that differ, ignoring layout-only sections a resume may change."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        if not prefix and key in _LAYOUT_SECTIONS:
+            continue
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b and not (isinstance(a, list) and tuple(a) == b):
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+_LAYOUT_SECTIONS = ("mesh", "plan", "pipeline", "checkpoint")
+
+
+def _say(text: str) -> None:
+    if jax.process_index() == 0:
+        tqdm.write(f"jaxpar: {text}")
+
+
+def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
+                     config: Config | None = None) -> None:
+    """Refuse a run folder that cannot work before anything is built or written.
+
+    Raises:
+      JaxparError: when ``--resume`` has no folder, the folder is a file or not writable,
+        a fresh run would go into a folder that holds checkpoints (nothing saved is ever
+        overwritten), or ``train.profile_steps`` has no folder to write the trace to.
+    """
+    if out_dir is None:
+        if resume:
+            raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
+        if config is not None and config.train.profile_steps:
+            raise JaxparError(f"train.profile_steps={list(config.train.profile_steps)} needs "
+                              "--out: the trace is written to OUT/profile")
+        return
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise JaxparError(f"--out {str(out)!r} is a file, not a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is not writable")
+    saved = out / "checkpoints"
+    steps = sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) if (
+        saved.is_dir()) else []
+    if steps and not resume:
+        raise JaxparError(f"{saved} already holds checkpoints (steps {steps}); pass --resume "
+                          "to continue that run, or choose another --out")
+
+
+class _Window:
+    """The metrics of the steps dispatched since the last fetch, still on the devices.
+
+    The loop fetches them only when it has to look (a logged step, a checkpoint, an
+    evaluation, a stop): one wait for the whole window rather than one per step. Each
+    step's time is the window's wall time over its steps, so tokens/s is measured over the
+    interval the devices actually worked, compilation included in the first window.
+    """
+
+    LIMIT = 1000
+    """Steps kept unfetched at most (bounds host memory of a run with a huge log_every)."""
+
+    def __init__(self, log: RunLog, guard: bool, ckpt: Checkpointer | None):
+        self.log, self.guard, self.ckpt = log, guard, ckpt
+        self.pending: list[Any] = []
+        self.since = time.perf_counter()
+
+    def add(self, metrics: dict[str, jax.Array]) -> None:
+        self.pending.append(metrics)
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) >= self.LIMIT
+
+    def fetch(self, last_step: int) -> list[dict[str, Any]]:
+        """The window's rows (steps ``last_step - len + 1 .. last_step``), host numbers.
+
+        Raises:
+          NonFiniteLoss: at the first step whose loss or gradient norm is not finite
+            (without fp16 loss scaling), before anything after it is saved.
+        """
+        values = jax.device_get(self.pending)
+        now = time.perf_counter()
+        each = (now - self.since) / len(values)
+        self.pending, self.since = [], now
+        rows = []
+        for offset, got in enumerate(values):
+            row = {k: float(v) for k, v in got.items()}
+            row["step"] = last_step - len(values) + 1 + offset
+            row = self.log.enrich(row, each)
+            if self.guard and not (math.isfinite(row["loss"])
+                                   and math.isfinite(row.get("grad_norm", 0.0))):
+                raise _non_finite(row, self.ckpt)
+            rows.append(row)
+        return rows
+
+
+def _non_finite(metrics: dict[str, Any], ckpt: Checkpointer | None) -> NonFiniteLoss:
+    step, loss = metrics["step"], metrics["loss"]
+    what = (f"the loss is {loss}" if not math.isfinite(loss)
+            else f"the gradient norm is {metrics.get('grad_norm')}")
+    message = f"{what} at step {step}; stopped without saving that step"
+    if ckpt is None:
+        return NonFiniteLoss(message + " (run with --out to keep checkpoints)")
+    ckpt.wait()
+    steps = ckpt.steps()
+    if not steps:
+        return NonFiniteLoss(message + f"; no checkpoint was saved before it in "
+                             f"{ckpt.directory}")
+    return NonFiniteLoss(
+        message + f"; the last good checkpoint is step {steps[-1]} ({ckpt.path(steps[-1])}): "
+        "continue from it with --resume after changing what diverged (a lower train.lr, "
+        "more train.warmup_steps, train.grad_clip)")
+
+
+def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
+             config: Config) -> RunStopped:
+    """Finish (and, on SIGTERM with checkpoint.on_preempt, make) the checkpoint; say so."""
+    step = trainer.step_count
+    if ckpt is None:
+        return RunStopped(f"{stop.name}: stopped after step {step} (no --out: nothing saved)",
+                          stop.status)
+    preempted = stop.signal == signal.SIGTERM and config.checkpoint.on_preempt
+    if preempted:
+        if ckpt.save(trainer, config=config, force=True) is not None:
+            _say(f"{stop.name}: saving checkpoint {step} (checkpoint.on_preempt)")
+        else:
+            _say(f"{stop.name}: checkpoint {step} already holds the current step")
+    pending = ckpt.in_flight()
+    if pending is not None:
+        _say(f"{stop.name}: stopped after step {step}; finishing checkpoint {pending} "
+             "before exiting")
+    ckpt.wait()
+    steps = ckpt.steps()
+    saved = (f"the newest checkpoint is step {steps[-1]}; continue with --resume"
+             if steps else "no checkpoint was saved yet")
+    return RunStopped(f"{stop.name}: stopped after step {step}; {saved}", stop.status)
+
+
+def train(config: Config, out_dir: str | Path | None = None, *, progress: bool = True,
+          resume: bool = False, max_steps: int | None = None
+          ) -> tuple[Trainer, list[dict[str, Any]]]:
+    """Train ``config`` up to ``config.train.steps`` steps; returns the trainer and the
+    metrics of the steps this call trained.
+
+    With ``out_dir``, checkpoints go to ``out_dir/checkpoints`` (see
+    :mod:`jaxpar.checkpoint`) every ``checkpoint.every`` steps and at the end.
+
+    Args:
+      resume: continue from the newest complete checkpoint in ``out_dir/checkpoints``
+        (the layout may differ from the one it was saved under); a fresh start when there
+        is none. ``metrics.jsonl`` is continued without repeating steps.
+      max_steps: stop after this many steps in this call (saving a checkpoint first), as a
+        time-boxed session on preemptible machines would.
+
+    Raises:
+      JaxparError: for a bad run folder (see :func:`check_run_folder`) or config, or bad
+        data. :class:`NonFiniteLoss` (a JaxparError) when the loss diverged.
+      RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
+    """
+    check_run_folder(out_dir, resume=resume, config=config)
+    # One writer per run folder: process 0 of a run holds its lock until the run ends.
+    lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
+            if out_dir is not None and jax.process_index() == 0 else None)
+    if lock is not None:
+        lock.check()  # a second writer is refused before the data is read
+    # Bad data is refused before the lock (and with it the run folder) is created.
+    tokens = load_corpus(config)
+    loader = make_loader(config, tokens=tokens)
+    holdout = (make_loader(config, holdout=True, tokens=tokens)
+               if config.train.eval_every > 0 else None)
+    if lock is not None:
+        lock.acquire()
+    try:
+        return _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
+                      max_steps=max_steps)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _checked_trainer(config: Config, loader: TokenLoader) -> Trainer:
+    """The config's trainer; a ``model.factory`` model's logits checked against
+    ``model.vocab_size`` (the corpus was checked against that when it was loaded)."""
+    trainer = build_trainer(config)
+    if config.model.factory:  # the banner could only describe the built-in model
+        n = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
+        _say(f"model {config.model.factory}: {n / 1e6:.3g}M params")
+        if trainer.check_ids:  # the default loss: ids index the model's logits
+            vocab = trainer.vocabulary(trainer.global_batch(loader.batch(0)))
+            if vocab < config.model.vocab_size:
+                raise JaxparError(
+                    f"model.vocab_size={config.model.vocab_size}, but the logits of "
+                    f"model.factory={config.model.factory!r} have {vocab} entries: set "
+                    f"model.vocab_size={vocab} (the data's ids are checked against it) or "
+                    f"widen the model's output")
+    trainer.check_ids = False
+    return trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Due:
+    """What is due once ``step`` steps are done (every step here is that 1-based count,
+    the ``step`` of ``metrics.jsonl``), besides dispatching the next step."""
+
+    save: bool
+    evaluate: bool
+    stop: bool
+    log: bool
+
+    @property
+    def any(self) -> bool:
+        """Whether the loop must fetch the metrics in flight now."""
+        return self.save or self.evaluate or self.stop or self.log
+
+
+def _due(step: int, end: int, config: Config, ckpt: Checkpointer | None,
+         stop: StopOnSignal, log: RunLog) -> _Due:
+    every = config.train.eval_every
+    return _Due(save=ckpt is not None and (ckpt.due(step) or step == end),
+                evaluate=every > 0 and (step % every == 0 or step == end),
+                # every process asks every step: the stop is agreed collectively
+                stop=stop.agreed(jax.process_count()) and step < end,
+                log=log.due(step, last=step == end))
+
+
+def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
+           holdout: TokenLoader | None, *,
+           progress: bool, resume: bool, max_steps: int | None
+           ) -> tuple[Trainer, list[dict[str, Any]]]:
+    out = Path(out_dir) if out_dir is not None else None
+    is_writer = jax.process_index() == 0
+    trainer = _checked_trainer(config, loader)
+    ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
+            if out is not None else None)
+    history: list[dict[str, Any]] = []
+    pending = lambda: (f"checkpoint {ckpt.in_flight()}"
+                       if ckpt is not None and ckpt.in_flight() is not None else None)
+    with contextlib.ExitStack() as cleanup:  # closed in reverse: the bar first, signals last
+        stop = cleanup.enter_context(StopOnSignal(_say, pending))
+        if ckpt is not None:
+            cleanup.callback(ckpt.close)
+        profile = ProfileWindow(config.train.profile_steps or None,
+                                out / "profile" if out is not None else "profile")
+        cleanup.callback(profile.close)
+        resumed_at = _restore(trainer, ckpt, config) if resume else None
+        if out is not None and is_writer:
+            out.mkdir(parents=True, exist_ok=True)
+            config.save(out / "config.yaml")
+        log = RunLog(config, out, resumed_at=resumed_at, writer=is_writer)
+        cleanup.callback(log.close)
+        begin = trainer.step_count
+        end = config.train.steps if max_steps is None else min(config.train.steps,
+                                                               begin + max_steps)
+        bar = tqdm(total=end - begin, desc="train", dynamic_ncols=True,
+                   disable=not (progress and is_writer))
+        cleanup.callback(bar.close)
+        batches = Prefetcher(lambda i: trainer.global_batch(loader.batch(i)), begin, end)
+        cleanup.callback(batches.close)
+        # fp16 loss scaling skips non-finite steps itself; otherwise they stop the run
+        window = _Window(log, guard=trainer.loss_scale is None, ckpt=ckpt)
+        for index, batch in batches:
+            profile.before_step(index)
+            window.add(trainer.step_async(batch))
+            profile.after_step(index, trainer.state)
+            bar.update(1)
+            step = trainer.step_count
+            due = _due(step, end, config, ckpt, stop, log)
+            if not (due.any or window.full):
+                continue
+            rows = window.fetch(step)  # waits for the steps in flight
+            _act(due, rows[-1], trainer, config, ckpt, holdout, end)
+            for row in rows:
+                history.append(row)
+                if log.due(row["step"], last=row["step"] == end, metrics=row):
+                    log.write(row)
+            bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}",
+                            tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
+                            step_s=f"{rows[-1]['step_time_s']:.3f}")
+            if due.stop:
+                raise _stopped(stop, trainer, ckpt, config)
+    return trainer, history
+
+
+def _act(due: _Due, row: dict[str, Any], trainer: Trainer, config: Config,
+         ckpt: Checkpointer | None, holdout: TokenLoader | None, end: int) -> None:
+    """Save and evaluate as due after step ``row["step"]``; their figures join its row."""
+    if due.save:
+        blocked = ckpt.save(trainer, config=config, force=row["step"] == end)
+        if blocked is not None:
+            row["checkpoint_block_s"] = blocked
+    if due.evaluate:
+        row["eval_loss"] = evaluate(trainer, holdout, config.train.eval_batches)
+
+
+def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config) -> int | None:
+    """Load the newest checkpoint into ``trainer``; returns its step (None when there is
+    none, and the run starts from step 0)."""
+    saved = ckpt.steps() if ckpt is not None else []
+    if not saved:
+        _say(f"no checkpoint in {ckpt.directory if ckpt else '(no --out)'}; starting from "
+             "step 0")
+        return None
+    meta = ckpt.restore(trainer)
+    step = trainer.step_count
+    data_pos = (meta.get("data") or {}).get("position", step)
+    if data_pos != step:
+        raise JaxparError(f"checkpoint {ckpt.path(step)}: data position {data_pos} "
+                          f"does not match step {step}")
+    _say(f"resumed from {ckpt.path(step)} (step {step} of {config.train.steps})")
+    changed = _changed_keys(ckpt.config(step), config.to_dict())
+    if changed:
+        _say("config differs from the checkpoint's (the run will not match an "
+             "uninterrupted one): " + "; ".join(changed))
+    return step
+
+
+def summarize(history: list[dict[str, Any]], skip_first: int = 1) -> dict[str, float]:
+    """Final loss and mean throughput, excluding the first (compiling) steps."""
+    steady = history[skip_first:] or history
+    return {
+        "final_loss": history[-1]["loss"] if history else float("nan"),
+        "mean_step_time_s": sum(m["step_time_s"] for m in steady) / max(len(steady), 1),
+        "mean_tokens_per_s": sum(m["tokens_per_s"] for m in steady) / max(len(steady), 1),
+    }

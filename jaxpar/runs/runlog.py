@@ -1,0 +1,126 @@
+"""What a run writes about itself: ``metrics.jsonl`` and TensorBoard events in the run folder.
+
+Each logged step becomes one JSON row in ``OUT/metrics.jsonl`` and the same figures as
+TensorBoard scalars under ``OUT/tensorboard/`` (see :mod:`jaxpar.runs.monitor` for the tags):
+loss, eval loss, learning rate, gradient norm, tokens/s, step time, MFU (from the model's
+FLOPs and the chip's peak, when both are known) and device memory in use (when the
+devices report it). Everything is computed on the host from figures the step already
+returned, so logging adds no device synchronisation.
+
+On resume, rows of steps after the checkpoint (steps that will be trained again) are
+dropped first, so every step appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.runs import monitor
+from jaxpar.training.optimizer import learning_rate
+from jaxpar.config.schema import Config
+from jaxpar.errors import JaxparError
+from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Drop rows logged after ``last_step`` (steps that will be trained again on resume)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line).get("step", 0) <= last_step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
+class RunLog:
+    """Adds host-side figures to each step's metrics and writes the logged ones.
+
+    Args:
+      config: the run config (learning-rate schedule, model FLOPs, ``train.log_every``).
+      out: the run folder, or None to write nothing (metrics are still enriched).
+      resumed_at: the step a resumed run continues from (rows after it are dropped), or
+        None for a fresh run (``metrics.jsonl`` is started anew).
+      writer: whether this process writes (process 0 of a multi-process run).
+    """
+
+    def __init__(self, config: Config, out: Path | None, *, resumed_at: int | None = None,
+                 writer: bool = True):
+        self.config = config
+        # The learning rate of every step, computed once on the host CPU (the step just
+        # taken used the rate of the step count before it).
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
+        self._flops = monitor.model_flops_per_step(config.model, config.train.global_batch,
+                                                   config.train.seq_len)
+        self._peak = monitor.peak_flops_per_device()
+        self._devices = jax.device_count()
+        self._fd: int | None = None
+        self._tensorboard: monitor.TensorBoardLog | None = None
+        self._out = out
+        if out is not None and writer:
+            path = out / "metrics.jsonl"
+            if resumed_at is not None:
+                trim_metrics(path, resumed_at)
+            # One os.write per row on an O_APPEND descriptor: a row lands whole or not at
+            # all (a kill never leaves half a line for the next row to run into).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            self._fd = os.open(path, flags | (0 if resumed_at is not None else os.O_TRUNC),
+                               0o644)
+            self._tensorboard = monitor.TensorBoardLog(out / "tensorboard")
+
+    def enrich(self, metrics: dict[str, Any], step_time_s: float) -> dict[str, Any]:
+        """Add step time, tokens/s, learning rate, MFU and memory to a step's metrics."""
+        train = self.config.train
+        metrics.update(step_time_s=step_time_s,
+                       tokens_per_s=train.global_batch * train.seq_len / step_time_s)
+        metrics["lr"] = float(self._lr[metrics["step"] - 1])
+        if self._flops is not None:
+            mfu = monitor.mfu(self._flops, step_time_s, self._devices, self._peak)
+            if mfu is not None:
+                metrics["mfu"] = mfu
+        memory = monitor.memory_in_use()
+        if memory is not None:
+            metrics["memory_bytes"] = memory
+        return metrics
+
+    def due(self, step: int, *, last: bool, metrics: dict[str, Any] | None = None) -> bool:
+        """Whether the metrics of ``step`` (1-based: steps done) are written: the first
+        and every ``train.log_every``-th after it, the last, and any evaluated one."""
+        return ((step - 1) % self.config.train.log_every == 0 or last
+                or "eval_loss" in (metrics or {}))
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """Append one row to ``metrics.jsonl`` and its scalars to TensorBoard."""
+        if self._fd is not None:
+            row = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                   for k, v in metrics.items()}
+            try:
+                os.write(self._fd, (json.dumps(row) + "\n").encode())
+            except OSError as err:
+                path = self._out / "metrics.jsonl"
+                raise JaxparError(f"writing {path} failed: {write_fault(err) or err} "
+                                  f"({human_bytes(free_bytes(path))} free there)") from None
+        if self._tensorboard is not None:
+            self._tensorboard.scalars(metrics["step"], monitor.tensorboard_tags(metrics))
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None

@@ -1,0 +1,269 @@
+"""The Plan: one object that says how a training run is laid out on devices.
+
+A :class:`Plan` holds the mesh, the parameter rules (how weights are stored) and the
+activation rules (how computation is split). FSDP is the clearest example of why these
+are two mappings: weights are stored split on ``embed`` over ``fsdp``, while the compute
+batch is split over ``(data, fsdp)``, so each layer all-gathers its weights just in time.
+
+``plan.activate()`` is the one context under which models are built and run: inside it,
+:func:`constrain` applies the activation rules, the plan's mesh is JAX's current mesh
+(with ``mesh_context=True``, as the Trainer runs its steps: model code may then call
+``with_sharding_constraint`` with a bare ``PartitionSpec``, or ``reshard`` on an explicit
+mesh), and Flax variables are not sharded
+eagerly (jaxpar places them itself, through the parameter rules).
+
+Two knobs adapt models jaxpar did not write: ``annotations`` (logical names for variables
+by path, for models that carry none; see :func:`jaxpar.annotate`) and ``layouts`` (logical
+names for the outputs of modules matched by path or type, for models without
+``constrain`` calls inside; see :func:`jaxpar.constrain_outputs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.errors import JaxparError
+from jaxpar.sharding import remat as remat_lib
+from jaxpar.sharding import rules as rules_lib
+from jaxpar.sharding.annotations import pairs
+from jaxpar.sharding.mesh import describe, is_explicit
+from jaxpar.sharding.precision import Policy
+from jaxpar.sharding.rules import LogicalNames, Rules
+
+CONTEXT_ATTENTION = ("allgather", "ring")
+"""The ways attention can span a sequence split over the ``context`` axis (see
+:mod:`jaxpar.parallel.context`)."""
+_SEQUENCE_PARALLEL = ("residual_seq", ("context", "tensor"))
+_ACTIVE: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """What a plan knob allows: a set of ``choices``, or a ``check`` with the text ``valid``
+    saying what passes it; ``parse`` turns the config file's text into the value (the
+    precision policy). The one definition the Plan, the config's ``plan`` section, its
+    validation and the assembly of a run all read (see :func:`knobs`)."""
+
+    choices: tuple | None = None
+    check: Callable[[Any], bool] | None = None
+    valid: str = ""
+    parse: Callable[[Any], Any] | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (None: nothing)."""
+        if self.choices is not None and value not in self.choices:
+            return f"choose one of {list(self.choices)}"
+        if self.check is not None and not self.check(value):
+            return self.valid
+        return None
+
+
+def knob(default: Any, **allowed: Any) -> Any:
+    """A :class:`Plan` field that is a training knob, with what it allows (see :class:`Knob`)."""
+    return dataclasses.field(default=default, metadata={"knob": Knob(**allowed)})
+
+
+def knobs() -> tuple[dataclasses.Field, ...]:
+    """The Plan's knobs (every field but the mesh and the two rule sets), in order: the
+    fields of the config's ``plan`` section besides the preset name and ``strict``."""
+    return tuple(f for f in dataclasses.fields(Plan) if "knob" in f.metadata)
+
+
+def check_knob(name: str, value: Any, key: str | None = None) -> Any:
+    """``value`` parsed (a precision policy from its text) and checked against the knob
+    ``name``; a bad one is a :class:`JaxparError` naming ``key`` (default: the name), the
+    value and what is valid."""
+    spec: Knob = next(f for f in knobs() if f.name == name).metadata["knob"]
+    key = key or name
+    if spec.parse is not None and isinstance(value, str):
+        try:
+            value = spec.parse(value)
+        except JaxparError as err:
+            raise JaxparError(f"{key}: {err}") from None
+    problem = spec.problem(value)
+    if problem:
+        raise JaxparError(f"{key}={value!r}: {problem}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Mesh plus rules, and the training knobs that depend on them.
+
+    Attributes:
+      mesh: the device mesh (see :func:`jaxpar.make_mesh`).
+      param_rules: logical name -> mesh axes for weights (and optimizer state).
+      act_rules: logical name -> mesh axes for activations and the input batch.
+      precision: mixed-precision policy (master, compute and output dtypes).
+      zero_stage: 0-3: shard optimizer state (1), gradients (2), parameters (3) over the
+        data-parallel axes (see :mod:`jaxpar.parallel.zero`).
+      remat: rematerialization policy name per block (see :mod:`jaxpar.sharding.remat`).
+      microbatches: gradient accumulation: split each batch into this many microbatches and
+        apply one update.
+      annotations: ``(path regex, logical names)`` pairs applied to the model's variables
+        before they are placed (first matching pattern wins; see :func:`jaxpar.annotate`).
+      layouts: ``(path regex or module type, logical names)`` pairs pinning module outputs
+        (see :func:`jaxpar.constrain_outputs`); ``"auto"`` (the default) pins the outputs of
+        the model's repeated blocks and its embedding tables (see
+        :func:`jaxpar.sharding.layouts.auto_layouts`), ``()`` nothing.
+      sequence_parallel: Megatron sequence parallelism: the residual stream (logical
+        ``residual_seq``) is split over the ``tensor`` axis between blocks, so each tensor-
+        parallel all-reduce becomes a reduce-scatter and an all-gather and the norm and
+        residual activations shrink by the tensor degree.
+      context_attention: with a ``context`` mesh axis (sequence split across devices),
+        ``"allgather"`` (each device gathers all keys and values) or ``"ring"`` (key/value
+        blocks passed around the axis, online softmax); see :mod:`jaxpar.parallel.context`.
+      context_balance: under context parallelism, lay the sequence out in ``2 x context``
+        chunks, device ``i`` holding chunks ``i`` and ``2c - 1 - i``, so every device does
+        the same share of causal attention work.
+    """
+
+    mesh: Mesh
+    param_rules: Rules
+    act_rules: Rules
+    precision: Policy = knob(Policy(), parse=Policy.parse)
+    zero_stage: int = knob(0, choices=(0, 1, 2, 3))
+    remat: str = knob("none", choices=tuple(remat_lib.POLICIES))
+    microbatches: int = knob(1, check=lambda v: v >= 1, valid="must be at least 1")
+    annotations: tuple = knob(())
+    layouts: tuple | str = knob("auto", check=lambda v: not isinstance(v, str) or v == "auto",
+                                valid="give a list of [target, [names]] pairs, 'auto' (pin "
+                                      "repeated blocks' outputs) or [] (nothing)")
+    sequence_parallel: bool = knob(False)
+    context_attention: str = knob("allgather", choices=CONTEXT_ATTENTION)
+    context_balance: bool = knob(True)
+
+    def __post_init__(self) -> None:
+        for f in knobs():
+            object.__setattr__(self, f.name, check_knob(f.name, getattr(self, f.name)))
+        if (self.sequence_parallel
+                and Rules([_SEQUENCE_PARALLEL]).rules[0] not in self.act_rules.rules):
+            object.__setattr__(self, "act_rules",
+                               self.act_rules.extend([_SEQUENCE_PARALLEL], first=True))
+        object.__setattr__(self, "annotations", pairs(self.annotations, "plan.annotations"))
+        if self.layouts != "auto":
+            object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))
+
+    @classmethod
+    def from_preset(cls, mesh: Mesh, name: str = "fsdp_tp", *, strict: bool = False,
+                    **knobs) -> Plan:
+        """A plan with one of the named rule presets (see :func:`jaxpar.sharding.rules.preset`);
+        ``strict`` makes an indivisible dimension an error instead of a fallthrough."""
+        params, acts = rules_lib.preset(name, strict=strict)
+        return cls(mesh=mesh, param_rules=params, act_rules=acts, **knobs)
+
+    def replace(self, **changes) -> Plan:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # --- shardings ------------------------------------------------------------------------
+    def param_spec(self, names: LogicalNames, shape=None, path: str = "") -> PartitionSpec:
+        """PartitionSpec of a weight with these logical names."""
+        return self.param_rules.spec(names, self.mesh, shape=shape, path=path)
+
+    def act_spec(self, names: LogicalNames, shape=None, path: str = "") -> PartitionSpec:
+        """PartitionSpec of an activation with these logical names."""
+        return self.act_rules.spec(names, self.mesh, shape=shape, path=path)
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """A NamedSharding on this plan's mesh."""
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the mesh uses explicit sharding (``AxisType.Explicit``)."""
+        return is_explicit(self.mesh)
+
+    def place(self, x: Any, sharding: Any) -> Any:
+        """Put ``x`` (an array or pytree) in ``sharding`` inside traced code:
+        ``with_sharding_constraint`` on an ``Auto`` mesh, ``reshard`` on an explicit one."""
+        if self.explicit:
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """The sharding of a fully replicated array (scalars, step counters)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        """Sharding of one leaf of an input batch, shaped ``(batch, seq, ...)`` (see
+        :func:`batch_names`)."""
+        return self.sharding(self.act_spec(batch_names(ndim)))
+
+    @property
+    def data_parallel_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (size-1 axes omitted)."""
+        spec = self.act_spec(("batch",))[0]
+        return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the batch is split (the product of the batch's mesh axes)."""
+        size = 1
+        for a in self.data_parallel_axes:
+            size *= self.mesh.shape[a]
+        return size
+
+    # --- context --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self, *, mesh_context: bool = False) -> Iterator[Plan]:
+        """Make this the current plan: :func:`constrain` uses it, and variables are created
+        unsharded so jaxpar can place them by the parameter rules.
+
+        With ``mesh_context`` the mesh is also JAX's current mesh (``jax.set_mesh``), which
+        model code that calls ``reshard`` or ``with_sharding_constraint`` with a bare
+        ``PartitionSpec`` needs; the Trainer runs every step so. It is off by default
+        because ``nnx.eval_shape`` under a mesh reads logical names as mesh axes."""
+        token = _ACTIVE.set(self)
+        try:
+            with (nnx.use_eager_sharding(False),
+                  jax.set_mesh(self.mesh) if mesh_context else contextlib.nullcontext()):
+                yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def describe(self) -> str:
+        """A one-line summary for logs."""
+        return (f"mesh {describe(self.mesh)}{' (explicit)' if self.explicit else ''}, "
+                f"zero {self.zero_stage}, precision {self.precision}"
+                f", remat {self.remat}, microbatches {self.microbatches}"
+                + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", context attention {self.context_attention}"
+                   if self.mesh.shape.get("context", 1) > 1 else ""))
+
+
+def batch_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of a batch leaf: ``batch`` on the leading axis, the rest whole.
+
+    Token ids are small and their sequence (``seq + 1`` long, for next-token targets)
+    rarely splits evenly, so under context parallelism the model splits the sequence at
+    its first activation instead."""
+    return ("batch", *(None,) * max(ndim - 1, 0))[:ndim]
+
+
+def current_plan() -> Plan | None:
+    """The plan activated by the innermost ``plan.activate()``, or None."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
+    """Constrain activation ``x`` to the sharding its logical names imply under the current plan.
+
+    Use inside model code: ``x = jaxpar.constrain(x, ("batch", "seq", "embed"))``. With no
+    active plan (for example in a plain single-device run) it returns ``x`` unchanged.
+    """
+    plan = _ACTIVE.get()
+    if plan is None:
+        return x
+    spec = plan.act_spec(names, shape=x.shape, path="activation")
+    return plan.place(x, plan.sharding(spec))
+

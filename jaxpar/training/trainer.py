@@ -1,0 +1,573 @@
+"""The Trainer: a functional, jitted, sharded training step over any Flax NNX model.
+
+State is a plain pytree of ``jax.Array``s (trainable parameters, the rest of the model's
+state, optimizer state, step counter). The step takes state and batch in and returns the
+new state, with the old state's buffers donated; nothing is updated in place, so nothing is
+lost under ``jax.jit``. Those buffers are the Trainer's own: it copies the model it is
+given and hands out copies (:attr:`Trainer.model`), so no array a caller holds is ever
+donated. Optimizer state is sharded like the parameters it belongs to.
+
+Variables that are not parameters (RNG stream counters that dropout advances, batch
+statistics, adapter dropout counters) may change inside ``loss_fn``: the step returns their
+new values, so the next step sees them (a new dropout mask each step). A batch is any
+pytree of arrays, split over the data-parallel axes on its leading dimension.
+
+The Trainer knows nothing of configs, checkpoints or the built-in model: assembling a run
+from a config is :mod:`jaxpar.config.assembly`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.errors import JaxparError
+from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
+from jaxpar.sharding.mesh import canonical_axis
+from jaxpar.sharding.partitioning import (
+    prepare_model,
+    state_shardings,
+    warn_if_heads_split,
+    warn_if_replicated,
+)
+from jaxpar.sharding.plan import Plan, batch_names
+from jaxpar.sharding.precision import DynamicLossScale
+from jaxpar.training.objective import (
+    check_causal,
+    check_tokens,
+    first_id_outside,
+    id_outside_error,
+    lm_loss,
+    next_token_logits,
+    takes_rngs,
+)
+
+Batch = Any
+"""A pytree of arrays whose leaves share a leading batch dimension."""
+
+LossFn = Callable[[nnx.Module, Batch], jax.Array]
+
+@contextlib.contextmanager
+def explained_model_errors(plan: Plan) -> Iterator[None]:
+    """Turn the errors a model written for another mesh raises while it is traced into
+    one line saying what to change in jaxpar: a mesh-axis name of its own inside
+    ``reshard``/``with_sharding_constraint`` (``'tp'``), or explicit-sharding code on an
+    ``Auto`` mesh."""
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        if "cannot contain axis names that are of type Auto" in text:
+            where = re.search(r"This error occurs at source:\s*(\S+)", text)
+            raise JaxparError(
+                "the model is written for explicit sharding (a PartitionSpec given as "
+                f"out_sharding{' at ' + where.group(1) if where else ''}) but the mesh is "
+                "Auto: build it with jaxpar.make_mesh(..., explicit=True), or set "
+                "mesh.explicit: true in a run config") from None
+        found = re.search(r"Resource axis: (\S+) of .* is not found in mesh", text, re.S)
+        if not found:
+            raise
+        name = found.group(1)
+        axes = ", ".join(plan.mesh.axis_names)
+        alias = canonical_axis(name)
+        fix = (f"write {alias!r} there (jaxpar accepts the alias {name!r} in annotations, "
+               f"rules and make_mesh only, JAX does not know it)" if alias != name else
+               "use these names in the model's own sharding calls, or give its weights "
+               "logical names and let plan rules place them")
+        raise JaxparError(f"the model shards over mesh axis {name!r} inside its own code "
+                          f"(reshard, with_sharding_constraint or out_sharding), but jaxpar's "
+                          f"mesh axes are {axes}: {fix}") from None
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A loss function's result as ``(loss, extra metrics)``: it may return the scalar loss
+    or ``(loss, {name: scalar})``, whose entries join the step's metrics."""
+    loss, extra = out if isinstance(out, tuple) else (out, {})
+    return (jnp.asarray(loss).astype(jnp.float32),
+            {name: jnp.asarray(v).astype(jnp.float32) for name, v in dict(extra).items()})
+
+
+class CompiledSteps(NamedTuple):
+    """The Trainer's jitted functions for one batch structure (state and batch in)."""
+
+    train: Callable
+    """One optimisation step: ``(state, batch) -> (new state, metrics)``, state donated."""
+    evaluate: Callable
+    """The loss in eval mode: ``(state, batch) -> scalar``."""
+    gradients: Callable
+    """The gradients a step would apply, laid out as the ZeRO stage stores them."""
+
+
+_MUTABLE = nnx.Not(nnx.Param)
+"""Variables a forward pass may change (RNG counters, batch statistics): all but Params."""
+
+
+class Trainer:
+    """Trains a sharded Flax NNX model with an optax optimizer under a :class:`Plan`.
+
+    The plan's knobs shape the step: ``precision`` (with a half-precision compute dtype and
+    f32 master weights, ``state["params"]`` is the compute-dtype working copy and
+    ``state["master"]`` the f32 weights the optimizer updates; float16 adds dynamic loss
+    scaling in ``state["loss_scale"]``), ``zero_stage`` (which state is split over the
+    data-parallel axes), ``remat`` and ``microbatches`` (gradient accumulation).
+
+    Args:
+      model: the model; typically built with :func:`jaxpar.init_sharded`. The Trainer
+        trains a copy of its weights, placed as the plan says: ``model`` itself stays
+        valid and unchanged (drop it to free its memory); :attr:`model` gives the trained
+        weights.
+      optimizer: any optax ``GradientTransformation``.
+      plan: mesh, rules and knobs.
+      loss_fn: ``loss_fn(model, batch) -> scalar`` (or ``(scalar, {name: scalar})``, whose
+        entries join the step's metrics); defaults to next-token cross-entropy
+        (:func:`lm_loss`). It may advance RNG streams and change other non-parameter
+        state; the step keeps those changes.
+      trainable: an ``nnx`` filter selecting the variables to train (default ``nnx.Param``);
+        everything else receives no gradient.
+      seed: seeds the call-time RNGs: a ``loss_fn`` with an ``rngs`` parameter gets
+        ``rngs=nnx.Rngs(...)`` drawn from ``seed``, the step and the microbatch (the default
+        loss passes them on to a model whose ``__call__`` takes ``rngs``). Models that keep
+        ``nnx.Rngs`` as attributes need none of this: their streams advance step by step.
+
+      check_ids: with the default loss, check every batch's token ids against the
+        model's vocabulary (``model.config.vocab_size``, else its logits' last dimension)
+        before the step or evaluation runs: one reduction on the devices, compiled once
+        per batch shape. An id out of range (which would otherwise corrupt the weights
+        for good, or be silently wrapped) raises :class:`JaxparError` naming its row,
+        position and value. ``jaxpar train`` checks its corpus once and turns this off.
+
+    Modes: each step runs the model in train mode (``model.train()``: dropout on, batch
+    statistics updated) and :meth:`eval_loss` in eval mode, whatever mode the model was
+    given in.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        plan: Plan,
+        *,
+        loss_fn: LossFn = lm_loss,
+        trainable: Any = nnx.Param,
+        seed: int = 0,
+        check_ids: bool = True,
+    ):
+        self.plan = plan
+        self.policy = plan.precision
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.check_ids = check_ids and loss_fn is lm_loss
+        self.loss_scale = DynamicLossScale() if self.policy.needs_loss_scaling else None
+        self._vocab: int | None = None
+        self._id_checks: dict[Any, Callable] = {}
+        self._loss_rngs = takes_rngs(loss_fn)
+        self._loss_checked = loss_fn is not lm_loss
+        self._compiled: dict[Any, CompiledSteps] = {}
+        prepare_model(model, plan)
+        self._graphdef, params, frozen = nnx.split(model, trainable, ...)
+        self.replication = warn_if_replicated(plan, nnx.state(model))
+        warn_if_heads_split(plan, model)
+        with plan.activate():
+            self.state_shardings, self.grad_shardings, self.zero_left_whole = (
+                self._layout(params, frozen))
+            state = self._initial_state(params, frozen)
+        self._state, self._host_step = state, 0
+
+    def _layout(self, params: nnx.State, frozen: nnx.State
+                ) -> tuple[dict[str, Any], Any, list[str]]:
+        """Where each part of the state lives under the plan's ZeRO stage: the state's
+        shardings, the gradients' (where the reduction leaves them) and the weights ZeRO
+        left whole (no dimension divides over the data-parallel axes)."""
+        plan, stage = self.plan, self.plan.zero_stage
+        base = state_shardings(plan, params)
+        zero, left_whole = zero_shardings(base, params, plan.mesh, plan.data_parallel_axes)
+        master = zero if stage >= 1 else base
+        shardings = {"frozen": state_shardings(plan, frozen),
+                     "opt_state": self._opt_shardings(params, master),
+                     "step": plan.replicated,
+                     "params": zero if stage >= 3 else base}
+        if self.policy.mixed:
+            shardings["master"] = master
+        if self.loss_scale is not None:
+            shardings["loss_scale"] = plan.replicated
+        return shardings, zero if stage >= 2 else base, left_whole
+
+    def _initial_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:
+        """The state placed by :attr:`state_shardings`: copies, never the caller's buffers
+        (the step donates its state, and the model the caller holds, or another Trainer
+        built from it, must stay valid)."""
+        sh = self.state_shardings
+        master = jax.device_put(self.policy.cast_to_params(params),
+                                sh.get("master", sh["params"]), may_alias=False)
+        state = {"frozen": jax.device_put(frozen, sh["frozen"], may_alias=False),
+                 "opt_state": jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])(
+                     master),
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"])}
+        if self.policy.mixed:
+            cast = jax.jit(self.policy.cast_to_compute, out_shardings=sh["params"])
+            state.update(params=cast(master), master=master)
+        else:
+            state["params"] = jax.device_put(master, sh["params"])
+        if self.loss_scale is not None:
+            state["loss_scale"] = jax.device_put(self.loss_scale.init(), sh["loss_scale"])
+        return state
+
+    def batch_shardings(self, batch: Batch) -> Any:
+        """The sharding of each leaf of a (global) batch like ``batch``."""
+        return jax.tree.map(lambda x: self.plan.batch_sharding(np.ndim(x)), batch)
+
+    def _steps(self, batch: Batch) -> CompiledSteps:
+        """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
+        key = jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch))
+        if key not in self._compiled:
+            batch_sh = self.batch_shardings(batch)
+            state_sh, rep = self.state_shardings, self.plan.replicated
+            self._compiled[key] = CompiledSteps(
+                jax.jit(self._step_impl, in_shardings=(state_sh, batch_sh),
+                        out_shardings=(state_sh, rep), donate_argnums=0),
+                jax.jit(self._eval_impl, in_shardings=(state_sh, batch_sh), out_shardings=rep),
+                jax.jit(lambda state, b: self._gradients(state, b)[1],
+                        in_shardings=(state_sh, batch_sh), out_shardings=self.grad_shardings),
+            )
+        return self._compiled[key]
+
+    # --- construction ---------------------------------------------------------------------
+    def _opt_shardings(self, params: nnx.State, param_sh: nnx.State) -> Any:
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        return optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, shapes, param_sh,
+            transform_non_params=lambda _: self.plan.replicated,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+
+    # --- the step -------------------------------------------------------------------------
+    def _merged(self, params: nnx.State, frozen: nnx.State) -> nnx.Module:
+        """The model with these weights, in the compute dtype."""
+        return nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
+                         self.policy.narrow_to_compute(frozen))
+
+    def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:
+        if self._loss_rngs:
+            return self.loss_fn(model, batch, rngs=nnx.Rngs(key))
+        return self.loss_fn(model, batch)
+
+    def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array
+              ) -> tuple[jax.Array, tuple[nnx.State, dict[str, jax.Array]]]:
+        """Loss of the model with these weights in train mode, and (its non-parameter state
+        afterwards, the loss function's extra metrics)."""
+        model = self._merged(params, frozen)
+        model.train()
+        loss, extra = _split_loss(self._call_loss(model, batch, key))
+        return loss, (nnx.state(model, _MUTABLE), extra)
+
+    def _step_key(self, step: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.seed), step)
+
+    @staticmethod
+    def _keep_mutated(frozen: nnx.State, mutated: nnx.State) -> nnx.State:
+        """``frozen`` with its non-parameter variables replaced by their new values (in
+        their stored dtypes: a compute-dtype pass must not narrow batch statistics)."""
+        if not jax.tree.leaves(mutated):
+            return frozen
+        flat_old = dict(nnx.to_flat_state(frozen))
+        updated = []
+        for path, var in nnx.to_flat_state(mutated):
+            before = flat_old.get(path)
+            value = var.get_value()
+            if before is not None and hasattr(value, "astype"):
+                value = value.astype(before.get_value().dtype)
+            updated.append((path, var.replace(value)))
+        return nnx.merge_state(frozen, nnx.from_flat_state(updated))
+
+    def _gradients(self, state: dict[str, Any], batch: Batch
+                   ) -> tuple[jax.Array, Any, nnx.State, dict[str, jax.Array]]:
+        """Mean loss, gradients (scaled if loss scaling), the non-parameter state after
+        the plan's microbatches, and the loss function's extra metrics (their mean)."""
+        scale = state["loss_scale"]["scale"] if self.loss_scale is not None else 1.0
+
+        key = self._step_key(state["step"])
+
+        def loss_and_grads(frozen, micro, index=0):
+            def scaled(p):
+                loss, aux = self._loss(p, frozen, micro, jax.random.fold_in(key, index))
+                return loss * scale, aux
+
+            (loss, (mutated, extra)), grads = jax.value_and_grad(scaled, has_aux=True)(
+                state["params"])
+            return loss / scale, grads, self._keep_mutated(frozen, mutated), extra
+
+        k = self.plan.microbatches
+        if k == 1:
+            loss, grads, frozen, extra = loss_and_grads(state["frozen"], batch)
+        else:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            if rows % (k * self.plan.data_parallel_size):
+                raise JaxparError(
+                    f"global batch {rows} does not split into {k} microbatches "
+                    f"over {self.plan.data_parallel_size} data-parallel devices"
+                )
+
+            def split(x):
+                micro = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                names = (None, *batch_names(x.ndim))
+                return self.plan.place(micro, self.plan.sharding(self.plan.act_spec(names)))
+
+            micro = jax.tree.map(split, batch)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+
+            def accumulate(carry, one):
+                total_loss, total, frozen = carry
+                index, one = one
+                loss, grads, frozen, extra = loss_and_grads(frozen, one, index)
+                total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
+                return (total_loss + loss, total, frozen), extra
+
+            (loss, grads, frozen), extras = jax.lax.scan(
+                accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]),
+                (jnp.arange(k), micro))
+            loss = loss / k
+            extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
+            grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
+        if self.plan.zero_stage >= 2 or k > 1:
+            # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid
+            # out like the parameters. Otherwise XLA places the gradients itself, as a
+            # hand-written step would (pinning them adds a collective: see
+            # benchmarks/overhead.py).
+            grads = self.plan.place(grads, self.grad_shardings)
+        return loss, grads, frozen, extra
+
+    def _step_impl(self, state: dict[str, Any], batch: Batch):
+        loss, grads, frozen, extra = self._gradients(state, batch)
+        master = state["master"] if self.policy.mixed else state["params"]
+        grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+        metrics: dict[str, jax.Array] = {"loss": loss, **extra}
+        if self.loss_scale is not None:
+            grads = jax.tree.map(lambda g: g / state["loss_scale"]["scale"], grads)
+            finite = self.loss_scale.all_finite(grads)
+            metrics.update(loss_scale=state["loss_scale"]["scale"],
+                           skipped=(~finite).astype(jnp.int32))
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], master)
+        new_master = optax.apply_updates(master, updates)
+        new_state = dict(state, step=state["step"] + 1, frozen=frozen)
+        if self.loss_scale is not None:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+            new_master = keep(new_master, master)
+            opt_state = keep(opt_state, state["opt_state"])
+            new_state["loss_scale"] = self.loss_scale.adjust(state["loss_scale"], finite)
+        new_state["opt_state"] = opt_state
+        if self.policy.mixed:
+            new_state.update(master=new_master,
+                             params=self.policy.cast_to_compute(new_master))
+        else:
+            new_state["params"] = new_master
+        return new_state, metrics
+
+    def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
+        model = self._merged(state["params"], state["frozen"])
+        model.eval()  # dropout off, running statistics used
+        return _split_loss(self._call_loss(model, batch, self._step_key(state["step"])))[0]
+
+    def gradients(self, batch: Batch) -> Any:
+        """The gradients one step would apply, laid out as the ZeRO stage stores them."""
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            return self._steps(batch).gradients(self.state, batch)
+
+    def memory_report(self, batch: Batch) -> dict[str, Any]:
+        """Per-device bytes of parameters, gradients and optimizer state (master weights
+        included), measured from the sharded arrays, beside the ZeRO formula."""
+        grads = self.gradients(batch)
+        n_params = sum(x.size for x in jax.tree.leaves(self.state["params"]))
+        opt_bytes = per_device_bytes(self.state["opt_state"]) + per_device_bytes(
+            self.state.get("master", {}))
+        mesh = self.plan.mesh
+        model_parallel = mesh.size // self.plan.data_parallel_size
+        return {
+            "param_bytes": per_device_bytes(self.state["params"]),
+            "grad_bytes": per_device_bytes(grads),
+            "opt_bytes": opt_bytes,
+            "formula_bytes": formula_bytes(self.plan.zero_stage, n_params,
+                                           self.plan.data_parallel_size, model_parallel),
+            "n_params": n_params,
+            "left_whole": list(self.zero_left_whole),
+        }
+
+    def global_batch(self, local_rows: Batch) -> Batch:
+        """Assemble the global batch from this process's rows (multi-host ready): every
+        leaf of the pytree ``local_rows`` becomes one global array."""
+        def one(rows):
+            rows = np.asarray(rows)
+            if rows.ndim == 0:
+                raise JaxparError("every leaf of a batch needs a leading batch dimension, "
+                                  "got a scalar")
+            shape = (rows.shape[0] * jax.process_count(),) + rows.shape[1:]
+            dp = self.plan.data_parallel_size
+            if shape[0] % dp:
+                raise JaxparError(
+                    f"a global batch of {shape[0]} rows does not split over the "
+                    f"data-parallel size {dp} (mesh axes "
+                    f"{', '.join(self.plan.data_parallel_axes)}): use a multiple of {dp}")
+            return jax.make_array_from_process_local_data(
+                self.plan.batch_sharding(rows.ndim), rows, shape)
+
+        return jax.tree.map(one, local_rows)
+
+    def _as_global(self, batch: Batch) -> Batch:
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise JaxparError("the batch is empty: it has no arrays")
+        if all(isinstance(x, jax.Array) for x in leaves):
+            return batch
+        return self.global_batch(batch)
+
+    def lower(self, batch: Batch):
+        """``jax.stages.Lowered`` of one train step on a batch like ``batch`` (for inspection)."""
+        batch = self._as_global(batch)
+        with self.plan.activate(mesh_context=True):
+            return self._steps(batch).train.lower(self.state, batch)
+
+    def check_default_loss(self, batch: Batch) -> None:
+        """Check, once, what the default loss assumes of the model: that its logits at
+        position ``t`` depend on input token ``t`` (a model that shifts its inputs itself
+        would be trained to skip a token) and on no later token (a bidirectional model
+        would learn to copy). Runs one forward pass, in eval mode, on the first
+        data-parallel rows of ``batch`` and a copy with token ``seq // 2`` changed; the
+        Trainer calls it before its first step. Models with their own
+        ``next_token_loss`` (the reference model) and custom losses are not checked.
+
+        Raises:
+          JaxparError: naming the model and what to pass instead.
+        """
+        if self._loss_checked:
+            return
+        self._loss_checked = True
+        batch = self._as_global(batch)
+        check_tokens(batch)
+        model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+        seq = batch.shape[1] - 1
+        if seq < 2 or callable(getattr(model, "next_token_loss", None)):
+            return
+        name, t, rows = type(model).__name__, seq // 2, self.plan.data_parallel_size
+
+        def changed_logits(state, tokens):
+            inputs = tokens[:rows, :-1]
+            flipped = inputs.at[:, t].set(jnp.where(inputs[:, t] == 0, 1, 0))
+            both = self.plan.place(jnp.concatenate([inputs, flipped]),
+                                   self.plan.batch_sharding(2))
+            logits = self._eval_logits(state, both).astype(jnp.float32)
+            diff = jnp.abs(logits[:rows] - logits[rows:]).max(axis=(0, 2))
+            return diff, jnp.abs(logits).max()
+
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
+            diff, scale = jax.device_get(jax.jit(changed_logits)(self.state, batch))
+        check_causal(name, diff, float(scale), t)
+
+    def _eval_logits(self, state: dict[str, Any], inputs: jax.Array) -> jax.Array:
+        """The default loss's logits on ``inputs``, the model in eval mode (to trace)."""
+        model = self._merged(state["params"], state["frozen"])
+        model.eval()
+        return next_token_logits(model, inputs, nnx.Rngs(0))
+
+    def vocabulary(self, batch: Batch) -> int:
+        """The model's vocabulary size: ``model.config.vocab_size`` when it has one (the
+        reference model), else the last dimension of its logits on ``batch``."""
+        if self._vocab is None:
+            model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+            size = getattr(getattr(model, "config", None), "vocab_size", None)
+            if not isinstance(size, int):
+                with self.plan.activate(mesh_context=True), \
+                        explained_model_errors(self.plan):
+                    logits = jax.eval_shape(lambda st, b: self._eval_logits(st, b[:, :-1]),
+                                            self.state, batch)
+                size = int(logits.shape[-1])
+            self._vocab = size
+        return self._vocab
+
+    def _check_token_ids(self, batch: Batch) -> None:
+        """Refuse a batch holding ids outside the vocabulary (see ``check_ids``)."""
+        if not self.check_ids:
+            return
+        check_tokens(batch)
+        vocab = self.vocabulary(batch)
+        check = self._id_checks.get(batch.shape)
+        if check is None:
+            check = jax.jit(functools.partial(first_id_outside, vocab=vocab),
+                            out_shardings=self.plan.replicated)
+            self._id_checks[batch.shape] = check
+        with self.plan.activate(mesh_context=True):
+            at, value = (int(x) for x in jax.device_get(check(batch)))
+        if at >= 0:
+            raise id_outside_error(value, *divmod(at, batch.shape[1]), vocab)
+
+    def step_async(self, batch: Batch) -> dict[str, jax.Array]:
+        """One optimisation step, dispatched without waiting for it: the returned metrics
+        (scalars: ``loss``, ``grad_norm``, with fp16 ``loss_scale`` and ``skipped``) stay on
+        the devices until fetched (``jax.device_get``), so the host can prepare the next
+        batch, or dispatch the next steps, while this one runs."""
+        batch = self._as_global(batch)
+        self._check_token_ids(batch)
+        if not self._loss_checked:
+            self.check_default_loss(batch)
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
+            self._state, metrics = self._steps(batch).train(self._state, batch)
+        if self._host_step is not None:
+            self._host_step += 1
+        return metrics
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimisation step on this process's rows of the batch; waits for it and
+        returns its metrics as host numbers (``step``: the step count after it)."""
+        metrics = jax.device_get(self.step_async(batch))
+        out = {k: float(v) for k, v in metrics.items()}
+        out["step"] = self.step_count
+        return out
+
+    def eval_loss(self, batch: Batch) -> float:
+        """Loss on a batch without updating anything (the model in eval mode)."""
+        batch = self._as_global(batch)
+        self._check_token_ids(batch)
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
+            return float(self._steps(batch).evaluate(self.state, batch))
+
+    @property
+    def model(self) -> nnx.Module:
+        """A snapshot of the model with the current weights, in arrays of its own.
+
+        The step donates the Trainer's state buffers to the next state, so nothing handed
+        out may share them: the snapshot stays valid after further steps (it does not
+        follow them; ask again for newer weights), and a new Trainer built from it leaves
+        this one intact. It costs one copy of the model's weights while it is held."""
+        state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
+                             (self.state["params"], self.state["frozen"]))
+        return nnx.merge(self._graphdef, *state)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The training state: ``params``, ``frozen``, ``opt_state``, ``step`` (and
+        ``master``, ``loss_scale`` under mixed precision), sharded as
+        :attr:`state_shardings` says. Assigning it (a restored checkpoint) is allowed."""
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        self._state = value
+        self._host_step = None  # read from the new state when next asked
+
+    @property
+    def step_count(self) -> int:
+        """Optimisation steps taken so far (counted on the host: asking does not wait for
+        the steps in flight)."""
+        if self._host_step is None:
+            self._host_step = int(self._state["step"])
+        return self._host_step
