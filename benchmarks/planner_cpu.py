@@ -16,7 +16,7 @@ float32 (on the calibrated chip) is measured too, as the layout ``plan``. It pri
 predicted and measured seconds, their ratio, both ranks, and whether the planner's first
 choice (the lowest prediction, the winner when the search found the best) is among the
 two fastest measured. (c) ``--save`` writes the chip, the layouts and the measured times
-as JSON; ``tests/test_planner_cpu_ranking.py`` re-predicts them with the current cost
+as JSON; ``tests/planner/test_planner_cpu_ranking.py`` re-predicts them with the current cost
 model.
 """
 

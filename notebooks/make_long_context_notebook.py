@@ -26,7 +26,7 @@ Two more ways to split a training step over devices, each with its own mesh axis
 
 The reference decoder on `data=2 x context=4`, trained for two steps beside the same model
 on one device. The activation rules send the logical `seq` axis to `context`; attention
-(`jaxpar/context.py`) runs per shard inside `shard_map`.''',
+(`jaxpar/parallel/context.py`) runs per shard inside `shard_map`.''',
         '''\
 import dataclasses
 
@@ -131,7 +131,7 @@ for sp in (False, True):
         '''md:## A mixture of experts on `expert=4 x fsdp=2`
 
 `model.n_experts=4`, two experts per token: each layer's MLP becomes four gated experts
-and a router (`jaxpar/moe.py`). Expert weights carry the logical axis `expert`, which the
+and a router (`jaxpar/models/moe.py`). Expert weights carry the logical axis `expert`, which the
 rules map to the `expert` mesh axis; the batch is split over `fsdp x expert`, so sending
 tokens to their experts moves the `expert` axis from the batch to the experts: an
 all-to-all. The router's statistics come back as metrics, the load-balancing and z-losses

@@ -1,4 +1,4 @@
-"""One of the processes of tests/test_hf_commands.py's multi-process test: joins the run
+"""One of the processes of tests/cli/test_hf_commands.py's multi-process test: joins the run
 (``JAXPAR_*`` environment), loads a Hugging Face folder sharded over all processes'
 devices, writes what it read and the logits to ``result-<process>.json`` beside the
 output folder (a file, not stdout: a long line there can be cut by other processes'

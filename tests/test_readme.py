@@ -61,7 +61,7 @@ def namespace(code: str, tmp_path: Path) -> tuple[dict, int]:
         vocab = um.VOCAB
     elif "hf." in code:  # a Hugging Face folder written by transformers
         from jaxpar import hf
-        from tests.test_hf import make_hf_model
+        from tests.hf.test_convert import make_hf_model
 
         make_hf_model(tmp_path / "hf", "llama31")
         code = code.replace("path/to/model", str(tmp_path / "hf"))

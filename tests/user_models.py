@@ -1,6 +1,6 @@
 """Models written the way users write them: plain Flax NNX, no jaxpar calls inside.
 
-Used by tests/test_user_models.py and by ``model.factory`` configs in tests
+Used by tests/sharding/test_user_models.py and by ``model.factory`` configs in tests
 (``tests.user_models:llama_like``). Each is a tiny language model: token ids
 ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
 """

@@ -85,7 +85,7 @@ def quantize_int8(w: jax.Array, in_axes: tuple[int, ...]) -> tuple[jax.Array, ja
     """
     w32 = w.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(w32), axis=in_axes, keepdims=True)
-    scale = jnp.maximum(absmax, jnp.finfo(jnp.float32).tiny) / _INT8_MAX
+    scale = jnp.maximum(absmax / _INT8_MAX, jnp.finfo(jnp.float32).smallest_normal)
     q = jnp.clip(jnp.round(w32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
     return q, scale
 

@@ -50,7 +50,7 @@ def table(rows: list[dict], header: str) -> str:
                       f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
                       "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
                       f"{r['tflops_per_device']:.0f}", f"{r['mfu'] * 100:.1f}%"])
-    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+    widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(cols)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
     out = [header, fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines)]
     if rows:

@@ -11,7 +11,7 @@ divides them by the ``context`` size (only attention sees the whole sequence: it
 length), sequence parallelism divides the residual-stream tensors by the tensor size, and
 a mixture-of-experts layer adds its routed token slots (see :class:`~jaxpar.planner.
 candidate.Local`). The formulas for the dense, single-sequence-shard case are calibrated
-against XLA:CPU (``tests/test_planner.py``); the rest follow the code paths of
+against XLA:CPU (``tests/planner/test_planner.py``); the rest follow the code paths of
 :mod:`jaxpar.parallel.context` and :mod:`jaxpar.models.moe` tensor by tensor, unmeasured.
 """
 

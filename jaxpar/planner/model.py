@@ -132,6 +132,12 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
         ("attn/wo/kernel", (n, h, d), ("heads", "head_dim", "embed")),
         ("mlp_norm/scale", (d,), ("norm",)),
     ]
+    if cfg.qkv_bias:  # Qwen2
+        layer += [("attn/wq/bias", (n, h), ("heads", "head_dim")),
+                  ("attn/wk/bias", (k, h), ("kv_heads", "head_dim")),
+                  ("attn/wv/bias", (k, h), ("kv_heads", "head_dim"))]
+    if cfg.qk_norm:  # Qwen3
+        layer += [("attn/q_norm/scale", (h,), ("norm",)), ("attn/k_norm/scale", (h,), ("norm",))]
     layer += _moe_tensors(cfg) if cfg.n_experts else [
         ("mlp/w_gate/kernel", (d, f), ("embed", "mlp")),
         ("mlp/w_up/kernel", (d, f), ("embed", "mlp")),

@@ -23,7 +23,7 @@ whole before a lookup rather than exchanging the looked-up rows with all-to-alls
 
 Without layouts of its own, a plan pins by default (``layouts="auto"``, see
 :func:`auto_layouts`): the outputs of a model's repeated blocks (modules of one class in
-an ``nnx.List``, list or dict, or a stack scanned over a ``layers`` axis) and the tables of
+an ``nnx.List`` or list, or a stack scanned over a ``layers`` axis) and the tables of
 its annotated ``nnx.Embed`` layers, which is what a user would write by hand for a
 transformer. ``layouts=()`` (``layouts: []`` in YAML) turns that off.
 """
@@ -179,8 +179,10 @@ def _stacked(module: nnx.Module) -> bool:
 
 def repeated_blocks(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
     """``(path, module)`` of the model's repeated blocks: modules of one class, two or more
-    side by side in an ``nnx.List``/list/dict, or one stack scanned over ``layers``
-    (outermost only: blocks inside a repeated block are not listed)."""
+    side by side at integer positions of an ``nnx.List`` or list, or one stack scanned over
+    ``layers`` (outermost only: blocks inside a repeated block are not listed). Blocks kept
+    under string keys (a dict, or attributes) are not told apart from a layer's distinct
+    parts, such as its query and key projections, so they are not counted."""
     graph = [(tuple(p), m) for p, m in nnx.iter_graph(model)
              if isinstance(m, nnx.Module) and p]
     siblings: dict[tuple, list[tuple[tuple, nnx.Module]]] = {}

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,6 +79,18 @@ def knobs() -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(Plan) if "knob" in f.metadata)
 
 
+def _is_a(value: Any, kind: Any) -> bool:
+    """Whether ``value`` has a knob's type (a list passes for a tuple, as YAML gives it;
+    a bool never passes for an int)."""
+    if isinstance(kind, types.UnionType):
+        return any(_is_a(value, k) for k in typing.get_args(kind))
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is tuple:
+        return isinstance(value, list | tuple)
+    return isinstance(value, kind)
+
+
 def check_knob(name: str, value: Any, key: str | None = None) -> Any:
     """``value`` parsed (a precision policy from its text) and checked against the knob
     ``name``; a bad one is a :class:`JaxparError` naming ``key`` (default: the name), the
@@ -88,6 +102,10 @@ def check_knob(name: str, value: Any, key: str | None = None) -> Any:
             value = spec.parse(value)
         except JaxparError as err:
             raise JaxparError(f"{key}: {err}") from None
+    kind = typing.get_type_hints(Plan)[name]
+    if not _is_a(value, kind):
+        names = " or ".join(k.__name__ for k in typing.get_args(kind) or (kind,))
+        raise JaxparError(f"{key}={value!r}: must be {names}, not {type(value).__name__}")
     problem = spec.problem(value)
     if problem:
         raise JaxparError(f"{key}={value!r}: {problem}")
@@ -144,10 +162,13 @@ class Plan:
     def __post_init__(self) -> None:
         for f in knobs():
             object.__setattr__(self, f.name, check_knob(f.name, getattr(self, f.name)))
-        if (self.sequence_parallel
-                and Rules([_SEQUENCE_PARALLEL]).rules[0] not in self.act_rules.rules):
+        rule = Rules([_SEQUENCE_PARALLEL]).rules[0]
+        if self.sequence_parallel and rule not in self.act_rules.rules:
             object.__setattr__(self, "act_rules",
                                self.act_rules.extend([_SEQUENCE_PARALLEL], first=True))
+        elif not self.sequence_parallel and rule in self.act_rules.rules:  # replace(...=False)
+            kept = [r for r in self.act_rules.rules if r != rule]
+            object.__setattr__(self, "act_rules", Rules(kept, strict=self.act_rules.strict))
         object.__setattr__(self, "annotations", pairs(self.annotations, "plan.annotations"))
         if self.layouts != "auto":
             object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))

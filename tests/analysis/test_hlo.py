@@ -1,0 +1,288 @@
+"""Reading optimized HLO (jaxpar.analysis.hlo): collectives, their replica groups and bytes,
+and matmul FLOPs, checked on hand-written HLO text and on programs compiled for the 8
+simulated devices, against counts worked out by hand from the shardings chosen."""
+
+from collections import Counter
+from functools import partial
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.analysis.hlo import (
+    collective_table,
+    count_collectives,
+    count_reduce_scatters,
+    flops,
+    group_axes,
+    matmul_flops,
+    memory_stats,
+    parse_collectives,
+)
+
+# One collective of each kind, with the replica groups written in each of the forms XLA
+# prints: explicit lists, iota ([G,S]<=[N], with a transpose), Shardy's mesh form with
+# device ids, source-target pairs; plus an async start/done pair and a fusion that only
+# uses collective results (neither the done nor the fusion is a collective).
+SNIPPET = """\
+HloModule demo, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: f32[4,4], p1: bf16[4,32]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = bf16[4,32]{1,0} parameter(1)
+  %all-reduce.1 = f32[4,4]{1,0} all-reduce(%p0), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %all-gather.2 = bf16[16,32]{1,0} all-gather(%p1), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %reduce-scatter.3 = f32[1,4]{1,0} reduce-scatter(%all-reduce.1), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, to_apply=%add
+  %collective-permute.4 = f32[4,4]{1,0} collective-permute(%p0), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %all-gather-start.5 = (f32[1,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%reduce-scatter.3), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %all-gather-done.5 = f32[8,4]{1,0} all-gather-done(%all-gather-start.5)
+  %fusion.6 = f32[4,4]{1,0} fusion(%all-reduce.1, %collective-permute.4), kind=kLoop, calls=%add
+  ROOT %all-to-all.7 = f32[4,4]{1,0} all-to-all(%fusion.6), channel_id=6, replica_groups=mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'x'}, dimensions={0}
+}
+"""  # noqa: E501
+
+
+def mesh_2x4(devices) -> Mesh:
+    """Devices 0..7 as a 2 x 4 mesh, axes ``a`` (rows) and ``b`` (columns)."""
+    return Mesh(np.array(devices).reshape(2, 4), ("a", "b"))
+
+
+def test_parse_collectives_reads_every_group_form():
+    got = parse_collectives(SNIPPET)
+    assert [c.kind for c in got] == ["all-reduce", "all-gather", "reduce-scatter",
+                                     "collective-permute", "all-gather", "all-to-all"]
+    # Result bytes per device: f32 4x4, bf16 16x32, f32 1x4, f32 4x4, the start's second
+    # (result) buffer f32 8x4, f32 4x4.
+    assert [c.bytes for c in got] == [64, 1024, 16, 64, 128, 64]
+    columns = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert got[0].groups == columns
+    assert got[1].groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert got[2].groups == columns  # arange(8) as 2x4, transposed, read as 4 groups of 2
+    assert got[3].groups == [[0, 1], [1, 0]]
+    assert got[4].groups == [list(range(8))]
+    # Mesh x=2, y=4 over device ids arange(8).reshape(4, 2).T = [[0,2,4,6],[1,3,5,7]]:
+    # a group varies x at fixed y, so it holds the two ids of one column.
+    assert got[5].groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert got[0].line.startswith("%all-reduce.1 = f32[4,4]")
+    assert count_collectives(SNIPPET) == Counter({"all-gather": 2, "all-reduce": 1,
+                                                  "reduce-scatter": 1,
+                                                  "collective-permute": 1, "all-to-all": 1})
+
+
+def test_text_without_collectives_counts_nothing():
+    text = "ENTRY %m (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2]{0} parameter(0)\n}\n"
+    assert parse_collectives(text) == [] and count_collectives(text) == Counter()
+    assert count_reduce_scatters(text) == 0
+
+
+def test_group_axes_names_the_axes_a_group_spans(devices):
+    mesh = mesh_2x4(devices)
+    assert group_axes([[0, 4], [1, 5], [2, 6], [3, 7]], mesh) == ("a",)
+    assert group_axes([[0, 1, 2, 3], [4, 5, 6, 7]], mesh) == ("b",)
+    assert group_axes([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) == ("b",)
+    assert group_axes([list(range(8))], mesh) == ("a", "b")
+    assert group_axes([[1, 4]], mesh) == ("a", "b")  # (0, 1) and (1, 0) differ in both
+    assert group_axes([[0], [5]], mesh) == ()
+    assert group_axes([], mesh) == ()
+
+
+def test_collective_table_sums_count_and_bytes_by_kind_and_axes(devices):
+    mesh = mesh_2x4(devices)
+    text = "\n".join([
+        "ENTRY %m (p: f32[8]) -> f32[8] {",
+        "  %p = f32[8]{0} parameter(0)",
+        "  %all-reduce.1 = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "  %all-reduce.2 = f32[2]{0} all-reduce(%all-reduce.1), replica_groups=[2,4]<=[8]",
+        "  %all-reduce.3 = s32[8]{0} all-reduce(%p), replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+        "  ROOT %all-gather.4 = bf16[8]{0} all-gather(%p), replica_groups={{0,1,2,3,4,5,6,7}}",
+        "}"])
+    assert collective_table(text, mesh) == [
+        {"kind": "all-gather", "axes": ["a", "b"], "count": 1, "bytes_per_device": 16},
+        {"kind": "all-reduce", "axes": ["a"], "count": 1, "bytes_per_device": 32},
+        {"kind": "all-reduce", "axes": ["b"], "count": 2, "bytes_per_device": 40},
+    ]
+
+
+def test_count_reduce_scatters_counts_an_all_reduce_only_sliced_afterwards():
+    text = "\n".join([
+        "ENTRY %m (p: f32[8], i: s32[]) -> f32[2] {",
+        "  %p = f32[8]{0} parameter(0)",
+        "  %i = s32[] parameter(1)",
+        "  %reduce-scatter.0 = f32[2]{0} reduce-scatter(%p), replica_groups=[2,4]<=[8]",
+        # Every user of this all-reduce cuts out a slice: a reduce-scatter in disguise.
+        "  %all-reduce.1 = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8]",
+        "  %dynamic-slice.1 = f32[2]{0} dynamic-slice(%all-reduce.1, %i), "
+        "dynamic_slice_sizes={2}",
+        "  %dynamic-slice.2 = f32[2]{0} dynamic-slice(%all-reduce.1, %i), "
+        "dynamic_slice_sizes={2}",
+        # This one is added whole somewhere: a real all-reduce.
+        "  %all-reduce.2 = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8]",
+        "  %dynamic-slice.3 = f32[2]{0} dynamic-slice(%all-reduce.2, %i), "
+        "dynamic_slice_sizes={2}",
+        "  %add.4 = f32[8]{0} add(%all-reduce.2, %p)",
+        # No user at all: not counted either.
+        "  %all-reduce.3 = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8]",
+        "  ROOT %add.5 = f32[2]{0} add(%dynamic-slice.1, %reduce-scatter.0)",
+        "}"])
+    assert count_collectives(text) == Counter({"all-reduce": 3, "reduce-scatter": 1})
+    assert count_reduce_scatters(text) == 2
+
+
+# Dots in the entry (once), in a fusion inside a loop of 3 trips, in a loop of 2 trips nested
+# in that loop (6 runs), and in a loop whose trip count XLA did not record (counted once).
+LOOPS = """\
+%fused_dot (fp0: f32[4,8], fp1: f32[8,8]) -> f32[4,8] {
+  %fp0 = f32[4,8]{1,0} parameter(0)
+  %fp1 = f32[8,8]{1,0} parameter(1)
+  ROOT %dot.f = f32[4,8]{1,0} dot(%fp0, %fp1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%inner_body (ib: (f32[2,3], f32[3,5])) -> (f32[2,3], f32[3,5]) {
+  %ib = (f32[2,3]{1,0}, f32[3,5]{1,0}) parameter(0)
+  %ib0 = f32[2,3]{1,0} get-tuple-element(%ib), index=0
+  %ib1 = f32[3,5]{1,0} get-tuple-element(%ib), index=1
+  %dot.i = f32[2,5]{1,0} dot(%ib0, %ib1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %it = (f32[2,3]{1,0}, f32[3,5]{1,0}) tuple(%ib0, %ib1)
+}
+
+%outer_body (ob: (f32[4,8], f32[8,8])) -> (f32[4,8], f32[8,8]) {
+  %ob = (f32[4,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  %ob0 = f32[4,8]{1,0} get-tuple-element(%ob), index=0
+  %ob1 = f32[8,8]{1,0} get-tuple-element(%ob), index=1
+  %fusion.o = f32[4,8]{1,0} fusion(%ob0, %ob1), kind=kOutput, calls=%fused_dot
+  %inner = (f32[2,3]{1,0}, f32[3,5]{1,0}) while(%t0), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %ot = (f32[4,8]{1,0}, f32[8,8]{1,0}) tuple(%fusion.o, %ob1)
+}
+
+%odd_body (db: (f32[6,7], f32[7,1])) -> (f32[6,7], f32[7,1]) {
+  %db = (f32[6,7]{1,0}, f32[7,1]{1,0}) parameter(0)
+  %db0 = f32[6,7]{1,0} get-tuple-element(%db), index=0
+  %db1 = f32[7,1]{1,0} get-tuple-element(%db), index=1
+  %dot.d = f32[6,1]{1,0} dot(%db0, %db1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %dt = (f32[6,7]{1,0}, f32[7,1]{1,0}) tuple(%db0, %db1)
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,32]) -> f32[8,32] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,32]{1,0} parameter(1)
+  %outer = (f32[4,8]{1,0}, f32[8,8]{1,0}) while(%t1), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %odd = (f32[6,7]{1,0}, f32[7,1]{1,0}) while(%t2), condition=%cond, body=%odd_body
+  ROOT %dot.e = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""  # noqa: E501
+
+
+def test_matmul_flops_weights_each_dot_by_how_often_it_runs():
+    entry = 2 * 8 * 32 * 16          # once
+    fused = 2 * 4 * 8 * 8 * 3        # in the outer loop's fusion: 3 trips
+    inner = 2 * 2 * 5 * 3 * 3 * 2    # inner loop: 2 trips per outer trip
+    odd = 2 * 6 * 1 * 7              # unknown trip count: once
+    assert matmul_flops(LOOPS) == {"flops": entry + fused + inner + odd, "dots": 4,
+                                   "loops": 3, "loops_without_trip_count": 1}
+
+
+def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.analysis.hlo import matmul_flops
+
+    def f(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x, ws = jnp.ones((8, 16)), jnp.ones((5, 16, 16))
+    hlo = jax.jit(f).lower(x, ws).compile().as_text()
+    got = matmul_flops(hlo)
+    assert got["flops"] == 5 * 2 * 8 * 16 * 16
+    assert got["loops"] == 1 and got["loops_without_trip_count"] == 0
+
+
+def test_contracting_over_a_sharded_axis_is_one_all_reduce_over_it(devices):
+    # x[8, 64] split rows over a and columns over b, w[64, 32] split rows over b: each
+    # device multiplies [4, 16] by [16, 32] and the partial [4, 32] sums over b.
+    mesh = mesh_2x4(devices)
+    x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("a", "b")))
+    w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("b", None)))
+    matmul = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("a", None)))
+    compiled = matmul.lower(x, w).compile()
+    text = compiled.as_text()
+    (only,) = parse_collectives(text)
+    assert only.kind == "all-reduce" and only.bytes == 4 * 32 * 4
+    assert only.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert collective_table(text, mesh) == [
+        {"kind": "all-reduce", "axes": ["b"], "count": 1, "bytes_per_device": 512}]
+    assert matmul_flops(text)["flops"] == 2 * 4 * 32 * 16
+    stats = memory_stats(compiled)
+    assert stats["argument_bytes"] == (4 * 16 + 16 * 32) * 4
+    assert stats["output_bytes"] == 4 * 32 * 4
+
+
+def test_a_reduction_on_a_made_mesh_is_read_from_shardy_groups(devices):
+    # jax.make_mesh's mesh: XLA may print the groups in Shardy's mesh form.
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P("a", "b")))
+    total = jax.jit(lambda x: x.sum(axis=1), out_shardings=NamedSharding(mesh, P("a")))
+    text = total.lower(x).compile().as_text()
+    assert collective_table(text, mesh) == [
+        {"kind": "all-reduce", "axes": ["b"], "count": 1, "bytes_per_device": 8 * 4}]
+
+
+def test_one_of_each_collective_from_shard_map(devices):
+    mesh = mesh_2x4(devices)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))
+    def chain(x):                                                     # [8, 8] per device
+        x = jax.lax.psum(x, "a")                                      # [8, 8]
+        x = jax.lax.ppermute(x, "b", [(i, (i + 1) % 4) for i in range(4)])
+        x = jax.lax.all_gather(x, "a", axis=0, tiled=True)            # [16, 8]
+        x = jax.lax.psum_scatter(x, "b", scatter_dimension=0, tiled=True)  # [4, 8]
+        return jax.lax.all_to_all(x, "b", 0, 1, tiled=True)           # [1, 32]
+
+    x = jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P("a", "b")))
+    text = chain.lower(x).compile().as_text()
+    assert count_collectives(text) == Counter({"all-reduce": 1, "collective-permute": 1,
+                                               "all-gather": 1, "reduce-scatter": 1,
+                                               "all-to-all": 1})
+    assert count_reduce_scatters(text) == 1
+    f32 = 4
+    assert collective_table(text, mesh) == [
+        {"kind": "all-gather", "axes": ["a"], "count": 1, "bytes_per_device": 16 * 8 * f32},
+        {"kind": "all-reduce", "axes": ["a"], "count": 1, "bytes_per_device": 8 * 8 * f32},
+        {"kind": "all-to-all", "axes": ["b"], "count": 1, "bytes_per_device": 32 * f32},
+        {"kind": "collective-permute", "axes": ["b"], "count": 1,
+         "bytes_per_device": 8 * 8 * f32},
+        {"kind": "reduce-scatter", "axes": ["b"], "count": 1, "bytes_per_device": 4 * 8 * f32},
+    ]
+    permute = next(c for c in parse_collectives(text) if c.kind == "collective-permute")
+    assert sorted(map(tuple, permute.groups)) == sorted(
+        (4 * row + i, 4 * row + (i + 1) % 4) for row in range(2) for i in range(4))
+
+
+def test_single_device_matmul_flops_and_memory(devices):
+    compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 16)),
+                                                 jnp.ones((16, 32))).compile()
+    assert flops(compiled) == 2 * 8 * 32 * 16
+    stats = memory_stats(compiled)
+    assert stats["argument_bytes"] == (8 * 16 + 16 * 32) * 4
+    assert stats["output_bytes"] == 8 * 32 * 4
+    assert set(stats) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
+                          "code_bytes"}
+
+
+def test_flops_and_memory_when_xla_reports_nothing():
+    bare = SimpleNamespace(memory_analysis=lambda: None, cost_analysis=lambda: None)
+    assert memory_stats(bare) == {} and flops(bare) == 0.0
+    per_device = SimpleNamespace(cost_analysis=lambda: [{"flops": 12.0}, {"flops": 99.0}])
+    assert flops(per_device) == 12.0  # older JAX: a list, one dict per device
+    assert flops(SimpleNamespace(cost_analysis=lambda: [])) == 0.0
+    assert flops(SimpleNamespace(cost_analysis=lambda: {"bytes accessed": 3.0})) == 0.0

@@ -1,0 +1,57 @@
+"""``jaxpar inspect`` (jaxpar.cli.inspection): the report as tables or JSON, what it is given,
+and a bad config key as one line with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+from jaxpar import cli
+from jaxpar.analysis.report import render_inspection
+from tests.analysis.test_inspection import FAST
+
+
+def test_human_tables_print(devices, capsys):
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", *FAST]
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=2 x fsdp=2 x tensor=2 (8 devices)" in out
+    for heading in ("Parameters:", "Memory per device", "Collectives in the optimized HLO",
+                    "matmul FLOPs (every loop trip)", "pred/meas", "blocks/mlp/w_up/kernel"):
+        assert heading in out
+    assert "all-reduce  tensor" in out
+
+
+def test_bad_config_key_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--config",
+                           "configs/tiny.yaml", "--devices", "8", "plan.rulez=tp"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("jaxpar: error: unknown config key 'plan.rulez'; "
+                                   "did you mean 'plan.rules'?")
+
+
+REPORT = {
+    "header": {"config": "defaults", "n_devices": 8, "platform": "cpu", "mesh": "data=8",
+               "plan": "rules fsdp", "global_batch": 8, "seq_len": 16, "compile_s": 0.5},
+    "param_count": 10, "params": [], "memory": {}, "predicted": None,
+    "comparison": {"collectives": []}, "flops": 1.0,
+}
+
+
+def test_the_command_hands_the_config_over_and_prints_json_or_tables(monkeypatch, capsys):
+    """inspect_config (compiling a step) is replaced: what the command passes it and
+    prints is checked, fast."""
+    seen = []
+
+    def fake_inspect(config, *, source):
+        seen.append((config, source))
+        return REPORT
+
+    monkeypatch.setattr(cli.inspection, "inspect_config", fake_inspect)
+    assert cli.main(["inspect", "--json", "train.steps=7"]) == 0
+    assert json.loads(capsys.readouterr().out) == REPORT
+    (config, source), = seen
+    assert source == "defaults" and config.train.steps == 7  # no --config: the defaults
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml"]) == 0
+    assert capsys.readouterr().out == render_inspection(REPORT) + "\n"
+    assert seen[1][1] == "configs/tiny.yaml"

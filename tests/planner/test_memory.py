@@ -1,0 +1,185 @@
+"""Per-device memory: model state by ZeRO stage, precision and optimizer (checked against
+the ZeRO paper's accounting: 2 bytes a parameter for the bf16 working copy, 4 for the f32
+master, 4 per Adam moment, each divided by the devices the stage shards it over), the batch
+and gradient buffers, what attention, remat and the loss keep, and how context, sequence
+and expert parallelism split them."""
+
+import dataclasses
+
+import pytest
+
+import jaxpar
+from jaxpar.planner import Candidate, estimate, predict
+from jaxpar.planner.candidate import Local
+from jaxpar.planner.layout import layout
+from jaxpar.planner.memory import (
+    attention_kind,
+    loss_working_bytes,
+    memory,
+    saved_activation_bytes,
+    working_set_bytes,
+)
+from jaxpar.planner.model import from_transformer
+from tests.planner.cases import MIXTRAL, TINY, TINY_PARAMS
+from tests.planner.cases import make_config as _make
+
+
+def test_flash_attention_and_loss_chunk_shrink_predicted_memory():
+    def memory(model, seq, knobs, backend="cpu"):
+        return predict(_make(model, 8, seq, f"mesh.data=8 plan.rules=dp {knobs}"), 8,
+                       backend=backend)["memory"]
+
+    xla = memory("A", 2048, "model.attention=xla")
+    chunked = memory("A", 2048, "model.attention=chunked model.attention_block=128")
+    assert chunked["temp_bytes"] < xla["temp_bytes"] / 4
+    assert chunked["activation_bytes"] < xla["activation_bytes"] / 4  # no seq x seq saved
+    # On a TPU ``auto`` is splash attention: flash-style too.
+    assert (memory("A", 2048, "", backend="tpu")["temp_bytes"]
+            < memory("A", 2048, "model.attention=xla", backend="tpu")["temp_bytes"] / 4)
+
+    flash = "model.attention=chunked model.attention_block=64"
+    full = memory("V", 256, flash)
+    chunk = memory("V", 256, f"{flash} model.loss_chunk=64")
+    assert chunk["temp_bytes"] < 0.6 * full["temp_bytes"]
+    # The loss dominates: 3 f32 (chunk, vocab) buffers per row against 2 of (seq, vocab).
+    assert chunk["working_bytes"] == pytest.approx(full["working_bytes"] * 3 * 64 / (2 * 256))
+
+
+def test_context_splits_activations_and_sequence_parallel_the_residual():
+    def est(**knobs):
+        ici = knobs.pop("ici")
+        return estimate("configs/llama-70b.yaml", Candidate.make(ici, None, remat="full",
+                                                                 zero_stage=3, **knobs),
+                        chips="tpu-v5p:512", global_batch=64, seq=131072)
+
+    base = est(ici={"fsdp": 64, "tensor": 8})
+    ctx = est(ici={"fsdp": 8, "context": 8, "tensor": 8}, context_attention="ring")
+    # The same tokens per device over the step, but each microbatch holds 1/8 of a sequence:
+    # the saved block inputs (the residual stream) are per device and shrink 8-fold.
+    assert ctx.memory["activation_bytes"] == pytest.approx(base.memory["activation_bytes"])
+    sp = est(ici={"fsdp": 64, "tensor": 8}, sequence_parallel=True)
+    assert sp.memory["activation_bytes"] == pytest.approx(base.memory["activation_bytes"] / 8)
+    # Sequence parallelism: the all-reduce's bytes as reduce-scatter + all-gather.
+    assert sp.comm_s["reduce-scatter tensor"] + sp.comm_s["all-gather tensor"] == (
+        pytest.approx(base.comm_s["all-reduce tensor"]))
+    assert "collective-permute context" in ctx.comm_s
+    gather = est(ici={"fsdp": 8, "context": 8, "tensor": 8}, context_attention="allgather")
+    assert "all-gather context" in gather.comm_s
+    # All-gather attention materialises (seq / c) x seq scores; the ring never does.
+    assert gather.memory["working_bytes"] > 4 * ctx.memory["working_bytes"]
+
+
+def test_expert_weights_per_device_fall_by_the_expert_degree():
+    cfg = jaxpar.load_config(MIXTRAL).model
+    expert_params = from_transformer(cfg).n_expert_params
+    states = {}
+    for e in (1, 2, 4, 8):
+        cand = Candidate.make({"data": 8 // e, "expert": e}, {"data": 8})
+        est = estimate(MIXTRAL, cand, chips="h100:64", global_batch=256, seq=4096)
+        states[e] = est.memory["expert_state_bytes"]
+        # f32 master and two Adam moments plus the bf16 working copy: 14 bytes each.
+        assert states[e] == pytest.approx(14 * expert_params / e)
+        kinds = {r["kind"] for r in est.collectives if "expert" in r["axes"]}
+        assert ("all-to-all" in kinds) == (e > 1)
+        # Expert weights are never gathered over the axis that splits them.
+        assert not any(r["kind"] == "all-gather" and r["axes"] == ["expert"]
+                       for r in est.collectives)
+
+
+def _memory(cand: Candidate, global_batch: int = 16, seq: int = 64, backend: str = "tpu",
+            cfg=TINY) -> dict[str, float]:
+    spec = from_transformer(cfg)
+    return memory(spec, layout(spec, cand.sizes, cand.rules, cand.zero_stage), cand,
+                  global_batch, seq, backend)
+
+
+PHI = TINY_PARAMS
+
+
+# (ZeRO stage, param, master, optimizer bytes) per device with bf16 compute and AdamW on 8
+# devices: ZeRO-1 and 2 shard the master weights and moments, ZeRO-3 the parameters too.
+ZERO = [(0, 2 * PHI, 4 * PHI, 8 * PHI),
+        (1, 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
+        (2, 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
+        (3, 2 * PHI / 8, 4 * PHI / 8, 8 * PHI / 8)]
+
+
+@pytest.mark.parametrize(("zero", "params", "master", "moments"), ZERO)
+def test_model_state_by_zero_stage(zero, params, master, moments):
+    mem = _memory(Candidate.make({"data": 8}, rules="dp", zero_stage=zero))
+    assert mem["param_bytes"] == params
+    assert mem["master_bytes"] == master
+    assert mem["opt_bytes"] == moments
+    batch = 16 * (64 + 1) * 4 / 8  # int32 tokens (and the shifted target) over data
+    assert mem["batch_bytes"] == batch
+    assert mem["argument_bytes"] == params + master + moments + batch
+    assert mem["output_bytes"] == mem["argument_bytes"] - batch  # the donated state
+    assert mem["total_bytes"] == mem["argument_bytes"] + mem["temp_bytes"]
+    assert mem["expert_state_bytes"] == 0
+
+
+@pytest.mark.parametrize(("precision", "optimizer", "state"), [
+    ("float32", "adamw", 4 + 2 * 4),  # f32 parameters are the master weights
+    ("bfloat16", "sgd", 2 + 4 + 4),  # one moment
+    ("bfloat16", "adafactor", 2 + 4),  # factored: no per-element moments counted
+])
+def test_model_state_by_precision_and_optimizer(precision, optimizer, state):
+    cand = Candidate.make({"data": 8}, rules="dp", precision=precision, optimizer=optimizer)
+    mem = _memory(cand)
+    assert mem["param_bytes"] + mem["master_bytes"] + mem["opt_bytes"] == state * PHI
+
+
+def test_gradient_buffers():
+    cand = Candidate.make({"data": 8}, rules="dp")
+    assert _memory(cand)["grad_bytes"] == 2 * PHI  # compute dtype on an accelerator
+    assert _memory(cand, backend="cpu")["grad_bytes"] == 4 * PHI  # f32 on XLA:CPU
+    # Gradient accumulation keeps an f32 running sum besides.
+    accumulating = dataclasses.replace(cand, microbatches=2)
+    assert _memory(accumulating)["grad_bytes"] == 2 * PHI + 4 * PHI
+    # The update's new moments are f32, in the optimizer state's layout.
+    assert _memory(cand)["update_bytes"] == 4 * PHI
+    assert _memory(dataclasses.replace(cand, zero_stage=1))["update_bytes"] == 4 * PHI / 8
+
+
+# What one device holds per microbatch: 2 sequences of 64 tokens, vocabulary 256.
+LOCAL = Local(seqs=2, tokens=2 * 64, heads=4, kv_heads=2, d_ff=256, vocab=256, seq=64)
+
+
+def test_loss_holds_f32_logits_and_their_gradient():
+    spec = from_transformer(TINY)
+    assert loss_working_bytes(spec, LOCAL, 64) == 2 * 64 * 2 * 256 * 4
+    # Chunked: 16 positions of each sequence at a time, plus the chunk's softmax.
+    chunked = dataclasses.replace(spec, loss_chunk=16)
+    assert loss_working_bytes(chunked, LOCAL, 64) == 2 * 16 * 3 * 256 * 4
+    # A chunk never spans more than the positions a context shard holds.
+    shard = dataclasses.replace(LOCAL, tokens=2 * 8, context=8)
+    assert loss_working_bytes(dataclasses.replace(spec, loss_chunk=32), shard, 64) == (
+        2 * 8 * 3 * 256 * 4)
+    assert working_set_bytes(spec, LOCAL, 64, 2) >= loss_working_bytes(spec, LOCAL, 64)
+
+
+def test_full_remat_keeps_only_each_block_input():
+    spec = from_transformer(TINY)
+    assert saved_activation_bytes(spec, LOCAL, 64, "full", 2) == 2 * 64 * LOCAL.tokens
+    assert saved_activation_bytes(spec, LOCAL, 64, "offload_dots", 2) == 2 * 64 * LOCAL.tokens
+    # Sequence parallelism splits the residual stream over the tensor axis.
+    sp = dataclasses.replace(LOCAL, tp=2, seq_parallel=True)
+    assert saved_activation_bytes(spec, sp, 64, "full", 2) == 2 * 64 * LOCAL.tokens / 2
+    # Without remat the f32 scores and bf16 probabilities alone are heads x seq a token.
+    none = saved_activation_bytes(spec, LOCAL, 64, "none", 2)
+    assert none > LOCAL.tokens * 4 * 64 * (4 + 2)
+
+
+@pytest.mark.parametrize(("attention", "backend", "precision", "context", "kind"), [
+    ("auto", "tpu", "bfloat16", 1, "splash"),
+    ("auto", "gpu", "bfloat16", 1, "cudnn"),
+    ("auto", "gpu", "float32", 1, "xla"),  # cuDNN's fused kernel is half precision only
+    ("auto", "cpu", "bfloat16", 1, "xla"),
+    ("chunked", "tpu", "bfloat16", 1, "chunked"),
+    ("auto", "tpu", "bfloat16", 4, "ring"),  # a split sequence: the context attention
+])
+def test_attention_kind(attention, backend, precision, context, kind):
+    spec = dataclasses.replace(from_transformer(TINY), attention=attention)
+    cand = Candidate.make({"data": 8 // context, "context": context}, precision=precision,
+                          context_attention="ring")
+    assert attention_kind(spec, cand, backend) == kind

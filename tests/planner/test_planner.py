@@ -1,0 +1,152 @@
+"""The planner against measurements. Against the compiler: per-device memory and
+collective bytes within 10% of what XLA reports for the compiled train step, over a matrix
+of strategies and model sizes (memory also for chunked attention and loss, experts,
+context and sequence parallelism). Against published runs: the held-out half of
+``benchmarks/published.py``'s rows. The planner's modules have their own files
+(``test_<module>.py``); the CPU ranking is in test_planner_cpu_ranking.py."""
+
+import pytest
+
+import jaxpar
+from jaxpar.analysis.hlo import collective_table, memory_stats
+from jaxpar.config.assembly import build_trainer
+from jaxpar.planner import predict
+from tests.helpers import loader
+from tests.planner.cases import MODELS
+from tests.planner.cases import make_config as _make
+
+BATCH, SEQ = 16, 64
+MIXED = "plan.precision=p=f32,c=bf16,o=f32"
+# (model, plan overrides): DP, FSDP, ZeRO 1-3, Megatron TP, FSDP x TP, remat none/full,
+# bf16 mixed precision, gradient accumulation, on three model sizes (tests/planner/cases.py).
+PLANS = {
+    "A_dp": ("A", "mesh.data=8 plan.rules=dp"),
+    "A_dp_remat_full": ("A", "mesh.data=8 plan.rules=dp plan.remat=full"),
+    "A_fsdp": ("A", "mesh.data=1 mesh.fsdp=8 plan.rules=fsdp"),
+    "A_zero2": ("A", "mesh.data=8 plan.zero_stage=2"),
+    "A_zero3": ("A", "mesh.data=8 plan.zero_stage=3"),
+    "B_tp": ("B", "mesh.data=1 mesh.tensor=8 plan.rules=tp"),
+    "B_fsdp_tp": ("B", "mesh.data=2 mesh.fsdp=2 mesh.tensor=2"),
+    "B_fsdp_tp_remat_full": ("B", "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 plan.remat=full"),
+    "C_zero3_bf16": ("C", f"mesh.data=8 plan.zero_stage=3 {MIXED}"),
+    "C_tp_zero1": ("C", "mesh.data=4 mesh.tensor=2 plan.zero_stage=1"),
+    "C_dp_microbatches2": ("C", "mesh.data=8 plan.rules=dp plan.microbatches=2"),
+}
+
+
+# Where flash-style attention and the chunked loss matter: a long sequence, a large
+# vocabulary (model V). Each: (model, global batch, seq, overrides).
+CHUNKED = {
+    "A_dp_chunked_attention_seq512": (
+        "A", 8, 512, "mesh.data=8 plan.rules=dp model.attention=chunked "
+        "model.attention_block=64"),
+    "A_fsdp_tp_chunked_attention_seq256": (
+        "A", 16, 256, "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 model.attention=chunked "
+        "model.attention_block=32"),
+    "V_dp_full_logits": ("V", BATCH, SEQ, "mesh.data=8 plan.rules=dp"),
+    "V_dp_loss_chunk32": ("V", BATCH, SEQ, "mesh.data=8 plan.rules=dp model.loss_chunk=32"),
+}
+
+
+# Experts, context and sequence parallelism: memory only (XLA merges and splits their
+# collectives in ways the per-kind byte counts do not follow closely enough for 10%).
+MOE = f"{MODELS['A']} n_experts=4 experts_per_token=2 expert_d_ff=64"
+PARALLEL = {
+    "moe_expert4": (MOE, 16, 64, "mesh.data=2 mesh.expert=4"),
+    "moe_expert2_context2_ring": (MOE, 8, 128, "mesh.data=2 mesh.expert=2 mesh.context=2 "
+                                  "plan.context_attention=ring"),
+    "context4_ring": ("A", 8, 256, "mesh.data=2 mesh.context=4 plan.context_attention=ring"),
+    "context4_allgather": ("A", 8, 256, "mesh.data=2 mesh.context=4 "
+                           "plan.context_attention=allgather"),
+    "tensor4_sequence_parallel": ("A", 16, 64, "mesh.data=2 mesh.tensor=4 "
+                                  "plan.sequence_parallel=true"),
+}
+
+
+def _config(name: str) -> jaxpar.Config:
+    if name in CHUNKED:
+        return _make(*CHUNKED[name])
+    if name in PARALLEL:
+        return _make(*PARALLEL[name])
+    model, knobs = PLANS[name]
+    return _make(model, BATCH, SEQ, knobs)
+
+
+def measured(name: str) -> dict:
+    """Compile (never run) the train step of plan ``name``; XLA's memory and collectives."""
+    config = _config(name)
+    trainer = build_trainer(config)
+    batch = loader(config.train.global_batch, config.train.seq_len).batch(0)
+    compiled = trainer.lower(batch).compile()
+    return {"memory": memory_stats(compiled),
+            "collectives": collective_table(compiled.as_text(), trainer.plan.mesh)}
+
+
+def _by_kind(rows) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in rows:
+        out[r["kind"]] = out.get(r["kind"], 0) + r["bytes_per_device"]
+    return out
+
+
+def _assert_memory_matches(measured_memory: dict, predicted_memory: dict, *,
+                           arguments: bool = True) -> None:
+    """Predicted per-device memory (arguments + temporaries) within 10% of XLA's, and
+    (``arguments``) the arguments alone within 1%."""
+    m, p = measured_memory, predicted_memory
+    if arguments:
+        assert p["argument_bytes"] == pytest.approx(m["argument_bytes"], rel=0.01)
+    assert p["argument_bytes"] + p["temp_bytes"] == pytest.approx(
+        m["argument_bytes"] + m["temp_bytes"], rel=0.10)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_memory_and_collectives_match_xla(devices, name):
+    """Per-device memory = XLA's argument + temp bytes (outputs alias the donated state);
+    collective result bytes per kind as the optimized HLO text holds them."""
+    got = measured(name)
+    pred = predict(_config(name), 8, backend="cpu")
+    _assert_memory_matches(got["memory"], pred["memory"])
+    measured_kinds = _by_kind(got["collectives"])
+    predicted_kinds = _by_kind(pred["collectives"])
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        assert predicted_kinds.get(kind, 0) == pytest.approx(measured_kinds.get(kind, 0),
+                                                             rel=0.10), kind
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_chunked_attention_and_loss_memory_match_xla(devices, name):
+    """The same tolerance for chunked attention at long sequences and the chunked loss (and
+    the full logits it replaces) at a large vocabulary."""
+    _assert_memory_matches(measured(name)["memory"],
+                           predict(_config(name), 8, backend="cpu")["memory"],
+                           arguments=False)
+
+
+@pytest.mark.parametrize("name", list(PARALLEL))
+def test_expert_context_and_sequence_parallel_memory_match_xla(devices, name):
+    """Per-device memory within 10% of XLA's with an expert axis (all-to-all dispatch), a
+    context axis (ring and all-gather attention) and sequence parallelism."""
+    got = measured(name)
+    p = predict(_config(name), 8, backend="cpu")
+    _assert_memory_matches(got["memory"], p["memory"])
+    if name.startswith("moe"):  # tokens reach their experts by all-to-all, as predicted
+        assert "all-to-all" in _by_kind(got["collectives"])
+        assert "all-to-all" in _by_kind(p["collectives"])
+
+
+def test_published_runs_held_out_half():
+    """The published runs the efficiencies were not fitted on stay as close as the README
+    reports: a change that breaks the cost model on real machines fails here."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import published
+
+    rows = published.load_runs()
+    assert len(rows) >= 30
+    check = [r for r in rows if r["half"] == "check"]
+    errors = [published.error(r, published.predict_tokens(r)) for r in check]
+    within = sum(abs(e) <= 0.15 for e in errors) / len(errors)
+    assert within >= 0.70
+    assert sorted(abs(e) for e in errors)[len(errors) // 2] <= 0.11
