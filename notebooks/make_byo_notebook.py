@@ -175,8 +175,8 @@ same two things by default (`layouts="auto"`: the outputs of repeated blocks suc
 these `nnx.List` entries, and annotated `nnx.Embed` tables); `layouts=()` opts out, as
 section 5 does for its "without layouts" step.''',
         '''\
-from jaxpar.sharding.paths import path_str
 from jaxpar.sharding.layouts import pinned
+from jaxpar.sharding.paths import path_str
 
 LAYOUTS = [
     (DecoderBlock, ("batch", "seq", "embed")),

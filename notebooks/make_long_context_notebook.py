@@ -34,11 +34,11 @@ import numpy as np
 from flax import nnx
 
 import jaxpar
-from jaxpar.training.optimizer import make_optimizer
+from jaxpar.analysis.hlo import collective_table
 from jaxpar.config.schema import load_config
 from jaxpar.data.loader import TokenLoader, load_tokens
-from jaxpar.analysis.hlo import collective_table
 from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.training.optimizer import make_optimizer
 
 cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
                         d_ff=128, max_seq_len=256)

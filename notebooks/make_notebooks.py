@@ -369,8 +369,8 @@ figure's public source is cited in `jaxpar/planner/catalog.py`; custom chips can
 from YAML (`--catalog`).""",
     """\
 import jaxpar
-from jaxpar.planner import BUILTIN, parse_chips, plan
 from jaxpar.analysis.report import table
+from jaxpar.planner import BUILTIN, parse_chips, plan
 
 rows = [(name, f"{c.peak_flops / 1e12:.0f}", f"{c.hbm_bytes / 2**30:.0f}",
          f"{c.ici_bw / 1e9:.0f}", f"{c.dcn_bw / 1e9:.1f}", c.domain)

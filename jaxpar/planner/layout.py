@@ -2,7 +2,8 @@
 
 The planner resolves shardings with the very code the Trainer uses
 (:func:`jaxpar.sharding.rules.preset`, :meth:`Rules.spec`,
-:func:`jaxpar.parallel.zero.zero_spec`), against a stand-in mesh that has only axis sizes, so its per-device sizes are the Trainer's exactly.
+:func:`jaxpar.parallel.zero.zero_spec`), against a stand-in mesh that has only axis
+sizes, so its per-device sizes are the Trainer's exactly.
 
 For every tensor it records the elements one device holds in four layouts:
 

@@ -20,7 +20,6 @@ wait for the others at ``jax.distributed``'s shutdown.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal

@@ -23,16 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config.schema import Config, MeshConfig, from_dict
-from jaxpar.errors import JaxparError, JaxparWarning
-from jaxpar.checkpoint.checkpointer import CorruptCheckpoint, read_only
 from jaxpar.adapters import lora as lora_lib
+from jaxpar.checkpoint.checkpointer import CorruptCheckpoint, load_weights, read_only
 from jaxpar.config.assembly import build_mesh, build_plan, model_factory
-from jaxpar.checkpoint.checkpointer import load_weights
+from jaxpar.config.schema import Config, MeshConfig, from_dict
+from jaxpar.data.tokenizer import eos_id, load_tokenizer, unknown_pieces, vocab_size
+from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.sharding.partitioning import init_sharded
-from jaxpar.data.tokenizer import eos_id, load_tokenizer
-from jaxpar.data.tokenizer import vocab_size
-from jaxpar.data.tokenizer import unknown_pieces
 
 
 def _model_limits(model: nnx.Module) -> tuple[int | None, int | None]:

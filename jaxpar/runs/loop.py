@@ -29,18 +29,18 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.config.assembly import build_trainer
 from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.config.assembly import build_trainer
 from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
+from jaxpar.data.tokenizer import load_tokenizer, vocab_size
 from jaxpar.errors import JaxparError, RunStopped
-from jaxpar.storage.folders import LOCK_NAME, FolderLock
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
-from jaxpar.training.prefetch import Prefetcher
 from jaxpar.runs.runlog import RunLog
+from jaxpar.storage.folders import LOCK_NAME, FolderLock
+from jaxpar.training.prefetch import Prefetcher
 from jaxpar.training.trainer import Trainer
-from jaxpar.data.tokenizer import load_tokenizer, vocab_size
 
 
 class NonFiniteLoss(JaxparError):

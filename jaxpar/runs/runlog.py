@@ -22,11 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.runs import monitor
-from jaxpar.training.optimizer import learning_rate
 from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
+from jaxpar.runs import monitor
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
+from jaxpar.training.optimizer import learning_rate
 
 
 def trim_metrics(path: Path, last_step: int) -> None:

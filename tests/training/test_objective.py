@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.training.objective import (
@@ -179,9 +179,11 @@ def _first_outside(tokens: np.ndarray, vocab: int) -> tuple[int, int]:
     return (int(bad[0]), int(flat[bad[0]])) if bad.size else (-1, 0)
 
 
-def test_first_id_outside_matches_numpy(devices):
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_first_id_outside_matches_numpy(devices, axis_type):
+    """On a batch sharded over 8 devices, on meshes of either kind."""
     rng = np.random.default_rng(0)
-    mesh = jax.make_mesh((8,), ("data",), devices=devices)
+    mesh = jax.make_mesh((8,), ("data",), devices=devices, axis_types=(axis_type,))
     check = jax.jit(lambda x: first_id_outside(x, vocab=50))
     for trial in range(6):
         tokens = rng.integers(0, 50, (16, 9)).astype(np.int32)

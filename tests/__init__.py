@@ -1,0 +1,1 @@
+"""Tests of jaxpar, one folder per package."""
