@@ -144,18 +144,73 @@ def collective_table(hlo_text: str, mesh: Mesh) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: (r["kind"], r["axes"]))
 
 
+_ENTRY_LAYOUT = re.compile(r"entry_computation_layout=\{\((.*?)\)->(.*?)\}(?:, \w+=|\n|$)",
+                           re.S)
+_LAID_OUT = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_ALIAS = re.compile(r"\{([\d,]*)\}: \((\d+), \{[\d,]*\}")
+HOST_SPACE = "S(5)"
+"""How the optimized HLO marks a buffer in host memory (``pinned_host``)."""
+
+
+def _buffers(text: str) -> list[tuple[int, bool]]:
+    """(bytes, in host memory) of each array in a layout list."""
+    out = []
+    for dtype, dims, layout in _LAID_OUT.findall(text):
+        n = int(np.prod([int(d) for d in filter(None, dims.split(","))], dtype=np.int64))
+        out.append((n * _DTYPE_BYTES[dtype], HOST_SPACE in (layout or "")))
+    return out
+
+
+def memory_spaces(hlo_text: str) -> dict[str, int]:
+    """Per-device bytes of a compiled program's arguments and outputs by memory space,
+    read from its entry layout (host buffers carry ``S(5)``): ``argument_bytes``,
+    ``output_bytes`` and ``alias_bytes`` (outputs reusing a donated argument) in device
+    memory, and the same with a ``host_`` prefix."""
+    header = hlo_text.split("\n", 1)[0]
+    found = _ENTRY_LAYOUT.search(header)
+    if not found:
+        return {}
+    args, outs = _buffers(found.group(1)), _buffers(found.group(2))
+    aliased = {int(i or 0): int(p) for i, p in _ALIAS.findall(
+        header.split("entry_computation_layout")[0])}
+    out: dict[str, int] = dict.fromkeys(
+        ("argument_bytes", "output_bytes", "alias_bytes", "host_argument_bytes",
+         "host_output_bytes", "host_alias_bytes"), 0)
+    for size, host in args:
+        out["host_argument_bytes" if host else "argument_bytes"] += size
+    for index, (size, host) in enumerate(outs):
+        out["host_output_bytes" if host else "output_bytes"] += size
+        if index in aliased:
+            out["host_alias_bytes" if host else "alias_bytes"] += size
+    return out
+
+
 def memory_stats(compiled: Any) -> dict[str, int]:
-    """XLA's per-device memory for a compiled program: argument, output, temp, code bytes."""
+    """XLA's per-device memory for a compiled program: argument, output, temp, code bytes,
+    in device memory, and the arguments and outputs in host memory (``host_`` keys: from
+    XLA's analysis where it splits them, otherwise from the HLO's memory spaces)."""
     stats = compiled.memory_analysis()
     if stats is None:
         return {}
-    return {
+    out = {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
         "temp_bytes": int(stats.temp_size_in_bytes),
         "alias_bytes": int(stats.alias_size_in_bytes),
         "code_bytes": int(stats.generated_code_size_in_bytes),
+        "host_argument_bytes": int(stats.host_argument_size_in_bytes),
+        "host_output_bytes": int(stats.host_output_size_in_bytes),
+        "host_alias_bytes": int(stats.host_alias_size_in_bytes),
+        "host_temp_bytes": int(stats.host_temp_size_in_bytes),
     }
+    if not any(out[k] for k in ("host_argument_bytes", "host_output_bytes")):
+        # The analysis counts both spaces as one (XLA:CPU): split by the HLO's spaces.
+        spaces = memory_spaces(compiled.as_text())
+        for key in ("argument_bytes", "output_bytes", "alias_bytes"):
+            if spaces.get("host_" + key):
+                out["host_" + key] = spaces["host_" + key]
+                out[key] = max(out[key] - spaces["host_" + key], 0)
+    return out
 
 
 def flops(compiled: Any) -> float:

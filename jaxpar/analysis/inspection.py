@@ -133,6 +133,9 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
         # Outputs that alias donated arguments take no extra space.
         memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
                                  - memory["alias_bytes"] + memory["temp_bytes"])
+        memory["host_total_bytes"] = (memory["host_argument_bytes"]
+                                      + memory["host_output_bytes"]
+                                      - memory["host_alias_bytes"] + memory["host_temp_bytes"])
     hlo = compiled.as_text()
     collectives = collective_table(hlo, plan.mesh)
     matmuls = matmul_flops(hlo)
@@ -156,7 +159,11 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
             "mesh": describe(plan.mesh),
             "mesh_shape": dict(plan.mesh.shape),
             "plan": (f"rules {config.plan.rules}, zero {plan.zero_stage}, precision "
-                     f"{plan.precision}, remat {plan.remat}, microbatches {plan.microbatches}"),
+                     f"{plan.precision}, remat {plan.remat}, microbatches {plan.microbatches}"
+                     + (f", optimizer offload {plan.offload_optimizer:g}"
+                        if plan.offload_optimizer else "")
+                     + (", update on host" if plan.host_update else "")
+                     + (", weights streamed from host" if plan.offload_params else "")),
             "global_batch": config.train.global_batch,
             "seq_len": config.train.seq_len,
             "compile_s": compile_s,

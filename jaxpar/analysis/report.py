@@ -104,12 +104,17 @@ def render_inspection(report: dict[str, Any]) -> str:
     mem = report["memory"]
     out.append("\nMemory per device (XLA)")
     mrows = []
-    for key, label in (("argument_bytes", "arguments"), ("output_bytes", "outputs"),
-                       ("temp_bytes", "temp"), ("alias_bytes", "aliased (donated)"),
-                       ("total_bytes", "total = args + outs - aliased + temp")):
+    rows_m = [("argument_bytes", "arguments"), ("output_bytes", "outputs"),
+              ("temp_bytes", "temp"), ("alias_bytes", "aliased (donated)"),
+              ("total_bytes", "total = args + outs - aliased + temp")]
+    if mem.get("host_total_bytes"):  # offloaded state: device and host memory apart
+        rows_m = [(k, f"device {label}") for k, label in rows_m] + [
+            ("host_argument_bytes", "host arguments"), ("host_output_bytes", "host outputs"),
+            ("host_total_bytes", "host total")]
+    for key, label in rows_m:
         if key not in mem:
             continue
-        p = pmem.get(key)
+        p = pmem.get("host_bytes" if key == "host_total_bytes" else key)
         mrows.append((label, fmt_bytes(mem[key]), fmt_bytes(p), fmt_ratio(p, mem[key])))
     out.append(table(["", "measured", "predicted", "pred/meas"], mrows, right=(1, 2, 3)))
 

@@ -28,7 +28,7 @@ from jaxpar.models.config import TransformerConfig
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.annotations import pairs
 from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
-from jaxpar.sharding.plan import check_knob, knobs
+from jaxpar.sharding.plan import check_knob, check_knob_pairs, knobs
 from jaxpar.sharding.rules import PRESETS, preset
 from jaxpar.training.optimizer import OPTIMIZERS
 
@@ -98,6 +98,10 @@ def _check_choices(config: Config) -> None:
         raise _bad("plan.rules", p.rules, f"choose one of {list(PRESETS)}")
     for knob in knobs():
         check_knob(knob.name, getattr(p, knob.name), f"plan.{knob.name}")
+    check_knob_pairs(p)
+    if p.offload_params and config.mesh.stage > 1:
+        raise _bad("plan.offload_params", True, "streams the layers of one layer loop; it "
+                   "does not combine with pipeline stages (mesh.stage > 1)")
     layouts = () if p.layouts == "auto" else p.layouts
     for key, items in (("plan.annotations", p.annotations), ("plan.layouts", layouts)):
         for pattern, _ in pairs(items, key):

@@ -33,6 +33,7 @@ from jaxpar.models.config import MLP_ACTIVATIONS, TransformerConfig
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import context as context_lib
 from jaxpar.parallel import loss as loss_lib
+from jaxpar.parallel import offload
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.plan import constrain, current_plan
@@ -303,7 +304,7 @@ class Transformer(nnx.Module):
         order = sequence_order(x.shape[1])
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=order,
                                  freqs=rope_frequencies(self.config))
-        call = block_fn or (lambda block, h, s, c: block(h, s, c))
+        call = self._block_call(block_fn) or (lambda block, h, s, c: block(h, s, c))
         schedule = getattr(self, "pipeline_schedule", None)
         if schedule is not None:
             return pipeline_lib.pipeline_module(
@@ -322,6 +323,23 @@ class Transformer(nnx.Module):
         if jax.tree.leaves(mutated):
             nnx.update(self.blocks, mutated)
         return x, {name: jnp.sum(values) for name, values in aux.items()}
+
+    def _block_call(self, block_fn):
+        """How each layer runs: ``block_fn`` if given, else the active plan's remat policy.
+        Layer weights kept in host memory (``plan.offload_params``) are brought to the
+        device inside the layer's checkpoint, one layer at a time, and fetched again for
+        the backward pass rather than kept (see :mod:`jaxpar.parallel.offload`)."""
+        streamed = any(offload.is_on_host(w) for w in jax.tree.leaves(nnx.state(self.blocks)))
+        if block_fn is None:
+            plan = current_plan()
+            return remat_lib.block_wrapper(
+                plan.remat if plan is not None else "none",
+                prepare=offload.stream_layer if streamed else None,
+                never_save=(offload.STREAMED,))
+        if streamed:
+            return remat_lib.checkpointed(block_fn, offload.SAVE_ALL_BUT_STREAMED,
+                                          prepare=offload.stream_layer)
+        return block_fn
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection (tied to the embedding if configured)."""
@@ -350,8 +368,6 @@ class Transformer(nnx.Module):
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
                 f"{self.config.max_seq_len}"
             )
-        if block_fn is None and (plan := current_plan()) is not None:
-            block_fn = remat_lib.block_wrapper(plan.remat)
         order = sequence_order(tokens.shape[1])
         if order is not None:
             tokens = jnp.take(tokens, jnp.asarray(order), axis=1)

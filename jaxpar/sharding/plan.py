@@ -86,6 +86,8 @@ def _is_a(value: Any, kind: Any) -> bool:
         return any(_is_a(value, k) for k in typing.get_args(kind))
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
     if kind is tuple:
         return isinstance(value, list | tuple)
     return isinstance(value, kind)
@@ -110,6 +112,15 @@ def check_knob(name: str, value: Any, key: str | None = None) -> Any:
     if problem:
         raise JaxparError(f"{key}={value!r}: {problem}")
     return value
+
+
+def check_knob_pairs(knob_values: Any) -> None:
+    """Refuse knobs that are valid alone but not together (``knob_values`` has the knobs
+    as attributes: a Plan, or the config's ``plan`` section)."""
+    if knob_values.host_update and knob_values.offload_optimizer != 1:
+        raise JaxparError("plan.host_update runs the optimizer update on the host and "
+                          "needs all of its state there: set plan.offload_optimizer: 1 "
+                          f"(it is {knob_values.offload_optimizer})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +153,13 @@ class Plan:
       context_balance: under context parallelism, lay the sequence out in ``2 x context``
         chunks, device ``i`` holding chunks ``i`` and ``2c - 1 - i``, so every device does
         the same share of causal attention work.
+      offload_optimizer: the fraction (0 to 1) of the optimizer state's bytes (master
+        weights and moments, largest tensors first) kept in host memory between steps and
+        streamed through device memory for the update (see :mod:`jaxpar.parallel.offload`).
+      host_update: with all optimizer state offloaded, run the update on the host
+        (ZeRO-Offload): gradients go down, new weights come up.
+      offload_params: keep the stacked layers' weights in host memory and stream each
+        layer's shard to the device as the layer loop reaches it (ZeRO-Infinity).
     """
 
     mesh: Mesh
@@ -149,7 +167,7 @@ class Plan:
     act_rules: Rules
     precision: Policy = knob(Policy(), parse=Policy.parse)
     zero_stage: int = knob(0, choices=(0, 1, 2, 3))
-    remat: str = knob("none", choices=tuple(remat_lib.POLICIES))
+    remat: str = knob("none", check=remat_lib.is_policy, valid=remat_lib.VALID)
     microbatches: int = knob(1, check=lambda v: v >= 1, valid="must be at least 1")
     annotations: tuple = knob(())
     layouts: tuple | str = knob("auto", check=lambda v: not isinstance(v, str) or v == "auto",
@@ -158,10 +176,15 @@ class Plan:
     sequence_parallel: bool = knob(False)
     context_attention: str = knob("allgather", choices=CONTEXT_ATTENTION)
     context_balance: bool = knob(True)
+    offload_optimizer: float = knob(0.0, check=lambda v: 0 <= v <= 1,
+                                    valid="must be a fraction from 0 (none) to 1 (all)")
+    host_update: bool = knob(False)
+    offload_params: bool = knob(False)
 
     def __post_init__(self) -> None:
         for f in knobs():
             object.__setattr__(self, f.name, check_knob(f.name, getattr(self, f.name)))
+        check_knob_pairs(self)
         rule = Rules([_SEQUENCE_PARALLEL]).rules[0]
         if self.sequence_parallel and rule not in self.act_rules.rules:
             object.__setattr__(self, "act_rules",
@@ -259,7 +282,11 @@ class Plan:
                 f", remat {self.remat}, microbatches {self.microbatches}"
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", context attention {self.context_attention}"
-                   if self.mesh.shape.get("context", 1) > 1 else ""))
+                   if self.mesh.shape.get("context", 1) > 1 else "")
+                + (f", optimizer offload {self.offload_optimizer:g}"
+                   + (" (update on host)" if self.host_update else "")
+                   if self.offload_optimizer else "")
+                + (", weights streamed from host" if self.offload_params else ""))
 
 
 def batch_names(ndim: int) -> tuple[str | None, ...]:

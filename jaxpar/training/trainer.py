@@ -18,10 +18,8 @@ from a config is :mod:`jaxpar.config.assembly`'s job.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,8 +29,8 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel import offload
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
-from jaxpar.sharding.mesh import canonical_axis
 from jaxpar.sharding.partitioning import (
     prepare_model,
     state_shardings,
@@ -41,6 +39,7 @@ from jaxpar.sharding.partitioning import (
 )
 from jaxpar.sharding.plan import Plan, batch_names
 from jaxpar.sharding.precision import DynamicLossScale
+from jaxpar.training.model_errors import explained_model_errors
 from jaxpar.training.objective import (
     check_causal,
     check_tokens,
@@ -55,38 +54,6 @@ Batch = Any
 """A pytree of arrays whose leaves share a leading batch dimension."""
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array]
-
-@contextlib.contextmanager
-def explained_model_errors(plan: Plan) -> Iterator[None]:
-    """Turn the errors a model written for another mesh raises while it is traced into
-    one line saying what to change in jaxpar: a mesh-axis name of its own inside
-    ``reshard``/``with_sharding_constraint`` (``'tp'``), or explicit-sharding code on an
-    ``Auto`` mesh."""
-    try:
-        yield
-    except ValueError as err:
-        text = str(err)
-        if "cannot contain axis names that are of type Auto" in text:
-            where = re.search(r"This error occurs at source:\s*(\S+)", text)
-            raise JaxparError(
-                "the model is written for explicit sharding (a PartitionSpec given as "
-                f"out_sharding{' at ' + where.group(1) if where else ''}) but the mesh is "
-                "Auto: build it with jaxpar.make_mesh(..., explicit=True), or set "
-                "mesh.explicit: true in a run config") from None
-        found = re.search(r"Resource axis: (\S+) of .* is not found in mesh", text, re.S)
-        if not found:
-            raise
-        name = found.group(1)
-        axes = ", ".join(plan.mesh.axis_names)
-        alias = canonical_axis(name)
-        fix = (f"write {alias!r} there (jaxpar accepts the alias {name!r} in annotations, "
-               f"rules and make_mesh only, JAX does not know it)" if alias != name else
-               "use these names in the model's own sharding calls, or give its weights "
-               "logical names and let plan rules place them")
-        raise JaxparError(f"the model shards over mesh axis {name!r} inside its own code "
-                          f"(reshard, with_sharding_constraint or out_sharding), but jaxpar's "
-                          f"mesh axes are {axes}: {fix}") from None
-
 
 def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A loss function's result as ``(loss, extra metrics)``: it may return the scalar loss
@@ -200,7 +167,39 @@ class Trainer:
             shardings["master"] = master
         if self.loss_scale is not None:
             shardings["loss_scale"] = plan.replicated
-        return shardings, zero if stage >= 2 else base, left_whole
+        return self._offloaded(shardings, params, frozen), zero if stage >= 2 else base, \
+            left_whole
+
+    def _offloaded(self, shardings: dict[str, Any], params: nnx.State, frozen: nnx.State
+                   ) -> dict[str, Any]:
+        """``shardings`` with the state the plan offloads in host memory (see
+        :mod:`jaxpar.parallel.offload`): the stacked layers' weights, and the largest
+        optimizer tensors up to the plan's fraction of their bytes."""
+        plan = self.plan
+        if not (plan.offload_params or plan.offload_optimizer):
+            return shardings
+        offload.check_supported(plan.mesh)
+        out = dict(shardings)
+        if plan.offload_params:
+            if plan.mesh.shape.get("stage", 1) > 1:
+                raise JaxparError("plan.offload_params streams the layers of one layer "
+                                  "loop; it does not combine with pipeline stages "
+                                  "(mesh.stage > 1)")
+            mask = offload.streamed_mask(params)
+            if not any(jax.tree.leaves(mask)) and not any(
+                    jax.tree.leaves(offload.streamed_mask(frozen))):
+                raise JaxparError("plan.offload_params: the model has no weights stacked "
+                                  "over a 'layers' axis to stream from the host")
+            out["params"] = offload.in_memory(out["params"], mask)
+            out["frozen"] = offload.in_memory(out["frozen"], offload.streamed_mask(frozen))
+        if plan.offload_optimizer:
+            moved = {"opt_state": jax.eval_shape(self.optimizer.init, params)}
+            if self.policy.mixed:
+                moved["master"] = jax.eval_shape(self.policy.cast_to_params, params)
+            mask = offload.largest_first(moved, plan.offload_optimizer)
+            for key, part in mask.items():
+                out[key] = offload.in_memory(out[key], part)
+        return out
 
     def _initial_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:
         """The state placed by :attr:`state_shardings`: copies, never the caller's buffers
@@ -214,7 +213,8 @@ class Trainer:
                      master),
                  "step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"])}
         if self.policy.mixed:
-            cast = jax.jit(self.policy.cast_to_compute, out_shardings=sh["params"])
+            cast = jax.jit(lambda m: self.policy.cast_to_compute(offload.to_device(m)),
+                           out_shardings=sh["params"])
             state.update(params=cast(master), master=master)
         else:
             state["params"] = jax.device_put(master, sh["params"])
@@ -304,6 +304,8 @@ class Trainer:
 
             (loss, (mutated, extra)), grads = jax.value_and_grad(scaled, has_aux=True)(
                 state["params"])
+            # Streamed weights' gradients come back in host memory: they stay on the device.
+            grads = offload.to_device(grads)
             return loss / scale, grads, self._keep_mutated(frozen, mutated), extra
 
         k = self.plan.microbatches
@@ -346,9 +348,22 @@ class Trainer:
             grads = self.plan.place(grads, self.grad_shardings)
         return loss, grads, frozen, extra
 
+    def _update(self, grads: Any, opt_state: Any, master: Any) -> tuple[Any, Any]:
+        """The optimizer's update applied: (new master weights, new optimizer state). With
+        offloaded state, the offloaded part streams through device memory for it, or the
+        whole update runs on the host (``plan.host_update``)."""
+        def update(grads, opt_state, master):
+            updates, opt_state = self.optimizer.update(grads, opt_state, master)
+            return optax.apply_updates(master, updates), opt_state
+
+        opt_state, master = offload.to_device((opt_state, master))
+        if self.plan.host_update:
+            update = offload.on_host(update)
+        return update(grads, opt_state, master)
+
     def _step_impl(self, state: dict[str, Any], batch: Batch):
         loss, grads, frozen, extra = self._gradients(state, batch)
-        master = state["master"] if self.policy.mixed else state["params"]
+        master = offload.to_device(state["master"] if self.policy.mixed else state["params"])
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         metrics: dict[str, jax.Array] = {"loss": loss, **extra}
         if self.loss_scale is not None:
@@ -357,13 +372,12 @@ class Trainer:
             metrics.update(loss_scale=state["loss_scale"]["scale"],
                            skipped=(~finite).astype(jnp.int32))
         metrics["grad_norm"] = optax.tree.norm(grads)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], master)
-        new_master = optax.apply_updates(master, updates)
+        new_master, opt_state = self._update(grads, state["opt_state"], master)
         new_state = dict(state, step=state["step"] + 1, frozen=frozen)
         if self.loss_scale is not None:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             new_master = keep(new_master, master)
-            opt_state = keep(opt_state, state["opt_state"])
+            opt_state = keep(opt_state, offload.to_device(state["opt_state"]))
             new_state["loss_scale"] = self.loss_scale.adjust(state["loss_scale"], finite)
         new_state["opt_state"] = opt_state
         if self.policy.mixed:

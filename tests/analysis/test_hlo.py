@@ -276,7 +276,9 @@ def test_single_device_matmul_flops_and_memory(devices):
     assert stats["argument_bytes"] == (8 * 16 + 16 * 32) * 4
     assert stats["output_bytes"] == 8 * 32 * 4
     assert set(stats) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
-                          "code_bytes"}
+                          "code_bytes", "host_argument_bytes", "host_output_bytes",
+                          "host_alias_bytes", "host_temp_bytes"}
+    assert not any(stats[k] for k in stats if k.startswith("host_"))
 
 
 def test_flops_and_memory_when_xla_reports_nothing():
@@ -286,3 +288,25 @@ def test_flops_and_memory_when_xla_reports_nothing():
     assert flops(per_device) == 12.0  # older JAX: a list, one dict per device
     assert flops(SimpleNamespace(cost_analysis=lambda: [])) == 0.0
     assert flops(SimpleNamespace(cost_analysis=lambda: {"bytes accessed": 3.0})) == 0.0
+
+
+def test_memory_stats_split_device_and_host_memory(devices):
+    """A jitted update whose state lives in pinned host memory (JAX's own memory kinds):
+    the host arrays are counted as host bytes, the rest as device bytes, per device."""
+    mesh = Mesh(np.array(devices).reshape(8), ("x",))
+    dev = NamedSharding(mesh, P("x"))
+    host = dev.with_memory_kind("pinned_host")
+    state = jax.device_put(jnp.zeros((64, 32)), host)  # 1 KiB per device
+    grad = jax.device_put(jnp.ones((64, 32)), dev)
+    bias = jax.device_put(jnp.ones((8, 16)), dev)      # 64 bytes per device
+
+    def update(state, grad, bias):
+        new = jax.device_put(state, jax.memory.Space.Device) + grad
+        return jax.device_put(new, jax.memory.Space.Host), bias * 2
+
+    compiled = jax.jit(update, donate_argnums=0, out_shardings=(host, dev)).lower(
+        state, grad, bias).compile()
+    got = memory_stats(compiled)
+    assert got["host_argument_bytes"] == 1024 and got["host_output_bytes"] == 1024
+    assert got["host_alias_bytes"] == 1024  # the donated state is updated in place
+    assert got["argument_bytes"] == 1024 + 64 and got["alias_bytes"] == 0

@@ -1,0 +1,154 @@
+"""Host offload: training state kept in host memory and brought to the device when needed.
+
+Three systems, each a choice of *memory kind* for part of the state (every JAX sharding
+names one: ``device``, or ``pinned_host`` for host memory the accelerator reaches by DMA):
+
+- **Optimizer state on the host** (ZeRO-Offload): the f32 master weights and the
+  optimizer's moments, ZeRO-sharded as usual, live in host memory between steps, the
+  largest tensors first up to a fraction of their bytes (Megatron's offload fraction).
+  Each step streams the offloaded part through device memory for the update and back
+  (:func:`to_space`), or, with ``host_update``, runs the whole update on the host
+  (:func:`on_host`): gradients go down, new weights come up, the state never enters device
+  memory.
+- **Weights streamed from the host** (ZeRO-Infinity, weight streaming): the stacked
+  decoder layers' weights live in host memory; the layer loop brings each layer's shard to
+  the device as it runs (:func:`stream_layer`), again for the backward pass, so about two
+  layers' weights are on the device at a time. It composes with FSDP (the shard streams,
+  then is all-gathered) and with LoRA (frozen base weights stream, adapters stay).
+- **Activations saved to the host**: a remat policy (``offload:<names>``, see
+  :mod:`jaxpar.sharding.remat`) sends chosen checkpoint names to host memory instead of
+  keeping or recomputing them.
+
+On TPU and GPU XLA turns the transfers into asynchronous copies overlapped with compute.
+JAX's CPU devices expose the same memory kinds, so all of it compiles and runs on CPU
+(where the two spaces are the same RAM) and can be tested there; only the speed needs an
+accelerator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.compute_on import compute_on
+from jax.sharding import Mesh, NamedSharding
+
+from jaxpar.errors import JaxparError
+from jaxpar.sharding.annotations import logical_names
+from jaxpar.sharding.remat import never_saving
+
+HOST = "pinned_host"
+"""The memory kind offloaded state lives in."""
+DEVICE = "device"
+STREAMED = "streamed_weights"
+"""The checkpoint name of a streamed layer's device copy: never saved for the backward
+pass (the layer streams it in again), so at most a layer or two are ever on the device."""
+
+
+def check_supported(mesh: Mesh) -> None:
+    """Refuse offload on devices without host memory."""
+    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+    if HOST not in kinds:
+        raise JaxparError(f"host offload needs the memory kind {HOST!r}, which "
+                          f"{mesh.devices.flat[0].platform} devices lack (they have "
+                          f"{', '.join(sorted(kinds))})")
+
+
+def largest_first(shapes: Any, fraction: float) -> Any:
+    """A tree of bools like ``shapes``: which leaves to offload so that at least
+    ``fraction`` of the bytes move, the largest tensors first. Scalars (step counters)
+    always stay on the device; ``fraction`` 1 moves every other leaf."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    sizes = [x.size * x.dtype.itemsize if getattr(x, "ndim", 0) else 0 for x in leaves]
+    goal = fraction * sum(sizes)
+    chosen, moved = [False] * len(leaves), 0
+    for i in sorted(range(len(leaves)), key=lambda i: -sizes[i]):
+        if moved >= goal or not sizes[i]:
+            break
+        chosen[i], moved = True, moved + sizes[i]
+    return jax.tree.unflatten(treedef, chosen)
+
+
+def in_memory(shardings: Any, mask: Any, kind: str = HOST) -> Any:
+    """``shardings`` with the leaves ``mask`` marks moved to memory ``kind``."""
+    return jax.tree.map(lambda s, m: s.with_memory_kind(kind) if m else s, shardings, mask,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def is_on_host(x: Any) -> bool:
+    """Whether a traced or concrete array lives in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def to_space(tree: Any, space: jax.memory.Space) -> Any:
+    """Inside traced code: every array of ``tree`` moved to memory ``space`` (its sharding
+    kept); arrays already there are left alone."""
+    def move(x):
+        if not hasattr(x, "dtype") or jax.typeof(x).memory_space == space:
+            return x
+        return jax.device_put(x, space)
+
+    return jax.tree.map(move, tree)
+
+
+def to_device(tree: Any) -> Any:
+    """:func:`to_space` to device memory."""
+    return to_space(tree, jax.memory.Space.Device)
+
+
+def to_host(tree: Any) -> Any:
+    """:func:`to_space` to host memory."""
+    return to_space(tree, jax.memory.Space.Host)
+
+
+def on_host(fn: Any) -> Any:
+    """``fn`` compiled to run on the host (``compute_on("device_host")``). Its arguments
+    are given in device memory (XLA places the transfers): tracing it on host-typed arrays
+    would trip over constants the function creates in device memory."""
+    return compute_on("device_host")(jax.jit(fn))
+
+
+def stream_layer(layer_state: Any) -> Any:
+    """Inside a layer loop: the layer's weights that live in host memory, brought to the
+    device (their shard, as stored: FSDP gathers it afterwards), each named
+    :data:`STREAMED` so the backward pass streams it again instead of keeping it."""
+    def fetch(x):
+        if not hasattr(x, "dtype") or not is_on_host(x):
+            return x
+        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), STREAMED)
+
+    return jax.tree.map(fetch, layer_state)
+
+
+SAVE_ALL_BUT_STREAMED = never_saving(None, (STREAMED,))
+"""A checkpoint policy that keeps everything for the backward pass but streamed weights."""
+
+
+def host_bytes(tree: Any) -> tuple[int, int]:
+    """Bytes one device (the first) holds of the arrays in ``tree``: (in device memory, in
+    host memory)."""
+    device = host = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            shard = x.addressable_shards[0].data
+            size = shard.size * shard.dtype.itemsize
+            if x.sharding.memory_kind == HOST:
+                host += size
+            else:
+                device += size
+    return device, host
+
+
+def streamed_mask(state: Any) -> Any:
+    """A tree of bools like the ``nnx.State`` ``state``: the weights
+    ``offload_params`` keeps in host memory, those stacked over the ``layers`` axis
+    (LoRA adapters stay on the device: they are small and trained)."""
+    def one(variable: nnx.Variable) -> Any:
+        names = logical_names(variable) or ()
+        stream = (isinstance(variable, nnx.Param) and not isinstance(variable, nnx.LoRAParam)
+                  and bool(names) and names[0] == "layers")
+        return variable.replace(stream)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
