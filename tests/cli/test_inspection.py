@@ -21,6 +21,16 @@ def test_human_tables_print(devices, capsys):
     assert "all-reduce  tensor" in out
 
 
+def test_offloaded_state_is_reported_in_host_memory(devices, capsys):
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", *FAST,
+            "plan.offload_optimizer=1", "plan.offload_params=true"]
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer offload 1, weights streamed from host" in out
+    for row in ("device arguments", "host arguments", "host total"):
+        assert row in out
+
+
 def test_bad_config_key_is_one_line_and_exit_2():
     proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--config",
                            "configs/tiny.yaml", "--devices", "8", "plan.rulez=tp"],
