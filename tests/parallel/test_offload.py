@@ -7,8 +7,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 import jaxpar
+from jaxpar import hf
 from jaxpar.analysis.hlo import memory_stats
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config.assembly import build_trainer
@@ -216,3 +218,24 @@ def test_a_model_streams_with_the_public_hook():
     got, t = _train_scanned(offload.stream_layer, True)
     assert t.state["params"]["w"].sharding.memory_kind == offload.HOST
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_hf_export_of_an_offloaded_run_equals_the_plain_one(tmp_path, plain, offloaded):
+    t = offloaded("params_and_optimizer")[2]
+    hf.save(plain[3].model, tmp_path / "plain")
+    hf.save(t.model, tmp_path / "offloaded")
+    want = load_file(tmp_path / "plain" / "model.safetensors")
+    got = load_file(tmp_path / "offloaded" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, array in want.items():
+        np.testing.assert_allclose(got[name], array, rtol=1e-6, atol=1e-7)
+
+
+def test_lora_streams_the_frozen_base_and_keeps_adapters_on_the_device():
+    lora = ("lora.enabled=true", "lora.rank=4")
+    a, b = trainer(*lora), trainer(*lora, "plan.offload_params=true")
+    base = [x for x in jax.tree.leaves(b.state["frozen"]["blocks"]) if x.ndim > 1]
+    assert base and all(x.sharding.memory_kind == offload.HOST for x in base)
+    assert offload.host_bytes(b.state["params"])[1] == 0  # the adapters
+    np.testing.assert_allclose(run(b, 3), run(a, 3), rtol=1e-6)
+    assert_same(weights(b), weights(a))
