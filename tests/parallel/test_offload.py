@@ -1,6 +1,8 @@
 """Host offload: runs with state or activations in host memory equal the run without, and
 the compiled step holds that state in host memory (``S(5)`` buffers), not on the device."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import jaxpar
-from jaxpar import hf
+from jaxpar import cli, hf
 from jaxpar.analysis.hlo import memory_stats
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config.assembly import build_trainer
@@ -239,3 +241,28 @@ def test_lora_streams_the_frozen_base_and_keeps_adapters_on_the_device():
     assert offload.host_bytes(b.state["params"])[1] == 0  # the adapters
     np.testing.assert_allclose(run(b, 3), run(a, 3), rtol=1e-6)
     assert_same(weights(b), weights(a))
+
+
+def test_cli_trains_and_resumes_with_offload_as_without(tmp_path):
+    """``jaxpar train`` with every offload, stopped after 2 steps and resumed to 4, logs
+    the losses of a plain 4-step run."""
+    tiny = ["--config", "configs/tiny.yaml", "--devices", "8", "model.n_layers=2",
+            "model.d_model=32", "model.d_ff=64", "train.seq_len=16", "train.global_batch=8",
+            "train.warmup_steps=1", "train.eval_every=0", "checkpoint.every=2",
+            "mesh.fsdp=4", "mesh.tensor=2"]
+    offloaded = ["plan.offload_optimizer=1", "plan.offload_params=true",
+                 "plan.remat=offload:mlp_out"]
+    assert cli.main(["train", *tiny, "train.steps=4", "--out", str(tmp_path / "plain")]) == 0
+    out = str(tmp_path / "offloaded")
+    assert cli.main(["train", *tiny, *offloaded, "train.steps=2", "--out", out]) == 0
+    assert cli.main(["train", *tiny, *offloaded, "train.steps=4", "--out", out,
+                     "--resume"]) == 0
+
+    def losses(run):
+        rows = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, rows) if "loss" in r}
+
+    want, got = losses("plain"), losses("offloaded")
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)],
+                               rtol=1e-6)
