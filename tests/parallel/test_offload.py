@@ -266,3 +266,15 @@ def test_cli_trains_and_resumes_with_offload_as_without(tmp_path):
     assert sorted(got) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)],
                                rtol=1e-6)
+
+
+def test_a_plain_checkpoint_restores_into_host_memory(tmp_path, plain):
+    with Checkpointer(tmp_path / "ck", async_save=False) as ckpt:
+        ckpt.save(plain[3], force=True)
+    t = trainer(*MODES["params_and_optimizer"])
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.restore(t)
+    assert offload.host_bytes(t.state["params"]["blocks"])[0] == 0
+    assert offload.host_bytes([x for x in jax.tree.leaves(t.state["opt_state"])
+                               if x.ndim])[0] == 0
+    assert_same(weights(t), plain[1], rtol=0)
