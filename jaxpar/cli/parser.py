@@ -93,6 +93,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--expert", metavar="SIZES",
                       help="expert-axis sizes to consider (default: the divisors of "
                            "model.n_experts)")
+    plan.add_argument("--offload", choices=("never", "auto", "always"), default="auto",
+                      help="host offload as a search dimension: never, when nothing fits "
+                           "without it (auto, the default), or always")
     plan.add_argument("--top", type=int, default=5, help="plans to show")
     plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")

@@ -1,4 +1,8 @@
-"""``jaxpar plan``: print the best plans as a table or JSON, optionally write the winner."""
+"""``jaxpar plan``: print the best plans as a table or JSON, optionally write the winner.
+
+The search tries host offload (optimizer state, streamed layer weights, activations saved
+to the host) when no layout fits without it; the table then shows what each plan keeps in
+host memory and how much, and the winner's reason says what moved and what it costs."""
 
 from __future__ import annotations
 
@@ -37,19 +41,38 @@ def _allowed(text: str | int | None) -> tuple[int, ...] | None:
     return sizes
 
 
+def _host_text(row: dict) -> str:
+    """``used/capacity`` GiB of host memory per device (``used`` alone when the chip's
+    host memory is not known), ``-`` for a plan that offloads nothing."""
+    if not row.get("host_bytes"):
+        return "-"
+    cap = row.get("host_capacity_bytes")
+    return _gib(row["host_bytes"]) + (f"/{_gib(cap)}" if cap else "")
+
+
 def table(rows: list[dict], header: str) -> str:
-    """Plain aligned text: one line per plan, then the winner's reason."""
+    """Plain aligned text: one line per plan, then the winner's reason. When a plan
+    offloads, two more columns say what it keeps in host memory (``offload``: see
+    :meth:`jaxpar.planner.Candidate.offload_text`) and how much (``host GiB``)."""
+    offloads = any(r.get("offload") for r in rows)
     cols = ["#", "mesh (ici*dcn)", "sp", "cp attn", "zero", "remat", "mb", "pp_mb", "mem GiB",
             "fits", "step s", "TFLOP/s", "MFU"]
+    if offloads:
+        cols[6:6] = ["offload"]
+        cols[10:10] = ["host GiB"]
     lines = []
     for i, r in enumerate(rows, 1):
-        lines.append([str(i), _mesh_text(r["mesh"]),
-                      "yes" if r.get("sequence_parallel") else "-",
-                      r.get("context_attention") or "-", str(r["zero_stage"]), r["remat"],
-                      str(r["microbatches"]), str(r["pipeline_microbatches"] or "-"),
-                      f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
-                      "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
-                      f"{r['tflops_per_device']:.0f}", f"{r['mfu'] * 100:.1f}%"])
+        line = [str(i), _mesh_text(r["mesh"]),
+                "yes" if r.get("sequence_parallel") else "-",
+                r.get("context_attention") or "-", str(r["zero_stage"]), r["remat"],
+                str(r["microbatches"]), str(r["pipeline_microbatches"] or "-"),
+                f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
+                "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
+                f"{r['tflops_per_device']:.0f}", f"{r['mfu'] * 100:.1f}%"]
+        if offloads:
+            line[6:6] = [r.get("offload") or "-"]
+            line[10:10] = [_host_text(r)]
+        lines.append(line)
     widths = [max([len(c), *(len(line[i]) for line in lines)]) for i, c in enumerate(cols)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
     out = [header, fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines)]
@@ -61,8 +84,9 @@ def table(rows: list[dict], header: str) -> str:
 
 def breakdown_text(row: dict, top: int = 10) -> str:
     """Where a plan's step goes: its largest parts (compute by operation, exposed
-    collectives by kind and axes, pipeline bubble, optimizer update) in seconds and
-    shares of the step, then the MFU that follows from them."""
+    collectives by kind and axes, pipeline bubble, optimizer update, host offload's
+    exposed transfers and host update) in seconds and shares of the step, then the MFU
+    that follows from them."""
     step = row["step_time_s"]
     parts = sorted(row["breakdown"].items(), key=lambda kv: -kv[1])
     lines = [f"where #1's step goes ({step:.3f} s):"]
@@ -88,8 +112,10 @@ def command(args: argparse.Namespace) -> int:
             raise JaxparError(f"{flag} {value}: must be at least 1")
     resolved = resolve_model(args.model, overrides)
     machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
+    offload = args.offload
     plans = plan(resolved.config, chips=machine, global_batch=args.global_batch, seq=args.seq,
-                 top=args.top, context=_allowed(args.context), expert=_allowed(args.expert))
+                 top=args.top, context=_allowed(args.context), expert=_allowed(args.expert),
+                 offload=offload)
     rows = [to_dict(p, args.global_batch, args.seq) for p in plans]
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -105,9 +131,10 @@ def command(args: argparse.Namespace) -> int:
     if not plans or not plans[0].fits:
         best = (f"the smallest needs {_gib(rows[0]['memory_per_device_bytes'])} of "
                 f"{_gib(rows[0]['hbm_bytes'])} GiB per device" if rows else "no layout works")
+        even = ", even with host offload" if offload != "never" else ""
         raise JaxparError(
             f"no plan fits {resolved.name} on {machine.describe()} at global batch "
-            f"{args.global_batch} x seq {args.seq} ({best}); use more chips, a smaller "
+            f"{args.global_batch} x seq {args.seq}{even} ({best}); use more chips, a smaller "
             "--global-batch or --seq" + ("; nothing was written" if args.write else ""))
     if args.write:
         config = run_config(plans[0], resolved.config, None, args.global_batch, args.seq)

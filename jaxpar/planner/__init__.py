@@ -4,7 +4,9 @@ microbatching for a model on a machine, from a cost model that needs no devices.
 
 Public API: :func:`plan` (search), :func:`estimate` (one candidate), :func:`predict` (the
 figures for an actual run config, as ``jaxpar inspect`` measures them) and :func:`command`
-(the ``jaxpar plan`` CLI, in :mod:`jaxpar.cli.plan`).
+(the ``jaxpar plan`` CLI, in :mod:`jaxpar.cli.plan`). Host offload (optimizer state,
+streamed layer weights, activations saved to the host) is priced by
+:mod:`jaxpar.planner.offload` and searched with ``plan(..., offload="auto")``.
 
 Example::
 

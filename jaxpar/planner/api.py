@@ -11,6 +11,7 @@ from jaxpar.config.assembly import model_factory
 from jaxpar.config.schema import Config, apply_overrides, from_dict, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.models.config import TransformerConfig
+from jaxpar.planner import offload as offload_lib
 from jaxpar.planner.catalog import Chip, Machine, parse_chips
 from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.cost import estimate as _estimate
@@ -90,8 +91,8 @@ def _machine(chips: str | Machine, slices: int,
 def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
          slices: int = 1, catalog: str | Path | Mapping[str, Chip] | None = None,
          top: int = 5, precision: str = "bfloat16", overrides: Iterable[str] = (),
-         context: int | Sequence[int] | None = None, expert: int | Sequence[int] | None = None
-         ) -> list[Estimate]:
+         context: int | Sequence[int] | None = None, expert: int | Sequence[int] | None = None,
+         offload: str = "never") -> list[Estimate]:
     """The best plans for training ``model`` on ``chips``, fastest first.
 
     Args:
@@ -108,6 +109,10 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
         sequences of 16384 or more, powers of two down to 1024 positions per device).
       expert: the ``expert`` axis sizes allowed (default: the divisors of a mixture of
         experts' ``n_experts`` that divide a slice; 1 for a dense model).
+      offload: when to try host offload (optimizer state, streamed layer weights,
+        activations saved to the host): ``never`` (the default), ``auto`` (only when
+        nothing fits without it; what ``jaxpar plan`` does) or ``always``. A plan that
+        offloads says in its ``reason`` what moved and what it costs.
 
     Returns:
       :class:`Estimate` s, best first. Each has ``candidate`` (mesh and knobs),
@@ -125,7 +130,8 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
     optimizer = resolved.config.train.optimizer if resolved.config else "adamw"
     result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
                     optimizer=optimizer, top=top, pipeline=resolved.pipeline,
-                    contexts=_sizes(context, "context"), experts=_sizes(expert, "expert"))
+                    contexts=_sizes(context, "context"), experts=_sizes(expert, "expert"),
+                    offload=offload)
     plans = result.plans
     for i, est in enumerate(plans):
         est.reason = reason(est, plans[i + 1] if i + 1 < len(plans) else None)
@@ -156,7 +162,10 @@ def estimate(model: ModelLike, candidate: Candidate, *, chips: str | Machine,
 
 
 def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
-    """JSON-ready summary of a plan (what ``jaxpar plan --json`` prints)."""
+    """JSON-ready summary of a plan (what ``jaxpar plan --json`` prints); a plan that
+    offloads adds its offload knobs, ``offload`` (:meth:`Candidate.offload_text`),
+    ``host_bytes`` (per device), ``host_capacity_bytes`` and ``offload_s`` (exposed
+    seconds a step)."""
     c = est.candidate
     return {
         "mesh": c.mesh_dict(),
@@ -181,6 +190,7 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "tflops_per_device": est.model_flops / est.step_time_s / 1e12,
         "mfu": est.mfu,
         "reason": est.reason,
+        **(offload_lib.summary(est) if c.offloads else {}),
     }
 
 
@@ -188,7 +198,8 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                global_batch: int, seq: int) -> Config:
     """The run config that trains with this plan (``jaxpar train --config`` accepts it):
     every mesh axis (``expert`` and ``context`` included), and the plan's ZeRO stage,
-    remat, microbatches, sequence parallelism and context attention kind."""
+    remat, microbatches, sequence parallelism and context attention kind, and its host
+    offload knobs when it offloads."""
     c = est.candidate
     ici, dcn = dict(c.ici), dict(c.dcn)
     data: dict[str, Any] = base.to_dict() if base is not None else Config().to_dict()
@@ -204,6 +215,9 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                     "remat": c.remat, "microbatches": c.microbatches,
                     "sequence_parallel": c.sequence_parallel and ici["tensor"] > 1,
                     "context_attention": c.context_attention}
+    if c.offloads_state:
+        data["plan"].update(offload_optimizer=c.offload_optimizer, host_update=c.host_update,
+                            offload_params=c.offload_params)
     data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}
     data["train"] = {**data["train"], "global_batch": global_batch, "seq_len": seq}
     return from_dict(Config, data)

@@ -36,6 +36,15 @@ class Candidate:
     ``pipeline_repeats`` is how many model chunks each stage holds in its schedule: 0
     (jaxpar's circular schedule) means one per layer of the stage; 1 is a plain GPipe or
     1F1B schedule; ``v`` Megatron's interleaved one with ``v`` virtual stages.
+
+    Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
+    and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
+    of the optimizer state's bytes (f32 master weights under mixed precision and the
+    moments), largest tensors first, kept in host memory and streamed through the
+    device for the update, or, with ``host_update`` (only at fraction 1), updated on the
+    host; ``offload_params`` keeps the decoder layers' weights in host memory and streams
+    each layer's shard in as the layer runs. ``remat`` may be ``offload:<names>``: those
+    activations are saved to host memory, the rest recomputed.
     """
 
     ici: tuple[tuple[str, int], ...]
@@ -50,6 +59,9 @@ class Candidate:
     sequence_parallel: bool = False
     context_attention: str = "allgather"
     pipeline_repeats: int = 0
+    offload_optimizer: float = 0.0
+    host_update: bool = False
+    offload_params: bool = False
 
     @staticmethod
     def make(ici: dict[str, int], dcn: dict[str, int] | None = None, **knobs: Any) -> Candidate:
@@ -85,14 +97,45 @@ class Candidate:
         return {a: {"size": s * dcn.get(a, 1), "ici": s, "dcn": dcn.get(a, 1)}
                 for a, s in self.ici}
 
+    @property
+    def offloads_state(self) -> bool:
+        """Whether optimizer state or weights live in host memory."""
+        return bool(self.offload_optimizer) or self.offload_params
+
+    @property
+    def offloads(self) -> bool:
+        """Whether anything lives in host memory: state, or activations the remat
+        policy saves there (``offload_dots``, ``offload:<names>``)."""
+        return self.offloads_state or self.remat == "offload_dots" or self.remat.startswith(
+            "offload:")
+
+    def offload_text(self) -> str:
+        """What the candidate keeps in host memory, tersely: ``opt1@host+params``
+        (all optimizer state, updated on the host, and streamed weights), ``opt0.5``,
+        ``acts`` (activations saved to the host); ``-`` for nothing."""
+        acts = ["acts"] if self.remat == "offload_dots" or self.remat.startswith(
+            "offload:") else []
+        return "+".join([*self._state_parts(), *acts]) or "-"
+
+    def _state_parts(self) -> list[str]:
+        parts = []
+        if self.offload_optimizer:
+            parts.append(f"opt{self.offload_optimizer:g}" + ("@host" if self.host_update else ""))
+        if self.offload_params:
+            parts.append("params")
+        return parts
+
     def describe(self) -> str:
         """E.g. ``fsdp=16 x tensor=4 (dcn data=2)``, with ``+sp`` under sequence
-        parallelism and the context attention kind when the sequence is split."""
+        parallelism, the context attention kind when the sequence is split, and the state
+        kept in host memory (``+offload opt1@host+params``)."""
         dcn = dict(self.dcn)
         parts = [f"{a}={s}" for a, s in self.ici if s > 1] or ["single"]
         slow = [f"{a}={s}" for a, s in dcn.items() if s > 1]
         extra = (" +sp" if self.sequence_parallel and self.sizes["tensor"] > 1 else "") + (
             f" ({self.context_attention})" if self.context > 1 else "")
+        if self.offloads_state:
+            extra += f" +offload {'+'.join(self._state_parts())}"
         return " x ".join(parts) + (f" (dcn {' x '.join(slow)})" if slow else "") + extra
 
 

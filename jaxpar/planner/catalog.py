@@ -14,6 +14,10 @@ Every figure is per chip and comes from a public source named beside it (each en
   bytes/s one way per chip across domains (TPU DCN, InfiniBand between GPU nodes);
   ``ici_latency_s`` / ``dcn_latency_s`` per step of a collective's ring; ``host_bw``
   (PCIe, host <-> device);
+* the host a chip hangs off, for host offload (:mod:`jaxpar.planner.offload`):
+  ``host_bytes``, the host memory per chip (the host's DRAM, or its VM's, over the chips
+  it drives), and ``host_mem_bw``, that host's memory bandwidth per chip (the rate of an
+  optimizer update run on the host);
 * and the efficiencies a chip reaches, which are not on datasheets:
   ``matmul_efficiency`` (fraction of the peak that large, well-shaped matmuls sustain in
   a training step), ``memory_efficiency`` (of ``hbm_bw``), ``collective_efficiency`` (of
@@ -71,6 +75,10 @@ class Chip:
       saved_bw: bytes/s at which the activations a layer scan saves for the backward
         pass are stored and read back, beyond their compute (XLA:CPU: far below its
         streaming rate); 0 where that traffic is part of the roofline's memory terms.
+      host_bytes: host memory per chip for offloaded state (0: not known, not checked).
+      host_mem_bw: host memory bytes/s per chip, the roof of an optimizer update run on
+        the host (0: not known; :attr:`host_update_bw` then assumes four times
+        ``host_bw``).
       source: where the figures come from.
     """
 
@@ -95,7 +103,14 @@ class Chip:
     overlap: float = 1.0
     op_overhead_s: float = 0.0
     saved_bw: float = 0.0
+    host_bytes: float = 0.0
+    host_mem_bw: float = 0.0
     source: str = ""
+
+    @property
+    def host_update_bw(self) -> float:
+        """Host memory bytes/s per chip an update on the host streams at."""
+        return self.host_mem_bw or 4 * self.host_bw
 
     @property
     def matmul_flops_f32(self) -> float:
@@ -120,73 +135,91 @@ class Chip:
         return 2 * dims * self.ici_link_bw
 
 
+# Host offload figures (``host_bytes``, ``host_mem_bw``), per chip. GPUs: the DGX system's
+# DRAM and its two CPUs' memory bandwidth (DDR channels x transfer rate x 8 bytes a
+# socket) over its eight GPUs. TPUs: the TPU VM's RAM over its chips, from the Cloud TPU
+# pages (v4: the ct4p-hightpu-4t machine type, 407 GB for 4 chips); the hosts' memory
+# bandwidth is not published: two sockets of 8 DDR5-4800 channels (614 GB/s) over the
+# chips of a host are assumed (DDR4-3200 for v4).
+_DDR5_4800_2S = 2 * 8 * 4800e6 * 8
+_DDR4_3200_2S = 2 * 8 * 3200e6 * 8
+
 BUILTIN: dict[str, Chip] = {
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s, 3D torus,
     # 4096-chip pod. ICI: six links of 50 GB/s (Jouppi et al., "TPU v4", ISCA 2023); MXU
     # 128x128. DCN per chip is not published for v4: 25 Gbps assumed.
     "tpu-v4": Chip("tpu-v4", 275e12, 32 * GiB, 300 * GB, 25 * _GBPS, 4096, hbm_bw=1200 * GB,
                    matmul_tile=128, torus_dims=3, ici_links=6, ici_link_bw=45 * GB,
-                   host_bw=16 * GB,
+                   host_bw=16 * GB, host_bytes=407 * GB / 4, host_mem_bw=_DDR4_3200_2S / 4,
                    matmul_efficiency=0.92, memory_efficiency=0.6,
                    source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper; "
                           "jax-ml.github.io/scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI
     # 1600 Gbps over 4 links (2D torus), pod of 256, DCN 6.4 Tbps per pod (25 Gbps a chip);
-    # MXU 128x128.
+    # MXU 128x128. Host: ct5lp-hightpu-8t VMs, 384 GB for 8 chips.
     "tpu-v5e": Chip("tpu-v5e", 197e12, 16 * GB, 1600 * _GBPS, 25 * _GBPS, 256,
                     hbm_bw=819 * GB, matmul_tile=128, torus_dims=2, ici_links=4,
-                    ici_link_bw=45 * GB, host_bw=16 * GB,
-                    matmul_efficiency=0.86, memory_efficiency=1.0,
+                    ici_link_bw=45 * GB, host_bw=16 * GB, host_bytes=384 * GB / 8,
+                    host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.86, memory_efficiency=1.0,
                     source="cloud.google.com/tpu/docs/v5e; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI
     # 4800 Gbps over 6 links (3D torus), DCN 50 Gbps per chip, slices up to 6144 chips;
-    # MXU 128x128.
+    # MXU 128x128. Host: 448 GB of RAM and 208 vCPUs for the 4 chips of a VM.
     "tpu-v5p": Chip("tpu-v5p", 459e12, 95 * GiB, 4800 * _GBPS, 50 * _GBPS, 6144,
                     hbm_bw=2765 * GB, matmul_tile=128, torus_dims=3, ici_links=6,
-                    ici_link_bw=90 * GB, host_bw=16 * GB,
-                    matmul_efficiency=0.76, memory_efficiency=0.7,
+                    ici_link_bw=90 * GB, host_bw=16 * GB, host_bytes=448 * GB / 4,
+                    host_mem_bw=_DDR5_4800_2S / 4, matmul_efficiency=0.76, memory_efficiency=0.7,
                     source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, ICI
     # 3584 Gbps over 4 links (2D torus), pod of 256, DCN 25.6 Tbps per pod (100 Gbps a
-    # chip); MXU 256x256.
+    # chip); MXU 256x256. Host: 1536 GiB of DRAM for 8 chips.
     "tpu-v6e": Chip("tpu-v6e", 918e12, 32 * GB, 3584 * _GBPS, 100 * _GBPS, 256,
                     hbm_bw=1640 * GB, matmul_tile=256, torus_dims=2, ici_links=4,
-                    ici_link_bw=90 * GB, host_bw=32 * GB,
-                    matmul_efficiency=0.84, memory_efficiency=1.0,
+                    ici_link_bw=90 * GB, host_bw=32 * GB, host_bytes=1536 * GiB / 8,
+                    host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.84, memory_efficiency=1.0,
                     source="cloud.google.com/tpu/docs/v6e; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16 (4614 fp8), 192 GB
     # GiB HBM3e at 7.38 TB/s, a 3D torus of 4x4x4 cubes (links as v5p's: scaling-book),
-    # 9216-chip superpod; MXU 256x256 (not published: taken as v6e's).
+    # 9216-chip superpod; MXU 256x256 (not published: taken as v6e's). Its host figures
+    # are not in the catalog (offloaded bytes are not checked against host memory).
     "tpu-v7": Chip("tpu-v7", 2307e12, 192 * GiB, 540 * GB, 100 * _GBPS, 9216,
                    hbm_bw=7380 * GB, matmul_tile=256, torus_dims=3, ici_links=6,
                    ici_link_bw=90 * GB, host_bw=32 * GB,
                    source="cloud.google.com/tpu/docs/tpu7x"),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s dense bf16, 19.5 TFLOP/s FP32, 80 GB
     # HBM2e at 2039 GB/s, NVLink 600 GB/s (300 each way); DGX A100: 8 GPUs per NVLink
-    # domain, one 200 Gb/s HDR InfiniBand port per GPU, PCIe Gen4 x16.
+    # domain, one 200 Gb/s HDR InfiniBand port per GPU, PCIe Gen4 x16; DGX A100 640GB:
+    # 2 TB of system memory, two AMD EPYC 7742 (8 DDR4-3200 channels each).
     "a100-80gb": Chip("a100-80gb", 312e12, 80 * GB, 300 * GB, 200 * _GBPS, 8,
                       hbm_bw=2039 * GB, f32_flops=19.5e12, matmul_tile=128,
                       ici_latency_s=5e-6, dcn_latency_s=1e-5, host_bw=32 * GB,
+                      host_bytes=2000 * GB / 8, host_mem_bw=_DDR4_3200_2S / 8,
                       matmul_efficiency=0.76, memory_efficiency=0.8,
                       source="NVIDIA A100 datasheet; DGX A100 user guide"),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 80 GB HBM3 at
     # 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU,
-    # PCIe Gen5 x16.
+    # PCIe Gen5 x16, 2 TB of system memory, two Intel Xeon Platinum 8480C (8 DDR5-4800
+    # channels each).
     "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=3350 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
                  host_bw=64 * GB, matmul_efficiency=0.64, memory_efficiency=0.6,
-                                  source="NVIDIA H100 datasheet; DGX H100 user guide"),
+                 host_bytes=2000 * GB / 8, host_mem_bw=_DDR5_4800_2S / 8,
+                 source="NVIDIA H100 datasheet; DGX H100 user guide"),
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s,
-    # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU.
+    # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU; DGX H200: 2 TB of
+    # system memory, two Xeon Platinum 8480C.
     "h200": Chip("h200", 989e12, 141 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=4800 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
-                 host_bw=64 * GB, source="NVIDIA H200 datasheet"),
+                 host_bw=64 * GB, host_bytes=2000 * GB / 8, host_mem_bw=_DDR5_4800_2S / 8,
+                 source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA DGX B200 datasheet: 8 GPUs, 1440 GB HBM3e (180 GB each) at 8 TB/s a GPU,
     # 72 PFLOP/s FP8 training for eight (4.5 PFLOP/s dense FP8, 2.25 dense bf16 a GPU),
-    # NVLink 5 at 1.8 TB/s (900 GB/s each way), ConnectX-7 400 Gb/s per GPU.
+    # NVLink 5 at 1.8 TB/s (900 GB/s each way), ConnectX-7 400 Gb/s per GPU, 2 TB of
+    # system memory, two Xeon Platinum 8570 (8 DDR5-5600 channels each).
     "b200": Chip("b200", 2250e12, 180 * GB, 900 * GB, 400 * _GBPS, 8, hbm_bw=8000 * GB,
                  f32_flops=75e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
-                 host_bw=64 * GB, source="NVIDIA DGX B200 datasheet"),
+                 host_bw=64 * GB, host_bytes=2000 * GB / 8,
+                 host_mem_bw=2 * 8 * 5600e6 * 8 / 8, source="NVIDIA DGX B200 datasheet"),
 }
 
 ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
@@ -198,7 +231,8 @@ def cpu_chip(n_devices: int) -> Chip:
     """The host CPU split into ``n_devices`` simulated devices, uncalibrated.
 
     Rough figures: cores x 2 GHz x 32 f32 FLOP/cycle (AVX2 FMA) and about 8 GB/s of
-    memory traffic a core, shared by the simulated devices; host RAM over the devices;
+    memory traffic a core, shared by the simulated devices; host RAM over the devices (as
+    device memory, and again as host memory for offloaded state);
     collectives are memory copies that block (``overlap`` 0). ``jaxpar calibrate`` measures
     the real figures (``jaxpar plan --catalog``).
     """
@@ -211,7 +245,8 @@ def cpu_chip(n_devices: int) -> Chip:
     flops = cores * 2e9 * 32 / n
     return Chip("cpu", flops, ram / n, 5 * GB, 5 * GB, 1 << 30, hbm_bw=cores * 8 * GB / n,
                 f32_flops=flops, matmul_tile=8, ici_latency_s=2e-5, dcn_latency_s=2e-5,
-                host_bw=cores * 8 * GB / n, matmul_efficiency=0.5, memory_efficiency=1.0,
+                host_bw=cores * 8 * GB / n, host_bytes=ram / n,
+                host_mem_bw=cores * 8 * GB / n, matmul_efficiency=0.5, memory_efficiency=1.0,
                 collective_efficiency=1.0, overlap=0.0, op_overhead_s=5e-6,
                 source="host estimate (uncalibrated)")
 

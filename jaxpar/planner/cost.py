@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from jaxpar.errors import JaxparError
-from jaxpar.planner import roofline
+from jaxpar.planner import offload, roofline
 from jaxpar.planner.candidate import (
     CONTEXT_ATTENTION,
     DTYPE_BYTES,
@@ -38,6 +38,7 @@ from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
     attention_kind,
+    host_activation_bytes,
     layer_working_bytes,
     loss_working_bytes,
     memory,
@@ -46,7 +47,7 @@ from jaxpar.planner.memory import (
 )
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import MOE_IMBALANCE, recomputed_parts
-from jaxpar.sharding.remat import POLICIES
+from jaxpar.sharding.remat import is_policy
 
 __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTION",
            "MOE_IMBALANCE", "OPTIMIZER_MOMENTS", "Candidate", "Estimate", "attention_kind",
@@ -56,7 +57,11 @@ __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTI
 
 @dataclasses.dataclass
 class Estimate:
-    """What the cost model says about one candidate (all figures per device)."""
+    """What the cost model says about one candidate (all figures per device).
+
+    ``hbm_bytes`` and ``host_capacity_bytes`` are the chip's device memory and host
+    memory per chip (0: not known); ``fits`` says the memory model's device bytes fit the
+    first and its host bytes (offloaded state) the second, both with headroom."""
 
     candidate: Candidate
     memory: dict[str, float]
@@ -75,6 +80,12 @@ class Estimate:
     seq: int = 0
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
     breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_capacity_bytes: float = 0.0
+
+    @property
+    def offload_s(self) -> float:
+        """Exposed seconds a step spends on host offload (its ``offload ...`` terms)."""
+        return sum(t for k, t in self.breakdown.items() if k.startswith("offload"))
 
     @property
     def memory_per_device_bytes(self) -> float:
@@ -219,12 +230,15 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     ``x(O, C) = O - overlap x min(O, C)``::
 
         core = C_f + C_b + C_h + E + x(O_f, C_f + C_h)
-               + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches))
-        step = core / (1 - bubble) + U + O_u
+               + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches)) + H_l
+        step = core / (1 - bubble) + U + O_u + H_s
                (+ saved activation bytes / saved_bw where the chip prices them apart)
 
     with the pipeline bubble ``(p - 1) / (r m + p - 1)`` (``p`` stages, ``r`` repeats,
-    ``m`` microbatches). MFU = model FLOPs / (step x peak x chips) is a result, never an
+    ``m`` microbatches), and host offload's exposed transfers inside the layer loop
+    (``H_l``: streamed weights, offloaded activations) and after it (``H_s``: optimizer
+    state in and out, or the update on the host, which then replaces ``U``; see
+    :mod:`jaxpar.planner.offload`). MFU = model FLOPs / (step x peak x chips) is a result, never an
     input. Since model FLOPs count full ``s x s`` attention and causal-skipping kernels
     execute about half of it, MFU can exceed the hardware utilisation at long sequences.
     ``breakdown`` says where the step goes (compute by operation, exposed collectives by
@@ -270,6 +284,9 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         c_f, c_b, c_h = total / 3, 2 * total / 3, 0.0
         breakdown["compute matmuls"] = total
         update = roofline.update_time(chip, cand, opt_elems, lay.total("compute"))
+    off = _offload_times(spec, lay, cand, chip, loc if spec.is_transformer else None,
+                         c_f=c_f, c_b=c_b, update=update, opt_elems=opt_elems, seq=seq,
+                         attention=attention, microbatches=micro)
     comm: dict[str, float] = {}
     by_phase = dict.fromkeys(PHASES, 0.0)
     timed = []
@@ -299,24 +316,48 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
             name = f"exposed {key} ({where})"
             breakdown[name] = breakdown.get(name, 0.0) + share
     compute = c_f + c_b + c_h
-    core = compute + by_phase["exposed"] + x_f + x_b
+    core = compute + by_phase["exposed"] + x_f + x_b + off.layers
+    if off.device_update is not None:  # the update runs on the host
+        update = off.device_update
     bubble = 0.0
     if stages > 1:
         repeats = cand.pipeline_repeats or max(spec.n_layers // stages, 1)
         bubble = (stages - 1) / (repeats * pipe_m + stages - 1)
         breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
     breakdown["optimizer update"] = update
-    step = core / (1 - bubble) + update + by_phase["update"]
+    breakdown.update(off.breakdown)
+    step = core / (1 - bubble) + update + by_phase["update"] + off.step
     if chip.saved_bw:  # XLA:CPU: storing and reloading the scan's saved activations
         inflight = min(pipe_m, stages) if stages > 1 else 1
         saved = mem["activation_bytes"] / inflight * micro / chip.saved_bw
         breakdown["saved activations"] = saved
         step += saved
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
-    fits = mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
+    fits = (mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
+            and offload.host_fits(mem, chip, hbm_headroom))
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
                     mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
-                    breakdown=breakdown)
+                    breakdown=breakdown, host_capacity_bytes=chip.host_bytes)
+
+
+def _offload_times(spec: ModelSpec, lay: Any, cand: Candidate, chip: Chip, loc: Any, *,
+                   c_f: float, c_b: float, update: float, opt_elems: float, seq: int,
+                   attention: str, microbatches: int) -> offload.OffloadTimes:
+    """The exposed seconds of ``cand``'s host offload (:func:`jaxpar.planner.offload.
+    offload_times`), from what it moves and the layers' compute times (``loc``: the
+    per-device sizes of a transformer, None for another model)."""
+    if not cand.offloads:
+        return offload.OffloadTimes()
+    acts = 0.0
+    if loc is not None:  # one microbatch's offloaded activations, all layers of the stage
+        act = dtype_bytes(cand.precision)
+        acts = (spec.n_layers / lay.sizes.get("stage", 1)
+                * host_activation_bytes(spec, loc, seq, cand.remat, act, attention))
+    state = offload.state_offload(spec, lay, cand)
+    store = lay.total("zero") if cand.zero_stage >= 3 else lay.total("base")
+    return offload.offload_times(chip, cand, state, activations=acts, c_f=c_f, c_b=c_b,
+                                 update=update, opt_elems=opt_elems, store_elems=store,
+                                 local_grads=lay.total("compute"), microbatches=microbatches)
 
 
 def check_divisible(spec: ModelSpec, cand: Candidate, global_batch: int, seq: int = 0
@@ -356,6 +397,6 @@ def check_divisible(spec: ModelSpec, cand: Candidate, global_batch: int, seq: in
     if global_batch % (lay.dp * micro):
         return (f"global batch {global_batch} not divisible by data-parallel {lay.dp} x "
                 f"microbatches {micro}")
-    if cand.remat not in POLICIES:
+    if not is_policy(cand.remat):
         return f"unknown remat {cand.remat!r}"
-    return None
+    return offload.check(spec, cand)

@@ -13,6 +13,12 @@ a mixture-of-experts layer adds its routed token slots (see :class:`~jaxpar.plan
 candidate.Local`). The formulas for the dense, single-sequence-shard case are calibrated
 against XLA:CPU (``tests/planner/test_planner.py``); the rest follow the code paths of
 :mod:`jaxpar.parallel.context` and :mod:`jaxpar.models.moe` tensor by tensor, unmeasured.
+
+Host offload (:mod:`jaxpar.planner.offload`) moves state and saved activations to host
+memory: the device's arguments and saved activations drop by what moved (reported as
+``host_*`` bytes), and its temporaries gain what comes back for a while: the streamed
+layers' weights, the offloaded activations in flight and, for a streamed update, the
+offloaded optimizer state of the tensors being updated.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from jaxpar.planner.candidate import (
 )
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
+from jaxpar.planner.offload import STAGING_LAYERS, STREAMED_LAYERS, state_offload
+from jaxpar.sharding.remat import OFFLOAD, offloaded_names
 
 FLASH_ATTENTION = ("chunked", "cudnn", "splash")
 """Attention implementations that never hold a ``seq x seq`` score matrix: their backward
@@ -89,10 +97,12 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     attention output (``heads x head_dim`` each), k and v, and six ``d_model``- and six
     ``d_ff``-sized tensors (norm inputs and outputs, residual branches; gate, up, their
     activations and product). ``full`` keeps only the block input; the other policies
-    keep the matmul outputs they name. Flash-style ``attention`` (:data:`FLASH_ATTENTION`)
-    keeps no score-sized tensor, only an f32 log-sum-exp per head; ``allgather`` keeps its
-    f32 probabilities against the whole sequence and the gathered keys and values;
-    ``ring`` keeps one key/value block and the partial outputs it merged per step.
+    keep the matmul outputs they name; ``offload:<names>`` keeps on the device what
+    ``full`` keeps (the rest goes to the host: :func:`host_activation_bytes`).
+    Flash-style ``attention`` (:data:`FLASH_ATTENTION`) keeps no score-sized tensor, only
+    an f32 log-sum-exp per head; ``allgather`` keeps its f32 probabilities against the
+    whole sequence and the gathered keys and values; ``ring`` keeps one key/value block
+    and the partial outputs it merged per step.
 
     The ``d_model``-sized tensors are the residual stream's, split over ``tensor`` under
     sequence parallelism. A mixture of experts replaces the ``d_ff`` terms by its routed
@@ -114,7 +124,7 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     if remat == "none":
         per_token = (scores + probs + act * (6 * f + 6 * dr + 2 * n * h + 2 * k * h)
                      + _moe_saved(spec, loc, act, True))
-    elif remat == "full":
+    elif remat == "full" or remat.startswith(OFFLOAD):
         per_token = act * dr
     elif remat in ("dots_saveable", "offload_dots"):
         per_token = (scores + act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f)
@@ -127,6 +137,30 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     if remat == "offload_dots":
         per_token = act * dr
     return per_token * loc.tokens
+
+
+def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
+                          attention: str = "xla") -> float:
+    """Bytes per layer a remat policy saves to host memory instead of the device.
+
+    ``offload:<names>``: per token, ``attention`` (the attention output before its
+    projection, ``heads x head_dim``), ``attention_out`` and ``mlp_out`` (``d_model``,
+    the residual stream's share under sequence parallelism) and ``mlp_hidden`` (the
+    MLP's hidden width, or a mixture of experts' routed slots and shared experts).
+    ``offload_dots``: what ``dots_with_no_batch_dims_saveable`` keeps, less the block
+    input that stays on the device. Other policies: nothing.
+    """
+    names = offloaded_names(remat)
+    if names:
+        dr = spec.d_model / loc.residual_split
+        width = {"attention": loc.heads * spec.head_dim, "attention_out": dr,
+                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr}
+        return act * sum(width.get(n, 0.0) for n in names) * loc.tokens
+    if remat == "offload_dots":
+        kept = saved_activation_bytes(spec, loc, seq, "dots_with_no_batch_dims_saveable", act,
+                                      attention)
+        return max(kept - saved_activation_bytes(spec, loc, seq, remat, act, attention), 0.0)
+    return 0.0
 
 
 def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
@@ -201,8 +235,20 @@ def _expert_state_bytes(lay: Layout, cand: Candidate) -> float:
 
 def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
            backend: str = "tpu") -> dict[str, float]:
-    """Per-device bytes: state (``argument``), XLA temporaries (``temp``) and their sum;
-    ``expert_state_bytes`` is the part of the state that belongs to routed experts."""
+    """Per-device bytes: state (``argument``), XLA temporaries (``temp``) and their sum,
+    in device memory; ``expert_state_bytes`` is the part of the state that belongs to
+    routed experts.
+
+    ``param_bytes``, ``master_bytes`` and ``opt_bytes`` are the whole state, wherever it
+    lives; ``host_opt_bytes``, ``host_param_bytes`` and ``host_activation_bytes`` the
+    parts host offload keeps in host memory instead (``host_bytes`` their sum), which
+    ``argument_bytes`` and ``activation_bytes`` leave out; ``offload_transient_bytes``
+    what of them is back on the device at once (in ``temp_bytes``): ``STREAMED_LAYERS``
+    layers' streamed weights, ``STAGING_LAYERS`` layers' offloaded activations, and
+    during a streamed update the offloaded state of the tensors being updated (none with
+    ``host_update``, where the update's buffers leave the device too). On XLA:CPU
+    (``backend="cpu"``) offload changes the arguments only, as compiled there: the
+    offloaded activations stay in ``activation_bytes``."""
     c = dtype_bytes(cand.precision)
     mixed = c != 4
     stage = cand.zero_stage
@@ -217,12 +263,17 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     batch = global_batch * (seq + 1) * 4 / lay.dp / loc.context
     act = c
     stages = lay.sizes.get("stage", 1)
+    host_act = staging = 0.0
     if spec.is_transformer:
         layers = spec.n_layers / stages
         attention = attention_kind(spec, cand, backend)
         saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention)
+        per_layer = host_activation_bytes(spec, loc, seq, cand.remat, act, attention)
+        host_act, staging = layers * per_layer, min(STAGING_LAYERS, layers) * per_layer
         if stages > 1:  # the pipeline keeps every in-flight microbatch's activations
-            saved *= min(pipe_microbatches(cand, stages), stages)
+            inflight = min(pipe_microbatches(cand, stages), stages)
+            saved *= inflight
+            host_act *= inflight
         # XLA:CPU runs bf16 matmuls in f32, so its transients are f32 whatever the policy.
         layer_work = layer_working_bytes(spec, loc, seq, 4 if backend == "cpu" else c,
                                          attention, cand.remat)
@@ -234,17 +285,34 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     grads = lay.total("compute") * (4 if backend == "cpu" else c)
     if cand.microbatches > 1:
         grads += base * 4
-    # The update: clipped gradients and Adam's new moments in the optimizer's layout.
+    # The update: clipped gradients and Adam's new moments in the optimizer's layout (on
+    # the host under host_update).
     update = opt_elems * 4
+    off = state_offload(spec, lay, cand)
+    stream = STREAMED_LAYERS * off.params_per_layer
+    update_device = 0.0 if cand.host_update else update + off.update_transient
+    transient = off.update_transient
+    if backend == "cpu":
+        # XLA:CPU's host and device memory are one RAM: measured, offload moves the
+        # state's arguments to host memory and leaves the step's temporaries as they are
+        # (no streamed copies, the update's buffers where they were), and its memory
+        # analysis counts the offloaded activations among the temporaries.
+        stream = staging = transient = 0.0
+        update_device = update
+        saved, host_act = saved + host_act, 0.0
     # The loss runs first in the backward pass and the update after it, so the update's
     # buffers never meet the loss's working set (counting them with a layer's is the
     # calibrated approximation).
     work = max(layer_work, loss_work)
-    temp = grads + saved + max(layer_work + update, loss_work)
-    argument = params + master + opt + batch
+    temp = grads + saved + max(layer_work + stream + staging + update_device, loss_work)
+    argument = params + master + opt + batch - off.optimizer - off.params
+    host = off.optimizer + off.params + host_act
     return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
             "batch_bytes": batch, "grad_bytes": grads, "activation_bytes": saved,
             "working_bytes": work, "update_bytes": update, "argument_bytes": argument,
             "output_bytes": argument - batch, "temp_bytes": temp,
             "total_bytes": argument + temp,
-            "expert_state_bytes": _expert_state_bytes(lay, cand)}
+            "expert_state_bytes": _expert_state_bytes(lay, cand),
+            "host_opt_bytes": off.optimizer, "host_param_bytes": off.params,
+            "host_activation_bytes": host_act, "host_bytes": host,
+            "offload_transient_bytes": stream + staging + transient}

@@ -37,7 +37,8 @@ def _fill(sizes: dict[str, int], n: int, what: str) -> dict[str, int]:
 
 
 def candidate_from_config(config: Config, n_devices: int) -> Candidate:
-    """The candidate a run config describes on ``n_devices`` devices."""
+    """The candidate a run config describes on ``n_devices`` devices (host offload
+    knobs included)."""
     dcn = config.mesh.dcn() or {}
     dcn = {a: int(dcn.get(a, 1)) for a in MESH_AXES}
     slices = 1
@@ -53,7 +54,10 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           precision=jnp.dtype(policy.compute).name,
                           optimizer=config.train.optimizer,
                           sequence_parallel=config.plan.sequence_parallel,
-                          context_attention=config.plan.context_attention)
+                          context_attention=config.plan.context_attention,
+                          offload_optimizer=float(getattr(config.plan, "offload_optimizer", 0)),
+                          host_update=bool(getattr(config.plan, "host_update", False)),
+                          offload_params=bool(getattr(config.plan, "offload_params", False)))
 
 
 def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:

@@ -41,6 +41,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.planner.candidate import OPTIMIZER_MOMENTS, Candidate, Local, dtype_bytes
 from jaxpar.planner.catalog import Chip
 from jaxpar.planner.model import ModelSpec
+from jaxpar.sharding.remat import OFFLOAD, offloaded_names
 
 FLASH_EFFICIENCY = 0.75
 """Flash-style attention kernels reach this fraction of a plain matmul's rate: each key
@@ -70,13 +71,20 @@ _RECOMPUTED = {"none": (), "dots_saveable": (), "offload_dots": (),
                "full": ("qkv", "wo", "gate_up", "down", "attention")}
 """The layer parts each remat policy of :mod:`jaxpar.sharding.remat` reruns in the backward pass."""
 
+_SPARED_BY = {"attention_out": "wo", "mlp_out": "down"}
+"""The layer part whose rerun an activation saved by name (``offload:<names>``) spares:
+the attention and MLP outputs are those projections' results. The other names spare no
+matmul: the backward pass of attention and of the gated activation still needs the
+queries, keys, values and the gate and up projections, which no name keeps."""
+
 
 def recomputed_parts(remat: str) -> tuple[str, ...]:
     """The layer parts (``qkv``, ``wo``, ``gate_up``, ``down``, ``attention``) a remat
     policy reruns in the backward pass: a policy of :mod:`jaxpar.sharding.remat`, or
     ``recompute=part+part`` for another framework's selective policy (the published
     runs' ``save_qkv_proj``, MaxText's per-tensor lists, Megatron's selective
-    recomputation of the attention core)."""
+    recomputation of the attention core). ``offload:<names>`` recomputes everything but
+    what its saved names spare (:data:`_SPARED_BY`)."""
     if remat.startswith("recompute="):
         parts = tuple(p for p in remat.split("=", 1)[1].split("+") if p)
         unknown = set(parts) - set(_RECOMPUTED["full"])
@@ -84,6 +92,9 @@ def recomputed_parts(remat: str) -> tuple[str, ...]:
             raise JaxparError(f"remat {remat!r}: unknown part {sorted(unknown)[0]!r}; parts "
                               f"are {', '.join(_RECOMPUTED['full'])}")
         return parts
+    if remat.startswith(OFFLOAD):
+        spared = {_SPARED_BY.get(n) for n in offloaded_names(remat)}
+        return tuple(p for p in _RECOMPUTED["full"] if p not in spared)
     return _RECOMPUTED.get(remat, ())
 
 

@@ -22,6 +22,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+from jaxpar.errors import JaxparError
+from jaxpar.planner import offload as offload_lib
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.cost import Candidate, Estimate, check_divisible, estimate
 from jaxpar.planner.model import ModelSpec
@@ -171,29 +173,94 @@ def _knobs(ici: dict[str, int]) -> Iterator[tuple[bool, str]]:
             yield sp, kind
 
 
+OFFLOAD_MODES = ("never", "auto", "always")
+"""When the search tries host offload (:mod:`jaxpar.planner.offload`): ``never``;
+``auto``, only when no layout fits without it; ``always``, beside every other choice."""
+
+
+@dataclasses.dataclass
+class _Found:
+    """What the passes of one search collect."""
+
+    best: dict[tuple, Estimate] = dataclasses.field(default_factory=dict)
+    overflow: list[Estimate] = dataclasses.field(default_factory=list)
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    baselines: dict[str, _Baseline] = dataclasses.field(
+        default_factory=lambda: {"context": _Baseline(), "expert": _Baseline()})
+    specs: dict[int, ModelSpec] = dataclasses.field(default_factory=dict)
+    evaluated: int = 0
+
+
 def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
            seq: int, *, precision: str = "bfloat16", optimizer: str = "adamw",
            top: int = 5, pipeline: bool = True, contexts: Sequence[int] | None = None,
-           experts: Sequence[int] | None = None) -> SearchResult:
+           experts: Sequence[int] | None = None, offload: str = "never") -> SearchResult:
     """Rank candidates; ``spec_for(stages)`` gives the model in the layout for that many
     pipeline stages (the reference transformer stores stacked layers as (repeat, stage)).
-    ``contexts`` and ``experts`` restrict the sizes of those mesh axes."""
+    ``contexts`` and ``experts`` restrict the sizes of those mesh axes; ``offload`` (one
+    of :data:`OFFLOAD_MODES`) says when host offload joins the choices: then every
+    setting of :data:`jaxpar.planner.offload.STATES` is tried with the remat policies
+    and :data:`jaxpar.planner.offload.REMATS`, in a second pass. Plans that offload
+    carry ``notes["no_offload"]``: the fastest plan without offload, or when none fits
+    the one needing the least memory."""
+    if offload not in OFFLOAD_MODES:
+        raise JaxparError(f"offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    found = _Found()
+    args = (spec_for, machine, global_batch, seq, found)
+    kw = {"precision": precision, "optimizer": optimizer, "pipeline": pipeline,
+          "contexts": contexts, "experts": experts}
+    _search_pass(*args, states=((0.0, False, False),), remats=REMATS, **kw)
+    plain = _Baseline()
+    for est in [*found.best.values(), *found.overflow]:
+        plain.offer(est)
+    overflow = list(found.overflow)
+    if offload == "always" or (offload == "auto" and not found.best):
+        _search_pass(*args, states=offload_lib.STATES, remats=REMATS + offload_lib.REMATS,
+                     skip_plain=True, **kw)
+    # The fastest knobs per mesh, so the ranking compares layouts, not near-twins; of
+    # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
+    # parallelism before none: the same bytes as plain tensor parallelism, less memory).
+    per_mesh: dict[tuple, Estimate] = {}
+    for key, est in found.best.items():
+        mesh_key = key[:2]
+        if mesh_key not in per_mesh or est.step_time_s < per_mesh[mesh_key].step_time_s:
+            per_mesh[mesh_key] = est
+    ranked = _rank(list(per_mesh.values()))
+    if not ranked:  # the leanest plans without offload (with it, host memory may not fit)
+        ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
+    result = SearchResult(ranked[:max(top, 2)], found.evaluated, found.rejected,
+                          {k: b.best for k, b in found.baselines.items()})
+    for est in result.plans:
+        est.notes.update({k: v for k, v in result.baselines.items() if v is not None})
+        cand = est.candidate
+        if cand.offloads and plain.best is not None:
+            est.notes["no_offload"] = plain.best
+        if cand.sequence_parallel and cand.sizes["tensor"] > 1:
+            twin = dataclasses.replace(cand, sequence_parallel=False)
+            est.notes["no_sp"] = estimate(found.specs[cand.sizes["stage"]], machine, twin,
+                                          global_batch, seq)
+    return result
+
+
+def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
+                 seq: int, found: _Found, *, states: Sequence[tuple[float, bool, bool]],
+                 remats: Sequence[str], precision: str, optimizer: str, pipeline: bool,
+                 contexts: Sequence[int] | None, experts: Sequence[int] | None,
+                 skip_plain: bool = False) -> None:
+    """Evaluate every mesh and knob set with each offload setting of ``states``
+    (``(offload_optimizer, host_update, offload_params)``) and each of ``remats``, into
+    ``found``; ``skip_plain`` leaves out what a pass without offload has evaluated."""
     base = spec_for(1)
-    best: dict[tuple, Estimate] = {}
-    overflow: list[Estimate] = []
-    rejected: dict[str, int] = {}
-    baselines = {"context": _Baseline(), "expert": _Baseline()}
-    evaluated = 0
-    specs: dict[int, ModelSpec] = {}
     for ici, dcn in meshes(base, machine, stages=pipeline, seq=seq, global_batch=global_batch,
                            contexts=contexts, experts=experts):
         stages = ici["stage"] * dcn["stage"]
-        if stages not in specs:
-            specs[stages] = spec_for(stages)
-        spec = specs[stages]
+        if stages not in found.specs:
+            found.specs[stages] = spec_for(stages)
+        spec = found.specs[stages]
         dp_max = ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"] * ici["expert"]
         if global_batch % dp_max:
-            rejected["batch not divisible"] = rejected.get("batch not divisible", 0) + 1
+            found.rejected["batch not divisible"] = (
+                found.rejected.get("batch not divisible", 0) + 1)
             continue
         pipe_ms = [stages, 2 * stages, 4 * stages] if stages > 1 else [0]
         for zero in (0, 1, 2, 3):
@@ -204,40 +271,26 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
                 if micro_cap < 1:
                     continue
                 for sp, kind in _knobs(ici):
-                    fitted: dict[str, int] = {}  # remat policy: the microbatches it fitted at
-                    for remat in REMATS:
-                        cap = _undominated_cap(remat, fitted, micro_cap, machine)
-                        if cap < 1:
+                    for opt, host, params in states:
+                        if params and stages > 1:
                             continue
-                        n, mb = _fewest_microbatches(
-                            spec, machine, global_batch, seq, cap, rejected, best,
-                            overflow, baselines, ici=ici, dcn=dcn, zero_stage=zero,
-                            remat=remat, pipeline_microbatches=pm, precision=precision,
-                            optimizer=optimizer, sequence_parallel=sp, context_attention=kind)
-                        evaluated += n
-                        if mb:
-                            fitted[remat] = mb
-    # The fastest knobs per mesh, so the ranking compares layouts, not near-twins; of
-    # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
-    # parallelism before none: the same bytes as plain tensor parallelism, less memory).
-    per_mesh: dict[tuple, Estimate] = {}
-    for key, est in best.items():
-        mesh_key = key[:2]
-        if mesh_key not in per_mesh or est.step_time_s < per_mesh[mesh_key].step_time_s:
-            per_mesh[mesh_key] = est
-    ranked = _rank(list(per_mesh.values()))
-    if not ranked:
-        ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
-    result = SearchResult(ranked[:max(top, 2)], evaluated, rejected,
-                          {k: b.best for k, b in baselines.items()})
-    for est in result.plans:
-        est.notes.update({k: v for k, v in result.baselines.items() if v is not None})
-        cand = est.candidate
-        if cand.sequence_parallel and cand.sizes["tensor"] > 1:
-            twin = dataclasses.replace(cand, sequence_parallel=False)
-            est.notes["no_sp"] = estimate(specs[cand.sizes["stage"]], machine, twin,
-                                          global_batch, seq)
-    return result
+                        fitted: dict[str, int] = {}  # remat policy: microbatches it fitted at
+                        for remat in remats:
+                            if skip_plain and not (opt or params) and remat in REMATS:
+                                continue
+                            cap = _undominated_cap(remat, fitted, micro_cap, machine)
+                            if cap < 1:
+                                continue
+                            n, mb = _fewest_microbatches(
+                                spec, machine, global_batch, seq, cap, found, ici=ici,
+                                dcn=dcn, zero_stage=zero, remat=remat,
+                                pipeline_microbatches=pm, precision=precision,
+                                optimizer=optimizer, sequence_parallel=sp,
+                                context_attention=kind, offload_optimizer=opt,
+                                host_update=host, offload_params=params)
+                            found.evaluated += n
+                            if mb:
+                                fitted[remat] = mb
 
 
 def _undominated_cap(remat: str, fitted: dict[str, int], micro_cap: int,
@@ -246,22 +299,24 @@ def _undominated_cap(remat: str, fitted: dict[str, int], micro_cap: int,
     what it does that fitted at ``k`` microbatches is at least as fast at ``k`` or more
     (the same step plus less recomputation and fewer rerun collectives), so only fewer
     than ``k`` can win. Not on chips that price saved activations apart (``saved_bw``,
-    XLA:CPU), where saving can cost more than recomputing."""
+    XLA:CPU), where saving can cost more than recomputing. Run the policies that save
+    to the host (:data:`jaxpar.planner.offload.REMATS`) last: they cap nothing."""
     if machine.chip.saved_bw:
         return micro_cap
     mine = set(recomputed_parts(remat))
-    lighter = [k for r, k in fitted.items() if set(recomputed_parts(r)) <= mine]
+    # Policies that save to the host pay for transfers: they dominate none.
+    lighter = [k for r, k in fitted.items() if set(recomputed_parts(r)) <= mine
+               and r not in offload_lib.REMATS]
     return min([micro_cap] + [k // 2 for k in lighter])
 
 
 def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
-                         micro_cap: int, rejected: dict[str, int], best: dict[tuple, Estimate],
-                         overflow: list[Estimate], baselines: dict[str, _Baseline], *,
-                         ici: dict[str, int], dcn: dict[str, int], **knobs
-                         ) -> tuple[int, int]:
+                         micro_cap: int, found: _Found, *, ici: dict[str, int],
+                         dcn: dict[str, int], **knobs) -> tuple[int, int]:
     """Evaluate one mesh and knob set at 1, 2, 4, ... microbatches until it fits;
     returns how many candidates were evaluated and the microbatches that fitted (0:
     none did)."""
+    rejected, best, baselines = found.rejected, found.best, found.baselines
     evaluated = 0
     mb = 1
     while mb <= micro_cap:
@@ -280,11 +335,12 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
         if est.fits:
             key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
                    cand.pipeline_microbatches, cand.sequence_parallel,
-                   cand.context_attention)
+                   cand.context_attention, cand.offload_optimizer, cand.host_update,
+                   cand.offload_params)
             best[key] = est
             return evaluated, mb
-        if mb == 1:
-            overflow.append(est)
+        if mb == 1 and not cand.offloads:
+            found.overflow.append(est)
         # Only activations shrink with microbatching; stop when they are already small
         # next to the state.
         mem = est.memory
@@ -399,16 +455,19 @@ def reason(winner: Estimate, runner: Estimate | None) -> str:
     """One line on why ``winner`` beats ``runner``: step time, memory class, and the time
     component that differs most (compute, bubble, or a named collective over ICI/DCN);
     then, when the winner uses them, why context, expert or sequence parallelism
-    (:func:`parallelism_notes`)."""
+    (:func:`parallelism_notes`), and what host offload moves and costs
+    (:func:`jaxpar.planner.offload.offload_note`)."""
     notes = parallelism_notes(winner) if winner.fits else []
+    if winner.fits and winner.candidate.offloads:
+        notes.append(offload_lib.offload_note(winner))
     return "; ".join([_versus(winner, runner), *notes])
 
 
 def _versus(winner: Estimate, runner: Estimate | None) -> str:
-    if runner is None:
-        return "the only plan that fits"
     if not winner.fits:
         return "nothing fits; this plan needs the least memory"
+    if runner is None:
+        return "the only plan that fits"
     gain = 1 - winner.step_time_s / runner.step_time_s if runner.step_time_s else 0.0
     if abs(gain) < 0.005:
         cw, cr = sum(winner.comm_s.values()), sum(runner.comm_s.values())
@@ -430,7 +489,9 @@ def _versus(winner: Estimate, runner: Estimate | None) -> str:
         "bubble": (winner.bubble * winner.step_time_s, runner.bubble * runner.step_time_s,
                    "pipeline bubble"),
     }
-    for key in set(winner.comm_s) | set(runner.comm_s):
+    if winner.candidate.offloads or runner.candidate.offloads:
+        parts["offload"] = (winner.offload_s, runner.offload_s, "exposed host offload time")
+    for key in sorted(set(winner.comm_s) | set(runner.comm_s)):  # ties: a fixed order
         w, r = winner.comm_s.get(key, 0.0), runner.comm_s.get(key, 0.0)
         owner = winner.candidate if w >= r else runner.candidate
         parts[key] = (w, r, f"{key} time over {_where(key, owner)}")
