@@ -41,7 +41,6 @@ from jaxpar.sharding.remat import never_saving
 
 HOST = "pinned_host"
 """The memory kind offloaded state lives in."""
-DEVICE = "device"
 STREAMED = "streamed_weights"
 """The checkpoint name of a streamed layer's device copy: never saved for the backward
 pass (the layer streams it in again), so at most a layer or two are ever on the device."""
@@ -96,11 +95,6 @@ def to_space(tree: Any, space: jax.memory.Space) -> Any:
 def to_device(tree: Any) -> Any:
     """:func:`to_space` to device memory."""
     return to_space(tree, jax.memory.Space.Device)
-
-
-def to_host(tree: Any) -> Any:
-    """:func:`to_space` to host memory."""
-    return to_space(tree, jax.memory.Space.Host)
 
 
 def on_host(fn: Any) -> Any:

@@ -85,7 +85,9 @@ class Trainer:
     f32 master weights, ``state["params"]`` is the compute-dtype working copy and
     ``state["master"]`` the f32 weights the optimizer updates; float16 adds dynamic loss
     scaling in ``state["loss_scale"]``), ``zero_stage`` (which state is split over the
-    data-parallel axes), ``remat`` and ``microbatches`` (gradient accumulation).
+    data-parallel axes), ``remat`` and ``microbatches`` (gradient accumulation), and
+    ``offload_optimizer``, ``host_update`` and ``offload_params`` (state kept in host
+    memory, see :mod:`jaxpar.parallel.offload`).
 
     Args:
       model: the model; typically built with :func:`jaxpar.init_sharded`. The Trainer
@@ -400,7 +402,8 @@ class Trainer:
 
     def memory_report(self, batch: Batch) -> dict[str, Any]:
         """Per-device bytes of parameters, gradients and optimizer state (master weights
-        included), measured from the sharded arrays, beside the ZeRO formula."""
+        included), measured from the sharded arrays, beside the ZeRO formula;
+        ``host_bytes`` is the part of the state kept in host memory (offload)."""
         grads = self.gradients(batch)
         n_params = sum(x.size for x in jax.tree.leaves(self.state["params"]))
         opt_bytes = per_device_bytes(self.state["opt_state"]) + per_device_bytes(
@@ -415,6 +418,7 @@ class Trainer:
                                            self.plan.data_parallel_size, model_parallel),
             "n_params": n_params,
             "left_whole": list(self.zero_left_whole),
+            "host_bytes": offload.host_bytes(self.state)[1],
         }
 
     def global_batch(self, local_rows: Batch) -> Batch:
