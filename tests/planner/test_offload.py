@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import yaml
 
+import jaxpar
 from jaxpar.cli import main
 from jaxpar.errors import JaxparError
 from jaxpar.models import TransformerConfig
@@ -267,3 +268,13 @@ def test_jaxpar_plan_prints_the_offload_plan(capsys, tmp_path):
     written = yaml.safe_load(out.read_text())["plan"]
     assert written["offload_optimizer"] == 1.0
     assert "host_update" in written and "offload_params" in written
+    config = jaxpar.load_config(str(out))  # a run config jaxpar train accepts
+    assert config.plan.offload_optimizer == 1.0
+
+
+def test_jaxpar_plan_offload_never_finds_nothing_for_70b(capsys):
+    assert main(["plan", "--model", "configs/llama-70b.yaml", "--chips", "h100:8",
+                 "--global-batch", "8", "--seq", "4096", "--offload", "never",
+                 "model.vocab_size=128256"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxpar: error: no plan fits") and "\n" not in err
