@@ -29,7 +29,8 @@ from jaxpar.sharding.precision import Policy
 from jaxpar.sharding.rules import Rules
 
 KNOB_NAMES = ["precision", "zero_stage", "remat", "microbatches", "annotations", "layouts",
-              "sequence_parallel", "context_attention", "context_balance"]
+              "sequence_parallel", "context_attention", "context_balance", "offload_optimizer",
+              "host_update", "offload_params"]
 ACT_RULES = Rules([("batch", "data"), ("seq", None), ("embed", "tensor")])
 PARAM_RULES = Rules([("embed", "tensor"), ("mlp", "data")])
 
@@ -87,7 +88,8 @@ def test_check_knob_parses_precision_text():
     ("precision", "c=fp8", "plan.precision",
      "plan.precision: bad precision policy part 'c=fp8'"),
     ("zero_stage", 4, None, "zero_stage=4: choose one of [0, 1, 2, 3]"),
-    ("remat", "sometimes", "plan.remat", "plan.remat='sometimes': choose one of ['none', 'full'"),
+    ("remat", "sometimes", "plan.remat",
+     "plan.remat='sometimes': choose one of ['dots_saveable', 'dots_with_no_batch_dims"),
     ("microbatches", 0, "plan.microbatches", "plan.microbatches=0: must be at least 1"),
     ("layouts", "blocks", None, "layouts='blocks': give a list of [target, [names]] pairs"),
     ("context_attention", "star", None,
