@@ -35,6 +35,7 @@ from jaxpar.parallel import context as context_lib
 from jaxpar.parallel import loss as loss_lib
 from jaxpar.parallel import offload
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import schedules as schedules_lib
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.plan import constrain, current_plan
 
@@ -234,10 +235,13 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Llama-style decoder: token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
 
-    With ``pipeline=Schedule(stages, microbatches, repeats)`` the decoder layers are stored
-    in the pipeline layout (leading ``("repeat", "stage")`` axes, see
-    :mod:`jaxpar.pipeline`) and run as a (circular) pipeline; the weights are initialised
-    exactly as without it, so the same seed gives the same model.
+    With ``pipeline=Schedule(...)`` the decoder layers are stored in the pipeline layout
+    (leading ``("repeat", "stage")`` axes, see :mod:`jaxpar.parallel.pipeline`) and run as
+    a pipeline: the forward pass always as GPipe or circular vectorised stages, the
+    training loss (:meth:`next_token_loss`) of a ``1f1b`` or ``interleaved_1f1b``
+    schedule by that schedule, backward pass included (:mod:`jaxpar.parallel.schedules`).
+    The weights are initialised exactly as without it, so the same seed gives the same
+    model.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
@@ -252,8 +256,9 @@ class Transformer(nnx.Module):
                                   "context parallelism")
             if pipeline is not None and pipeline.layers != cfg.n_layers:
                 raise JaxparError(
-                    f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats = "
-                    f"{pipeline.stages} x {pipeline.repeats}"
+                    f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats x "
+                    f"layers per stage = {pipeline.stages} x {pipeline.repeats} x "
+                    f"{pipeline.layers_per_stage}"
                 )
             self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
                                 ("vocab", "embed"))
@@ -266,7 +271,8 @@ class Transformer(nnx.Module):
 
             self.blocks = make_blocks(rngs)
             if pipeline is not None:
-                self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages)
+                self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages,
+                                                           pipeline.layers_per_stage)
                 self.pipeline_schedule = pipeline
             self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs,
                                       offset=cfg.norm_offset)
@@ -309,7 +315,8 @@ class Transformer(nnx.Module):
         if schedule is not None:
             return pipeline_lib.pipeline_module(
                 self.blocks, x, lambda block, h: call(block, h, sin, cos),
-                microbatches=schedule.microbatches, act_names=RESIDUAL), {}
+                microbatches=schedule.microbatches, act_names=RESIDUAL,
+                layers_per_stage=schedule.layers_per_stage), {}
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, layer_state):
@@ -408,6 +415,9 @@ class Transformer(nnx.Module):
         full-logits loss does. A mixture-of-experts model returns ``(loss, metrics)``: the
         loss includes the weighted router losses, the metrics hold the router statistics
         averaged over layers and ``moe_aux_loss``, their weighted sum."""
+        schedule = getattr(self, "pipeline_schedule", None)
+        if schedule is not None and schedule.backward_in_schedule:
+            return self._scheduled_loss(tokens, schedule)
         chunk = self.config.loss_chunk
         head = self.unembedding() if chunk else None
         if head is None and not self.config.n_experts:
@@ -425,3 +435,47 @@ class Transformer(nnx.Module):
         metrics = {name: value / self.config.n_layers for name, value in aux.items()}
         metrics["moe_aux_loss"] = moe_lib.aux_loss(metrics, self.config)
         return loss + metrics["moe_aux_loss"], metrics
+
+    def _scheduled_loss(self, tokens: jax.Array, schedule: pipeline_lib.Schedule
+                        ) -> jax.Array:
+        """:meth:`next_token_loss` under a 1F1B schedule: embedding here, the decoder layers
+        by the schedule over the plan's ``stage`` axis, final norm, head and loss on the
+        last stage, microbatch by microbatch; its gradient is the schedule's."""
+        plan = current_plan()
+        if plan is None or plan.mesh.shape.get(pipeline_lib.STAGE, 1) != schedule.stages:
+            raise JaxparError(f"schedule {schedule.kind} runs under a plan whose mesh has "
+                              f"stage={schedule.stages}")
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if inputs.shape[1] > self.config.max_seq_len:
+            raise JaxparError(f"sequence length {inputs.shape[1]} exceeds "
+                              f"model.max_seq_len={self.config.max_seq_len}")
+        cfg, chunk, out_dtype = self.config, self.config.loss_chunk, plan.precision.output
+        call = self._block_call(None) or (lambda block, h, s, c: block(h, s, c))
+        blocks_def, blocks = nnx.split(self.blocks)
+        norm_def, norm = nnx.split(self.final_norm)
+        head_def, head = (None, self.embed[...]) if cfg.tie_embeddings else nnx.split(
+            self.lm_head)
+
+        def layer(layer_state, h):
+            # RoPE tables are built where they are used: nothing is closed over.
+            sin, cos = rotary_tables(h.shape[1], cfg.head_dim, freqs=rope_frequencies(cfg))
+            return call(nnx.merge(blocks_def, layer_state), h, sin, cos)
+
+        def head_loss(params, y, t):
+            x = nnx.merge(norm_def, params[0])(y)
+            w = params[1]
+            if chunk:
+                kernel = w.T if head_def is None else nnx.merge(head_def, w)
+                if head_def is not None and type(kernel) is nnx.Linear:
+                    kernel = kernel.kernel[...]
+                return loss_lib.chunked_cross_entropy(x, kernel, t, chunk=chunk,
+                                                      dtype=out_dtype)
+            logits = (jnp.einsum("bse,ve->bsv", x, w.astype(x.dtype)) if head_def is None
+                      else nnx.merge(head_def, w)(x))
+            return loss_lib.cross_entropy(logits, t)
+
+        loss = schedules_lib.pipelined_loss(
+            layer, head_loss, mesh=plan.mesh, schedule=schedule.kind,
+            microbatches=schedule.microbatches, virtual=schedule.repeats,
+            stage_axis=pipeline_lib.STAGE)
+        return loss(blocks, (norm, head), self.embed_tokens(inputs), targets)

@@ -52,7 +52,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array,
         targets = constrain(targets, ("batch", "seq"))
         if mask is not None:
             mask = constrain(jnp.asarray(mask), ("batch", "seq"))
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(out_dtype), targets)
+    logits = logits.astype(out_dtype)
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        # Inside shard_map (a pipeline stage) XLA cannot partition the label gather over
+        # the automatic axes: pick the target logit by a mask instead.
+        nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets)
+    else:
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mask is None:
         return nll.mean()
     mask = jnp.asarray(mask).astype(nll.dtype)

@@ -1,7 +1,8 @@
 """Pipeline parallelism as vectorized stages, the GSPMD way.
 
 A stack of identical blocks is stored with two leading axes, ``(repeat, stage, ...)``,
-named ``("repeat", "stage", ...)``: layer ``r * S + s`` lives at ``[r, s]``. The ``stage``
+named ``("repeat", "stage", ...)``: layer ``r * S + s`` lives at ``[r, s]`` (with ``L``
+layers per stage, layer ``(c * S + s) * L + j`` at ``[c * L + j, s]``). The ``stage``
 dimension is sharded over the ``stage`` mesh axis by the parameter rules, so each device
 holds only the layers of its own stages, and the same storage layout serves training,
 checkpoints and inspection; no weight ever moves between stages.
@@ -24,6 +25,11 @@ is ``(S - 1) / (R * M + S - 1)`` instead of GPipe's ``(S - 1) / (M + S - 1)``.
 
 Bubble iterations compute on zeros (or on stale values) whose results are never read;
 their gradients are exactly zero. Embedding and head stay outside the pipeline.
+
+Here ``jax.grad`` runs the backward pass over the whole forward loop, so every stage keeps
+its activations of all ``M`` microbatches; the ``1f1b`` and ``interleaved_1f1b`` kinds of
+:class:`Schedule` (run by :mod:`jaxpar.parallel.schedules`, on the same storage layout)
+keep about ``S``.
 """
 
 from __future__ import annotations
@@ -47,10 +53,18 @@ DEFAULT_ACT_NAMES: tuple[str, ...] = ("batch", "seq", "embed")
 
 
 # --- Schedule and reporting ----------------------------------------------------------------
+KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+"""Pipeline schedules: ``gpipe`` and ``circular`` run the forward pass here and let
+``jax.grad`` run it backwards; ``1f1b`` and ``interleaved_1f1b`` run forward and backward
+tick by tick (:mod:`jaxpar.parallel.schedules`)."""
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """Theoretical fraction of idle stage-iterations: ``(S - 1) / (R * M + S - 1)``.
 
-    ``repeats=1`` is GPipe's ``(S - 1) / (M + S - 1)``.
+    ``repeats=1`` is GPipe's ``(S - 1) / (M + S - 1)``. Every schedule here has this
+    bubble (1F1B moves work, not idle time); Megatron states it as idle over busy time,
+    ``(S - 1) / (R * M)``.
     """
     _check_positive(stages=stages, microbatches=microbatches, repeats=repeats)
     return (stages - 1) / (repeats * microbatches + stages - 1)
@@ -59,12 +73,7 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 def describe_schedule(stages: int, microbatches: int, repeats: int = 1) -> str:
     """One line for logs and the CLI, e.g.
     ``pipeline: S=2 stages x R=2 repeats, M=4 microbatches, 9 iterations, bubble 11.1%``."""
-    sched = Schedule(stages, microbatches, repeats)
-    kind = "circular, " if repeats > 1 else ""
-    buffered = ", buffered" if repeats > 1 and microbatches > stages else ""
-    return (f"pipeline: S={stages} stages x R={repeats} repeats, M={microbatches} "
-            f"microbatches ({kind}{sched.iterations} iterations{buffered}), "
-            f"bubble {100 * sched.bubble:.1f}%")
+    return Schedule(stages, microbatches, repeats).describe()
 
 
 def _check_positive(**sizes: int) -> None:
@@ -75,57 +84,93 @@ def _check_positive(**sizes: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule: ``stages`` (S), ``microbatches`` (M), ``repeats`` (R).
+    """A pipeline schedule: ``stages`` (S), ``microbatches`` (M), ``repeats`` (R), the
+    schedule ``kind`` and ``layers_per_stage`` (L, layers in each of a stage's chunks).
 
-    The model has ``S * R`` layers; layer ``r * S + s`` is stage ``s``'s ``r``-th layer.
-    ``R > 1`` (circular) needs ``M >= S``, since a microbatch must leave the last stage
-    before stage 0 needs it for its next repeat. ``S`` must be a multiple of the mesh's
-    ``stage`` axis (each device then runs ``S / mesh.stage`` stages).
+    The model has ``S * R * L`` layers. A stage holds ``R`` chunks of ``L`` consecutive
+    layers: chunk ``c`` of stage ``s`` is layers ``(c * S + s) * L ... + L - 1``, so with
+    ``R > 1`` (``circular``, ``interleaved_1f1b``) a microbatch goes round the stages ``R``
+    times. ``kind`` defaults to ``circular`` when ``R > 1``, else ``gpipe``; ``gpipe`` and
+    ``1f1b`` take ``R = 1``. ``R > 1`` needs ``M >= S`` (a microbatch must leave the last
+    stage before stage 0 needs it again), ``interleaved_1f1b`` ``M`` a multiple of ``S``.
     """
 
     stages: int
     microbatches: int
     repeats: int = 1
+    kind: str = ""
+    layers_per_stage: int = 1
 
     def __post_init__(self) -> None:
         _check_positive(stages=self.stages, microbatches=self.microbatches,
-                        repeats=self.repeats)
+                        repeats=self.repeats, layers_per_stage=self.layers_per_stage)
+        if not self.kind:
+            object.__setattr__(self, "kind", "circular" if self.repeats > 1 else "gpipe")
+        if self.kind not in KINDS:
+            raise JaxparError(f"pipeline.schedule={self.kind!r}: choose one of "
+                              f"{', '.join(KINDS)}")
+        if self.kind in ("gpipe", "1f1b") and self.repeats != 1:
+            other = "circular" if self.kind == "gpipe" else "interleaved_1f1b"
+            raise JaxparError(f"pipeline.schedule={self.kind} runs one chunk per stage, got "
+                              f"repeats={self.repeats}; use {other} or repeats=1")
         if self.repeats > 1 and self.microbatches < self.stages:
             raise JaxparError(
                 f"a circular pipeline (repeats={self.repeats}) needs microbatches >= stages, "
                 f"got microbatches={self.microbatches} < stages={self.stages}; raise "
                 f"pipeline.microbatches or use repeats=1"
             )
+        if self.kind == "interleaved_1f1b" and self.microbatches % self.stages:
+            raise JaxparError(f"pipeline.schedule=interleaved_1f1b needs microbatches "
+                              f"divisible by stages, got microbatches={self.microbatches}, "
+                              f"stages={self.stages}")
 
     @classmethod
     def for_model(cls, n_layers: int, stages: int, microbatches: int = 0,
-                  repeats: int = 0) -> Schedule:
+                  repeats: int = 0, layers_per_stage: int = 0, kind: str = ""
+                  ) -> Schedule:
         """The schedule for a model of ``n_layers`` on ``stages`` stages, filling defaults.
 
-        ``repeats=0`` means ``n_layers // stages`` (the deepest circular schedule the model
-        allows, the smallest bubble); ``microbatches=0`` means one per stage (``M = S``).
+        ``microbatches=0`` means one per stage (``M = S``). ``kind`` ``""`` means
+        ``circular``. For ``gpipe`` and ``1f1b``, ``layers_per_stage=0`` means all of a
+        stage's ``n_layers / stages``; for ``circular`` and ``interleaved_1f1b`` it means 1
+        and ``repeats=0`` as many repeats as the layers allow (the smallest bubble).
 
         Raises:
-          JaxparError: when ``n_layers`` is not ``stages * repeats``.
+          JaxparError: when ``n_layers`` is not ``stages * repeats * layers_per_stage``.
         """
         _check_positive(n_layers=n_layers, stages=stages)
+        kind = kind or "circular"
         if n_layers % stages:
             raise JaxparError(f"model.n_layers={n_layers} is not divisible by "
                               f"{stages} pipeline stages (mesh.stage)")
-        repeats = repeats or n_layers // stages
-        if stages * repeats != n_layers:
-            raise JaxparError(f"model.n_layers={n_layers} must equal stages x repeats = "
-                              f"{stages} x {repeats}; set pipeline.repeats={n_layers // stages}")
-        return cls(stages, microbatches or stages, repeats)
+        per_stage = n_layers // stages
+        if kind in ("gpipe", "1f1b"):
+            repeats = repeats or 1
+            layers_per_stage = layers_per_stage or per_stage // repeats
+        else:
+            layers_per_stage = layers_per_stage or 1
+            repeats = repeats or max(per_stage // layers_per_stage, 1)
+        if stages * repeats * layers_per_stage != n_layers:
+            raise JaxparError(
+                f"model.n_layers={n_layers} must equal stages x repeats x layers_per_stage = "
+                f"{stages} x {repeats} x {layers_per_stage} (pipeline.schedule={kind}); "
+                f"pick pipeline.repeats x pipeline.layers_per_stage = {per_stage}")
+        return cls(stages, microbatches or stages, repeats, kind, layers_per_stage)
 
     @property
     def layers(self) -> int:
-        """Number of layers the schedule runs: ``S * R``."""
-        return self.stages * self.repeats
+        """Number of layers the schedule runs: ``S * R * L``."""
+        return self.stages * self.repeats * self.layers_per_stage
+
+    @property
+    def backward_in_schedule(self) -> bool:
+        """Whether the schedule runs the backward pass itself (1F1B and interleaved)."""
+        return self.kind in ("1f1b", "interleaved_1f1b")
 
     @property
     def iterations(self) -> int:
-        """Pipeline iterations: ``R * M + S - 1``."""
+        """Pipeline iterations of the forward pass: ``R * M + S - 1`` (the 1F1B schedules
+        run twice as many ticks, a forward and a backward slot each)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
@@ -133,9 +178,38 @@ class Schedule:
         """See :func:`bubble_fraction`."""
         return bubble_fraction(self.stages, self.microbatches, self.repeats)
 
+    @property
+    def in_flight(self) -> int:
+        """Most (microbatch, chunk) activations a stage keeps at once for its backward
+        pass: all ``R * M`` under gpipe and circular, ``min(M, S)`` under 1F1B, about
+        ``(R + 1) * S`` interleaved."""
+        if not self.backward_in_schedule:
+            return self.repeats * self.microbatches
+        m, p, v = self.microbatches, self.stages, self.repeats
+        return min(m, p) if v == 1 else min(m * v, (v + 1) * p - 1)
+
+    def position(self, layer: int) -> tuple[int, int]:
+        """Where layer ``layer`` is stored in the pipeline layout: ``(row, stage)``."""
+        chunk, j = divmod(layer, self.layers_per_stage)
+        c, s = divmod(chunk, self.stages)
+        return c * self.layers_per_stage + j, s
+
+    def layer_at(self, row: int, stage: int) -> int:
+        """Inverse of :meth:`position`: the layer stored at ``[row, stage]``."""
+        c, j = divmod(row, self.layers_per_stage)
+        return (c * self.stages + stage) * self.layers_per_stage + j
+
     def describe(self) -> str:
-        """See :func:`describe_schedule`."""
-        return describe_schedule(self.stages, self.microbatches, self.repeats)
+        """One line for logs and the CLI: sizes, ticks, bubble and activations kept."""
+        layers = f" x L={self.layers_per_stage} layers" if self.layers_per_stage > 1 else ""
+        buffered = (", buffered" if self.kind == "circular" and self.microbatches > self.stages
+                    else "")
+        steps = (f"{2 * self.iterations} ticks" if self.backward_in_schedule
+                 else f"{self.iterations} iterations")
+        return (f"pipeline {self.kind}: S={self.stages} stages x R={self.repeats} repeats"
+                f"{layers}, M={self.microbatches} microbatches ({steps}{buffered}), "
+                f"bubble {100 * self.bubble:.1f}%, {self.in_flight} activations in flight "
+                "per stage")
 
 
 # --- Storage layout: ("layers", ...) <-> ("repeat", "stage", ...) --------------------------
@@ -153,19 +227,40 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def to_pipeline_layout(tree: Any, stages: int) -> Any:
+def stack_layers(value: Any, stages: int, layers_per_stage: int = 1) -> Any:
+    """One array ``(n, ...)`` of stacked layers in the pipeline layout
+    ``(n // stages, stages, ...)``: layer ``(c * S + s) * L + j`` at ``[c * L + j, s]``
+    (:meth:`Schedule.position`); a pure reshape when ``L = 1``."""
+    n, L = value.shape[0], layers_per_stage
+    if L == 1:
+        return value.reshape(n // stages, stages, *value.shape[1:])
+    value = value.reshape(n // (stages * L), stages, L, *value.shape[1:]).swapaxes(1, 2)
+    return value.reshape(n // stages, stages, *value.shape[3:])
+
+
+def unstack_layers(value: Any, layers_per_stage: int = 1) -> Any:
+    """Inverse of :func:`stack_layers`: ``(rows, stages, ...)`` -> ``(layers, ...)``."""
+    rows, stages, L = value.shape[0], value.shape[1], layers_per_stage
+    if L > 1:
+        value = value.reshape(rows // L, L, stages, *value.shape[2:]).swapaxes(1, 2)
+    return value.reshape(rows * stages, *value.shape[(3 if L > 1 else 2):])
+
+
+def to_pipeline_layout(tree: Any, stages: int, layers_per_stage: int = 1) -> Any:
     """Restack every variable whose leading logical axis is ``"layers"`` as (repeat, stage).
 
     ``tree`` is any pytree of ``nnx.Variable`` s (an ``nnx.State`` of a model, its
-    gradients, optimizer state built from it). A variable shaped ``(L, ...)`` named
-    ``("layers", ...)`` becomes ``(L // stages, stages, ...)`` named
-    ``("repeat", "stage", ...)``; layer ``r * stages + s`` lands at ``[r, s]``, so this is a
-    pure reshape. Variables without a leading ``"layers"`` axis are returned unchanged.
+    gradients, optimizer state built from it). A variable shaped ``(n, ...)`` named
+    ``("layers", ...)`` becomes ``(n // stages, stages, ...)`` named
+    ``("repeat", "stage", ...)`` by :func:`stack_layers` (with ``layers_per_stage`` 1,
+    layer ``r * stages + s`` lands at ``[r, s]``: a pure reshape). Variables without a
+    leading ``"layers"`` axis are returned unchanged.
 
     Raises:
-      JaxparError: when a stacked variable's layer count is not a multiple of ``stages``.
+      JaxparError: when a stacked variable's layer count is not a multiple of
+        ``stages * layers_per_stage``.
     """
-    _check_positive(stages=stages)
+    _check_positive(stages=stages, layers_per_stage=layers_per_stage)
 
     def one(path, variable):
         if not _is_variable(variable):
@@ -174,18 +269,18 @@ def to_pipeline_layout(tree: Any, stages: int) -> Any:
         if not names or names[0] != LAYERS:
             return variable
         value = variable.get_value()
-        if value.shape[0] % stages:
+        if value.shape[0] % (stages * layers_per_stage):
             raise JaxparError(
                 f"{jax.tree_util.keystr(path)} stacks {value.shape[0]} layers, not a multiple "
-                f"of {stages} pipeline stages"
+                f"of {stages} pipeline stages x {layers_per_stage} layers per stage"
             )
-        value = value.reshape(value.shape[0] // stages, stages, *value.shape[1:])
+        value = stack_layers(value, stages, layers_per_stage)
         return _renamed(variable, value, (REPEAT, STAGE, *names[1:]))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
 
 
-def from_pipeline_layout(tree: Any) -> Any:
+def from_pipeline_layout(tree: Any, layers_per_stage: int = 1) -> Any:
     """Inverse of :func:`to_pipeline_layout`: ``("repeat", "stage", ...)`` -> ``("layers", ...)``.
 
     Use it to compare with, or to save a checkpoint for, an unpipelined model.
@@ -197,17 +292,17 @@ def from_pipeline_layout(tree: Any) -> Any:
         names = logical_names(variable)
         if not names or tuple(names[:2]) != (REPEAT, STAGE):
             return variable
-        value = variable.get_value()
-        value = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
+        value = unstack_layers(variable.get_value(), layers_per_stage)
         return _renamed(variable, value, (LAYERS, *names[2:]))
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
-def relayout_module(module: nnx.Module, stages: int) -> nnx.Module:
+def relayout_module(module: nnx.Module, stages: int, layers_per_stage: int = 1
+                    ) -> nnx.Module:
     """A copy of ``module`` (e.g. an ``nnx.vmap``-stacked block) in the pipeline layout."""
     graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, to_pipeline_layout(state, stages))
+    return nnx.merge(graphdef, to_pipeline_layout(state, stages, layers_per_stage))
 
 
 # --- The transform ------------------------------------------------------------------------
@@ -221,8 +316,9 @@ def pipeline(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
+    layers_per_stage: int = 1,
 ) -> jax.Array:
-    """Apply ``R * S`` stacked layers to ``x`` as an ``S``-stage, ``M``-microbatch pipeline.
+    """Apply ``R * S * L`` stacked layers to ``x`` as an ``S``-stage, ``M``-microbatch pipeline.
 
     Numerically it equals applying layers ``0, 1, ..., R*S - 1`` in order to every row of
     ``x`` (``fn(layer_params, h)`` each time), but the layers of different stages run at
@@ -232,7 +328,8 @@ def pipeline(
       fn: ``fn(layer_params, h) -> h`` for one layer; ``h`` is one microbatch, shaped like
         ``x`` with a smaller leading (batch) dimension. Its output is cast to ``x.dtype``,
         the dtype of the pipeline's activation buffers.
-      params: pytree whose leaves are shaped ``(R, S, ...)`` (see :func:`to_pipeline_layout`).
+      params: pytree whose leaves are shaped ``(R * L, S, ...)`` (see
+        :func:`to_pipeline_layout`).
       x: the input, ``(batch, ...)``; ``batch`` must be divisible by ``microbatches``.
       microbatches: ``M``; for ``R > 1`` at least ``S``.
       act_names: logical names of one microbatch's dimensions (``("batch", "seq",
@@ -242,6 +339,8 @@ def pipeline(
         with ``remat_policy`` if given.
       unroll: passed to ``lax.scan`` over the iterations (``True`` unrolls fully, which lets
         XLA's cost analysis count every iteration).
+      layers_per_stage: ``L``, the layers each stage applies (one after the other) to a
+        microbatch per iteration.
 
     Returns:
       The output, shaped like ``x``.
@@ -252,8 +351,12 @@ def pipeline(
     if any(leaf.ndim < 2 or leaf.shape[:2] != leaves[0].shape[:2] for leaf in leaves):
         shapes = sorted({tuple(leaf.shape) for leaf in leaves})
         raise JaxparError(f"pipeline params must all lead with (repeat, stage), got {shapes}")
-    repeats, stages = (int(d) for d in leaves[0].shape[:2])
-    sched = Schedule(stages, microbatches, repeats)
+    rows, stages = (int(d) for d in leaves[0].shape[:2])
+    if rows % layers_per_stage:
+        raise JaxparError(f"pipeline params lead with {rows} rows, not a multiple of "
+                          f"layers_per_stage={layers_per_stage}")
+    repeats = rows // layers_per_stage
+    sched = Schedule(stages, microbatches, repeats, layers_per_stage=layers_per_stage)
     names = tuple(act_names)
     if len(names) != x.ndim:
         raise JaxparError(f"act_names {names} do not match the input's shape {x.shape}")
@@ -272,6 +375,10 @@ def pipeline(
     stage_ids = jnp.arange(stages)
 
     def stage_step(stage_params, repeat, h):
+        if layers_per_stage > 1:  # this repeat's L layers, one after the other
+            chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(
+                a, repeat * layers_per_stage, layers_per_stage, 0), stage_params)
+            return jax.lax.scan(lambda h, lp: (fn(lp, h).astype(h.dtype), None), h, chunk)[0]
         if repeats > 1:
             layer = jax.tree.map(
                 lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False),
@@ -326,6 +433,7 @@ def pipeline_module(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     unroll: int | bool = 1,
+    layers_per_stage: int = 1,
 ) -> jax.Array:
     """:func:`pipeline` over an NNX module stacked in the pipeline layout.
 
@@ -341,4 +449,4 @@ def pipeline_module(
         return call(nnx.merge(graphdef, layer_state), h)
 
     return pipeline(fn, state, x, microbatches=microbatches, act_names=act_names, remat=remat,
-                    remat_policy=remat_policy, unroll=unroll)
+                    remat_policy=remat_policy, unroll=unroll, layers_per_stage=layers_per_stage)

@@ -228,7 +228,10 @@ class Plan:
 
     def place(self, x: Any, sharding: Any) -> Any:
         """Put ``x`` (an array or pytree) in ``sharding`` inside traced code:
-        ``with_sharding_constraint`` on an ``Auto`` mesh, ``reshard`` on an explicit one."""
+        ``with_sharding_constraint`` on an ``Auto`` mesh, ``reshard`` on an explicit one.
+        Inside ``shard_map`` (a pipeline schedule's stage) the sharding is restated on the
+        context's mesh, whose mapped axes are manual."""
+        sharding = _on_context_mesh(sharding)
         if self.explicit:
             return jax.sharding.reshard(x, sharding)
         return jax.lax.with_sharding_constraint(x, sharding)
@@ -301,6 +304,16 @@ def batch_names(ndim: int) -> tuple[str | None, ...]:
 def current_plan() -> Plan | None:
     """The plan activated by the innermost ``plan.activate()``, or None."""
     return _ACTIVE.get()
+
+
+def _on_context_mesh(sharding: Any) -> Any:
+    """``sharding`` (a pytree of them) on the abstract mesh of the enclosing
+    ``shard_map``, when there is one with manual axes; unchanged otherwise."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return sharding
+    return jax.tree.map(lambda s: NamedSharding(context, s.spec)
+                        if isinstance(s, NamedSharding) else s, sharding)
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
