@@ -206,7 +206,8 @@ class Checkpointer:
                 "data": {"position": step, "seed": seed,
                          "global_batch": config.train.global_batch if config else None},
                 "processes": jax.process_count(), "devices": mesh.size,
-                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage}
+                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage,
+                "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule)}
         state = nest(_keys_as_data(flat_paths(trainer.state)))
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
@@ -332,7 +333,7 @@ class Checkpointer:
         return dict(out[name] or {})
 
     def read(self, step: int, target: Mapping[str, Any], what: str = "",
-             partial: bool = False, stages: int = 1
+             partial: bool = False, stages: int = 1, layers_per_stage: int = 1
              ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """Read the arrays at ``target``'s paths from checkpoint ``step`` into ``target``'s
         shapes, dtypes and shardings; returns them and the checkpoint's ``meta``.
@@ -342,7 +343,8 @@ class Checkpointer:
           JaxparError: when shapes or paths do not match (``partial``: extra paths in the
             checkpoint are fine).
 
-        ``stages``: pipeline stages of ``target``'s layout of stacked layers.
+        ``stages``, ``layers_per_stage``: how ``target``'s stacked layers are laid out
+        (:class:`jaxpar.parallel.pipeline.Schedule`).
         """
         saved = self.saved_shapes(step)
         meta = self.meta(step)
@@ -350,7 +352,8 @@ class Checkpointer:
         if partial:
             saved = {k: v for k, v in saved.items() if k in target}
         abstract, fixes = match(saved, target, what or f"checkpoint {self.path(step)}",
-                                (saved_stages, stages))
+                                (saved_stages, stages),
+                                (int(meta.get("layers_per_stage", 1)), layers_per_stage))
         item = nest(abstract)
         args = ocp.args.PyTreeRestore(item=item, partial_restore=partial,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(item))
@@ -398,7 +401,8 @@ class Checkpointer:
     def _restore_step(self, trainer: Any, step: int) -> dict[str, Any]:
         target = flat_paths(trainer.state)
         values, meta = self.read(step, _keys_as_data(target),
-                                 stages=trainer.plan.mesh.shape["stage"])
+                                 stages=trainer.plan.mesh.shape["stage"],
+                                 layers_per_stage=_layers_per_stage(trainer.pipeline_schedule))
         for k, leaf in target.items():  # typed PRNG keys were stored as their key data
             if _is_key(leaf):
                 values[k] = jax.random.wrap_key_data(values[k], impl=jax.random.key_impl(leaf))
@@ -443,6 +447,10 @@ def read_only(source: str | Path) -> Checkpointer:
     return reader
 
 
+def _layers_per_stage(schedule: Any) -> int:
+    return schedule.layers_per_stage if schedule is not None else 1
+
+
 def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
                  variables: Any = nnx.Param) -> int:
     """Overwrite ``model``'s ``nnx.Param`` s with those of the newest readable checkpoint in
@@ -452,7 +460,8 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
     Float32 master weights are preferred to a half-precision working copy when the
     checkpoint has both. Use it before wrapping the model with LoRA (or, to load a LoRA
     run's adapters too, after wrapping it the same way). ``stages``: pipeline stages
-    ``model``'s stacked layers are laid out for. ``variables``: an ``nnx`` filter of the
+    ``model``'s stacked layers are laid out for (a model with a ``pipeline_schedule`` says
+    itself). ``variables``: an ``nnx`` filter of the
     variables to overwrite (default the ``nnx.Param`` s).
 
     Raises:
@@ -467,6 +476,8 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
             raise JaxparError(f"init_from: no complete checkpoint in {directory}")
         state = nnx.state(model, variables)
         wanted = flat_paths(state)
+        schedule = getattr(model, "pipeline_schedule", None)
+        stages = schedule.stages if schedule is not None else stages
         for step in reversed(steps):
             try:
                 saved = reader.saved_shapes(step)
@@ -474,6 +485,7 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
                                   if f"{g}/{k}" in saved), f"params/{k}") for k in wanted}
                 target = {names[k]: v for k, v in wanted.items()}
                 values, _ = reader.read(step, target, partial=True, stages=stages,
+                                        layers_per_stage=_layers_per_stage(schedule),
                                         what=f"init_from checkpoint {reader.path(step)}")
             except CorruptCheckpoint as e:
                 warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,

@@ -11,6 +11,7 @@ convert stacked layers between the plain ``(layers, ...)`` layout and the pipeli
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel import pipeline
 from jaxpar.sharding.paths import key_str
 
 
@@ -70,6 +72,15 @@ def _stack_lead(have: tuple, want: tuple, stages_have: int, stages_want: int
     return ks, kw
 
 
+def _restack(x: jax.Array, *, unstack: bool, stack: bool, stages: int, have_layers: int,
+             want_layers: int) -> jax.Array:
+    """Stacked layers from the checkpoint's layout to the target's (through plain
+    ``(layers, ...)``)."""
+    if unstack:
+        x = pipeline.unstack_layers(x, have_layers)
+    return pipeline.stack_layers(x, stages, want_layers) if stack else x
+
+
 def _prod(shape: tuple) -> int:
     n = 1
     for d in shape:
@@ -83,13 +94,14 @@ def _listing(items: list[str], limit: int = 10) -> str:
 
 
 def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
-          stages: tuple[int, int] = (1, 1)
+          stages: tuple[int, int] = (1, 1), layers_per_stage: tuple[int, int] = (1, 1)
           ) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, Callable]]:
     """Abstract arrays to read for every ``target`` path, and reshapes to apply after.
 
     ``saved`` maps paths to stored shapes; ``target`` maps paths to arrays (or abstract
     arrays) carrying the wanted shape, dtype and sharding. ``stages``: pipeline stages the
-    checkpoint and the target were laid out for (stacked layers are converted).
+    checkpoint and the target were laid out for, and ``layers_per_stage`` of each (stacked
+    layers are converted: :func:`jaxpar.parallel.pipeline.stack_layers`).
 
     Raises:
       JaxparError: listing every path whose shape differs, is missing from the
@@ -103,10 +115,11 @@ def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
             continue
         have, want = tuple(saved[key]), tuple(leaf.shape)
         sharding = getattr(leaf, "sharding", None)
-        if have == want:
+        lead = _stack_lead(have, want, *stages)
+        if have == want and (lead is None or layers_per_stage[0] == layers_per_stage[1]
+                             or stages[0] != stages[1]):
             abstract[key] = jax.ShapeDtypeStruct(want, leaf.dtype, sharding=sharding)
             continue
-        lead = _stack_lead(have, want, *stages)
         if lead is None:
             wrong.append(f"{key}: checkpoint {have}, expected {want}")
             continue
@@ -116,7 +129,10 @@ def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
         mid = (NamedSharding(sharding.mesh, PartitionSpec(*((None,) * ks + spec[kw:])))
                if isinstance(sharding, NamedSharding) else sharding)
         abstract[key] = jax.ShapeDtypeStruct(have, leaf.dtype, sharding=mid)
-        fixes[key] = jax.jit(lambda x, want=want: x.reshape(want), out_shardings=sharding)
+        fixes[key] = jax.jit(functools.partial(
+            _restack, unstack=ks == 2, stack=kw == 2, stages=stages[1],
+            have_layers=layers_per_stage[0], want_layers=layers_per_stage[1]),
+            out_shardings=sharding)
     problems = []
     wrong.sort(key=lambda w: w.startswith("opt_state"))  # model weights first
     if wrong:

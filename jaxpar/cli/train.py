@@ -9,8 +9,7 @@ from pathlib import Path
 import jax
 
 from jaxpar.config.schema import Config, load_config
-from jaxpar.config.validate import check_config
-from jaxpar.parallel.pipeline import Schedule
+from jaxpar.config.validate import check_config, pipeline_for
 from jaxpar.runs.distributed import initialize, simulate_devices
 from jaxpar.runs.loop import check_run_folder, summarize, train
 from jaxpar.sharding.mesh import describe, make_mesh
@@ -44,9 +43,7 @@ def command(args: argparse.Namespace) -> int:
         print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices{procs}, "
               f"mesh {describe(mesh)}, rules {config.plan.rules}{model}", flush=True)
     if mesh.shape["stage"] > 1 and writer:
-        print(Schedule.for_model(config.model.n_layers, mesh.shape["stage"],
-                                 config.pipeline.microbatches, config.pipeline.repeats
-                                 ).describe())
+        print(pipeline_for(config, mesh.shape["stage"]).describe())
     _, history = train(config, args.out, resume=args.resume)
     if writer and history:
         s = summarize(history)

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxpar.adapters import lora as lora_lib
 from jaxpar.checkpoint.checkpointer import load_weights
 from jaxpar.config.schema import Config, hf_folder, with_hf_model
-from jaxpar.config.validate import check_config
+from jaxpar.config.validate import check_config, pipeline_for
 from jaxpar.errors import JaxparError
 from jaxpar.hf import load
 from jaxpar.models.transformer import Transformer
@@ -81,9 +81,7 @@ def pipeline_schedule(config: Config, mesh: jax.sharding.Mesh) -> pipeline_lib.S
     if config.model.factory:
         raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory model "
                           "has no pipeline layout (set mesh.stage=1)")
-    return pipeline_lib.Schedule.for_model(config.model.n_layers, stages,
-                                           config.pipeline.microbatches,
-                                           config.pipeline.repeats)
+    return pipeline_for(config, stages)
 
 
 def model_factory(config: Config, schedule: pipeline_lib.Schedule | None = None

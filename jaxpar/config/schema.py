@@ -113,11 +113,19 @@ PlanConfig = _plan_section()
 class PipelineConfig:
     """Pipeline parallelism, used when the mesh's ``stage`` axis is larger than 1.
 
-    ``microbatches`` 0: one per stage (M = S). ``repeats`` 0: n_layers / stages (circular).
+    ``schedule``: ``circular`` or ``gpipe`` (forward pass pipelined, ``jax.grad`` runs it
+    back: activations of all microbatches kept), ``1f1b`` or ``interleaved_1f1b`` (forward
+    and backward one microbatch each per tick: activations of about ``stages``
+    microbatches kept). ``microbatches`` 0: one per stage (M = S). ``repeats``: chunks per
+    stage (``circular``, ``interleaved_1f1b``; 0: as many as the layers allow, 1 for the
+    others). ``layers_per_stage``: layers in each chunk (0: all of a stage's layers for
+    ``gpipe`` and ``1f1b``, 1 otherwise); n_layers = stages x repeats x layers_per_stage.
     """
 
+    schedule: str = "circular"
     microbatches: int = 0
     repeats: int = 0
+    layers_per_stage: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh
 from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, hf_folder
 from jaxpar.errors import JaxparError
 from jaxpar.models.config import TransformerConfig
+from jaxpar.parallel.pipeline import KINDS as PIPELINE_KINDS
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.annotations import pairs
 from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
@@ -48,6 +49,7 @@ _FRACTION: _Check = (lambda v: 0 <= v < 1, "must be a fraction in [0, 1)")
 _RANGES: dict[str, _Check] = {
     "pipeline.microbatches": (lambda v: v >= 0, "must be 0 (one per stage) or more"),
     "pipeline.repeats": (lambda v: v >= 0, "must be 0 (as many as the layers allow) or more"),
+    "pipeline.layers_per_stage": (lambda v: v >= 0, "must be 0 (from the schedule) or more"),
     "train.steps": _AT_LEAST_1,
     "train.global_batch": _AT_LEAST_1,
     "train.seq_len": _AT_LEAST_1,
@@ -99,6 +101,9 @@ def _check_choices(config: Config) -> None:
     for knob in knobs():
         check_knob(knob.name, getattr(p, knob.name), f"plan.{knob.name}")
     check_knob_pairs(p)
+    if config.pipeline.schedule not in PIPELINE_KINDS:
+        raise _bad("pipeline.schedule", config.pipeline.schedule,
+                   f"choose one of {list(PIPELINE_KINDS)}")
     if p.offload_params and config.mesh.stage > 1:
         raise _bad("plan.offload_params", True, "streams the layers of one layer loop; it "
                    "does not combine with pipeline stages (mesh.stage > 1)")
@@ -235,8 +240,7 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
         if config.model.factory:
             raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory "
                               "model has no pipeline layout (set mesh.stage=1)")
-        schedule = Schedule.for_model(config.model.n_layers, sizes["stage"],
-                                      config.pipeline.microbatches, config.pipeline.repeats)
+        schedule = pipeline_for(config, sizes["stage"])
         if micro % (schedule.microbatches * dp):
             raise JaxparError(
                 f"train.global_batch={t.global_batch} does not split into "
@@ -255,6 +259,13 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
                 param_rules.resolve((name,), mesh, shape=(size,), path=key)
             except JaxparError as err:
                 raise JaxparError(f"plan.strict=true: {err}") from None
+
+
+def pipeline_for(config: Config, stages: int) -> Schedule:
+    """The config's pipeline schedule on ``stages`` stages (``pipeline.*`` filled in)."""
+    pipe = config.pipeline
+    return Schedule.for_model(config.model.n_layers, stages, pipe.microbatches, pipe.repeats,
+                              pipe.layers_per_stage, pipe.schedule)
 
 
 def _check_sequence_and_experts(config: Config, sizes: dict[str, int]) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ class _Reader:
     first), each distinct part once; :meth:`start` forgets the previous array's parts, so
     host memory holds at most one array's share beside the devices'."""
 
-    def __init__(self, folder: SafetensorsFolder, stack: tuple[int, ...]):
-        self.folder, self.stack = folder, stack
+    def __init__(self, folder: SafetensorsFolder, stack: tuple[int, ...],
+                 layer_at: Callable[[int, int], int] | None = None):
+        self.folder, self.stack, self.layer_at = folder, stack, layer_at
         self._cache: dict[tuple, np.ndarray] = {}
 
     def start(self) -> None:
@@ -85,14 +87,14 @@ class _Reader:
         if not tensor.per_layer:
             out = np.ascontiguousarray(self._layer_part(tensor, None, index))
         else:
-            # Stacked layout: layer l at [l]; pipeline layout: layer r * S + s at [r, s].
+            # Stacked layout: layer l at [l]; pipeline layout: Schedule.position(l).
             # Each layer's rows are copied (and cast) once, contiguously, into place.
             depth = len(self.stack)
             ranges = [range(s.start, s.stop) for s in index[:depth]]
             out = None
             for a, r in enumerate(ranges[0]):
                 for b, st in enumerate(ranges[1] if depth == 2 else [None]):
-                    layer = r if st is None else r * self.stack[1] + st
+                    layer = r if st is None else self.layer_at(r, st)
                     where = (a,) if st is None else (a, b)
                     part = self._layer_part(tensor, layer, index[depth:])
                     if out is None:  # in the stored dtype: the devices cast
@@ -162,7 +164,7 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def _check_finite(folder: Path, counts: list[tuple[layout.Tensor, jax.Array]],
-                  stack: tuple[int, ...]) -> None:
+                  layer_at: Callable[[int, int], int] | None) -> None:
     """Refuse weights with NaN or infinite values, naming the first tensor that has some."""
     bad = [(t, np.asarray(c.addressable_data(0))) for t, c in counts]
     bad = [(t, c) for t, c in bad if c.any()]
@@ -172,7 +174,7 @@ def _check_finite(folder: Path, counts: list[tuple[layout.Tensor, jax.Array]],
     name = tensor.name
     if tensor.per_layer:  # the first layer with any: stacked [l] or pipelined [r, s]
         where = tuple(int(i) for i in np.argwhere(count)[0])
-        layer = where[0] if len(where) == 1 else where[0] * stack[1] + where[1]
+        layer = where[0] if len(where) == 1 else layer_at(where[0], where[1])
         name, count = layout.layer_name(tensor, layer), count[where]
     more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
     n = int(count.sum())
@@ -269,7 +271,9 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, state)
     np_dtype = _np_dtype(dtype)
-    stack = (pipeline.repeats, pipeline.stages) if pipeline is not None else (cfg.n_layers,)
+    stack = ((pipeline.repeats * pipeline.layers_per_stage, pipeline.stages)
+             if pipeline is not None else (cfg.n_layers,))
+    layer_at = pipeline.layer_at if pipeline is not None else None
     by_path = {t.path: t for t in layout.tensors(cfg)}
     flat_state = dict(jax.tree_util.tree_leaves_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
@@ -277,7 +281,7 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
         shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     with SafetensorsFolder(path) as folder:
         _check_names(folder, list(by_path.values()), cfg)
-        reader = _Reader(folder, stack)
+        reader = _Reader(folder, stack, layer_at)
         counts = []
         for key, variable in flat_state.items():
             name = path_str(key)
@@ -288,7 +292,7 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
             array, bad = _read_array(reader, tensor, shape, sharding, np_dtype)
             variable.set_value(array)
             counts.append((tensor, bad))
-        _check_finite(folder.folder, counts, stack)
+        _check_finite(folder.folder, counts, layer_at)
         if stats is not None:
             stats["bytes_read"] = folder.bytes_read
     model = nnx.merge(graphdef, state)
@@ -353,7 +357,7 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
 
     def produce(name: str) -> np.ndarray:
         t, array, i, out_dtype = sources[name]
-        where = () if i is None else divmod(i, schedule.stages) if schedule else (i,)
+        where = () if i is None else schedule.position(i) if schedule else (i,)
         # Slice, transpose and cast on the devices (XLA's transpose is far faster than
         # numpy's strided copy), then fetch one layer's tensor.
         return host_array(_to_hf_layout(array, np.array(where, np.int32),

@@ -73,7 +73,7 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
         dropouts.add(lp.dropout)
         a, b = lp.lora_a.get_value(), lp.lora_b.get_value()
         for i in range(cfg.n_layers):
-            where = divmod(i, schedule.stages) if schedule is not None else i
+            where = schedule.position(i) if schedule is not None else i
             a_i, b_i = host_array(a[where]), host_array(b[where])
             name = PREFIX + hf_module.format(i=i)
             # Contiguous copies: safetensors writes an array's buffer as if it were C-ordered.

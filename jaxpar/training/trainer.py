@@ -143,6 +143,8 @@ class Trainer:
         self._loss_checked = loss_fn is not lm_loss
         self._compiled: dict[Any, CompiledSteps] = {}
         prepare_model(model, plan)
+        self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
+        """The model's pipeline schedule, if it has one: how its layers are stacked."""
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
         self.replication = warn_if_replicated(plan, nnx.state(model))
         warn_if_heads_split(plan, model)
