@@ -12,7 +12,10 @@ entropy) on 8 simulated CPU devices (stage 4 x data 2) and prints temporary byte
 device for m = 4, 8, 16 at 16 rows per microbatch, and the step time. CPU "devices" share
 the host's cores: the times show the schedules' overheads, not a speed-up.
 
-    python benchmarks/pipeline_schedules.py            # both parts
+Part 3 does the same for the reference decoder's whole training step through the
+Trainer, under each schedule of :class:`jaxpar.parallel.pipeline.Schedule`.
+
+    python benchmarks/pipeline_schedules.py            # all parts
     python benchmarks/pipeline_schedules.py --no-time  # tables only
 """
 
@@ -96,6 +99,47 @@ def step_table(time_it: bool) -> None:
             print(f"{kind:18} {m:3} {temp:11,} {ms:8.2f}")
 
 
+def model_table(time_it: bool) -> None:
+    """The reference decoder's whole training step (Trainer, SGD) on stage 4 x data 2:
+    temporary bytes per device at m = 4, 8, 16 microbatches of 4 sequences, per schedule,
+    and (with ``time_it``) the step time."""
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.analysis.hlo import memory_stats
+    from jaxpar.models import Transformer, TransformerConfig
+    from jaxpar.parallel.pipeline import Schedule
+
+    cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2,
+                            d_ff=256, max_seq_len=128)
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"stage": 4, "data": 2}), "fsdp_tp")
+    kinds = (("circular", 2, 1), ("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved_1f1b", 2, 1))
+    print(f"\nTransformer ({cfg.n_layers} layers, d_model {cfg.d_model}, seq 128), stage 4 x "
+          "data 2, 4 sequences a microbatch: temp bytes per device")
+    print(f"{'schedule':18} {'R':>2} {'L':>2} " + " ".join(f"{f'm={m}':>12}" for m in (4, 8, 16))
+          + f" {'16 / 4':>7}" + (f" {'step ms (m=8)':>14}" if time_it else ""))
+    for kind, repeats, per in kinds:
+        temps, ms = [], float("nan")
+        for m in (4, 8, 16):
+            schedule = Schedule(4, m, repeats, kind, per)
+            model = jaxpar.init_sharded(
+                lambda s=schedule: Transformer(cfg, rngs=nnx.Rngs(0), pipeline=s), plan)
+            trainer = jaxpar.Trainer(model, optax.sgd(0.1), plan)
+            batch = np.asarray(jax.random.randint(jax.random.key(m), (4 * m, 129), 0, 256))
+            temps.append(memory_stats(trainer.lower(batch).compile())["temp_bytes"])
+            if time_it and m == 8:
+                trainer.step(batch)
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    jax.block_until_ready(trainer.step_async(batch))
+                    times.append(time.perf_counter() - start)
+                ms = 1e3 * statistics.median(times)
+        print(f"{kind:18} {repeats:2} {per:2} " + " ".join(f"{t:12,}" for t in temps)
+              + f" {temps[2] / temps[0]:6.2f}x" + (f" {ms:14.1f}" if time_it else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-time", action="store_true", help="skip the step timings")
@@ -103,6 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     ticks_table(args.render)
     step_table(not args.no_time)
+    model_table(not args.no_time)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from jax.sharding import Mesh
 
 from jaxpar.analysis.hlo import collective_table, flops, matmul_flops, memory_stats
 from jaxpar.config.assembly import assemble
+from jaxpar.parallel import schedules
+from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.mesh import describe
 from jaxpar.sharding.partitioning import logical_names, mostly_replicated
 from jaxpar.sharding.paths import path_str
@@ -105,6 +107,17 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
+def _timeline_text(schedule: Schedule | None) -> str:
+    """What the tick table a 1F1B schedule runs says (counted, not from the formulas)."""
+    if schedule is None or not schedule.backward_in_schedule:
+        return ""
+    tl = schedules.timeline(schedule.kind, schedule.stages, schedule.microbatches,
+                            schedule.repeats)
+    return (f"timeline: {tl.ticks} ticks, {max(tl.idle_ticks())} idle on each stage (bubble "
+            f"{100 * tl.bubble():.1f}% of busy time), at most {max(tl.in_flight())} stage "
+            "inputs held")
+
+
 def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
     """Build the run's trainer, compile one train step without running it, and report.
 
@@ -168,6 +181,7 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
             "seq_len": config.train.seq_len,
             "compile_s": compile_s,
             "pipeline": schedule.describe() if schedule is not None else "",
+            "pipeline_timeline": _timeline_text(schedule),
         },
         "replication": {"replicated_share": replication["replicated_share"],
                         "replicated_bytes": replication["replicated_bytes"],

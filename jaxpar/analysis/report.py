@@ -83,6 +83,8 @@ def render_inspection(report: dict[str, Any]) -> str:
                f"compiled in {head['compile_s']:.1f} s (not run)")
     if head.get("pipeline"):
         out.append(f"  {head['pipeline']}")
+    if head.get("pipeline_timeline"):
+        out.append(f"  {head['pipeline_timeline']}")
 
     params = report["params"]
     total = sum(p["bytes_per_device"] for p in params)

@@ -41,6 +41,16 @@ def _allowed(text: str | int | None) -> tuple[int, ...] | None:
     return sizes
 
 
+def _pipeline_text(row: dict) -> str:
+    """Pipeline microbatches and schedule, e.g. ``8 1f1b``; ``-`` without stages."""
+    kind = row.get("pipeline_schedule")
+    if not kind:
+        return "-"
+    short = {"interleaved_1f1b": f"1f1b x{row.get('pipeline_repeats') or 1}"}
+    m = row["pipeline_microbatches"] or row["mesh"]["stage"]["size"]
+    return f"{m} {short.get(kind, kind)}"
+
+
 def _host_text(row: dict) -> str:
     """``used/capacity`` GiB of host memory per device (``used`` alone when the chip's
     host memory is not known), ``-`` for a plan that offloads nothing."""
@@ -55,7 +65,7 @@ def table(rows: list[dict], header: str) -> str:
     offloads, two more columns say what it keeps in host memory (``offload``: see
     :meth:`jaxpar.planner.Candidate.offload_text`) and how much (``host GiB``)."""
     offloads = any(r.get("offload") for r in rows)
-    cols = ["#", "mesh (ici*dcn)", "sp", "cp attn", "zero", "remat", "mb", "pp_mb", "mem GiB",
+    cols = ["#", "mesh (ici*dcn)", "sp", "cp attn", "zero", "remat", "mb", "pipeline", "mem GiB",
             "fits", "step s", "TFLOP/s", "MFU"]
     if offloads:
         cols[6:6] = ["offload"]
@@ -65,7 +75,7 @@ def table(rows: list[dict], header: str) -> str:
         line = [str(i), _mesh_text(r["mesh"]),
                 "yes" if r.get("sequence_parallel") else "-",
                 r.get("context_attention") or "-", str(r["zero_stage"]), r["remat"],
-                str(r["microbatches"]), str(r["pipeline_microbatches"] or "-"),
+                str(r["microbatches"]), _pipeline_text(r),
                 f"{_gib(r['memory_per_device_bytes'])}/{_gib(r['hbm_bytes'])}",
                 "yes" if r["fits"] else "NO", f"{r['step_time_s']:.3f}",
                 f"{r['tflops_per_device']:.0f}", f"{r['mfu'] * 100:.1f}%"]

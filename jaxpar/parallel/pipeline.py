@@ -132,8 +132,10 @@ class Schedule:
 
         ``microbatches=0`` means one per stage (``M = S``). ``kind`` ``""`` means
         ``circular``. For ``gpipe`` and ``1f1b``, ``layers_per_stage=0`` means all of a
-        stage's ``n_layers / stages``; for ``circular`` and ``interleaved_1f1b`` it means 1
-        and ``repeats=0`` as many repeats as the layers allow (the smallest bubble).
+        stage's ``n_layers / stages``; for ``circular`` and ``interleaved_1f1b`` whichever
+        of ``repeats`` and ``layers_per_stage`` is 0 is filled from the other, and with
+        both 0 a stage runs one layer a chunk, as many repeats as it has layers (the
+        smallest bubble).
 
         Raises:
           JaxparError: when ``n_layers`` is not ``stages * repeats * layers_per_stage``.
@@ -147,6 +149,8 @@ class Schedule:
         if kind in ("gpipe", "1f1b"):
             repeats = repeats or 1
             layers_per_stage = layers_per_stage or per_stage // repeats
+        elif repeats and not layers_per_stage:
+            layers_per_stage = max(per_stage // repeats, 1)
         else:
             layers_per_stage = layers_per_stage or 1
             repeats = repeats or max(per_stage // layers_per_stage, 1)

@@ -174,6 +174,8 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "remat": c.remat,
         "microbatches": c.microbatches,
         "pipeline_microbatches": c.pipeline_microbatches,
+        "pipeline_schedule": c.pipeline_schedule if c.sizes["stage"] > 1 else None,
+        "pipeline_repeats": c.pipeline_repeats,
         "precision": c.precision,
         "sequence_parallel": c.sequence_parallel and c.sizes["tensor"] > 1,
         "context_attention": c.context_attention if c.context > 1 else None,
@@ -218,6 +220,8 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
     if c.offloads_state:
         data["plan"].update(offload_optimizer=c.offload_optimizer, host_update=c.host_update,
                             offload_params=c.offload_params)
-    data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches}
+    data["pipeline"] = {**data.get("pipeline", {}), "microbatches": c.pipeline_microbatches,
+                        "schedule": c.pipeline_schedule, "repeats": c.pipeline_repeats,
+                        "layers_per_stage": 0}
     data["train"] = {**data["train"], "global_batch": global_batch, "seq_len": seq}
     return from_dict(Config, data)

@@ -36,6 +36,10 @@ class Candidate:
     ``pipeline_repeats`` is how many model chunks each stage holds in its schedule: 0
     (jaxpar's circular schedule) means one per layer of the stage; 1 is a plain GPipe or
     1F1B schedule; ``v`` Megatron's interleaved one with ``v`` virtual stages.
+    ``pipeline_schedule`` is the kind (``circular``, ``gpipe``, ``1f1b``,
+    ``interleaved_1f1b``, see :class:`jaxpar.parallel.pipeline.Schedule`): the first two
+    keep every microbatch's activations, the 1F1B ones about ``stages`` microbatches'
+    stage inputs and recompute each chunk's forward pass in its backward.
 
     Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
     and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
@@ -59,6 +63,7 @@ class Candidate:
     sequence_parallel: bool = False
     context_attention: str = "allgather"
     pipeline_repeats: int = 0
+    pipeline_schedule: str = "circular"
     offload_optimizer: float = 0.0
     host_update: bool = False
     offload_params: bool = False
@@ -149,6 +154,18 @@ def dtype_bytes(dtype: str) -> int:
 def pipe_microbatches(cand: Candidate, stages: int) -> int:
     """Pipeline microbatches per step (``0`` in the candidate means one per stage)."""
     return cand.pipeline_microbatches or stages
+
+
+def pipe_repeats(cand: Candidate, spec_layers: int, stages: int) -> int:
+    """Chunks per stage of the candidate's schedule (``0`` means one per layer)."""
+    if cand.pipeline_schedule in ("gpipe", "1f1b"):
+        return 1
+    return cand.pipeline_repeats or max(spec_layers // stages, 1)
+
+
+def scheduled_backward(cand: Candidate) -> bool:
+    """Whether the candidate's pipeline schedule runs the backward pass itself (1F1B)."""
+    return cand.pipeline_schedule in ("1f1b", "interleaved_1f1b")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,8 @@ from jaxpar.planner.candidate import (
     dtype_bytes,
     local_sizes,
     pipe_microbatches,
+    pipe_repeats,
+    scheduled_backward,
 )
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout
@@ -280,10 +282,12 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         _experts(rows, spec, lay, cand, loc, runs_layer, wire)
     if stages > 1:
         m = pipe_microbatches(cand, stages)
-        repeats = max(spec.n_layers // stages, 1)
-        iters = repeats * m + stages - 1
+        iters = pipe_repeats(cand, spec.n_layers, stages) * m + stages - 1
         send = loc.tokens * spec.d_model * c / loc.residual_split  # split under SP
-        rows.add("collective-permute", ("stage",), send, 2, 2 * iters * micro, exposed=True)
+        # Activations forwards, gradients backwards: once an iteration each way, or under
+        # 1F1B at every one of its 2 x iterations ticks.
+        sends = 4 * iters if scheduled_backward(cand) else 2 * iters
+        rows.add("collective-permute", ("stage",), send, 2, sends * micro, exposed=True)
     return rows
 
 

@@ -31,6 +31,8 @@ from jaxpar.planner.candidate import (
     dtype_bytes,
     local_sizes,
     pipe_microbatches,
+    pipe_repeats,
+    scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
 from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
@@ -273,6 +275,12 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
             local_grads=lay.total("compute"))
         runs = micro * spec.n_layers / stages
         c_f, c_b, c_h = runs * times.layer_fwd, runs * times.layer_bwd, micro * times.head
+        if stages > 1 and scheduled_backward(cand):
+            # A 1F1B backward reruns its chunk's forward pass from the stored input.
+            c_b += c_f
+            breakdown["compute 1F1B forward recomputation"] = c_f
+            hflops += (flops_parts(spec, global_batch, seq, "full", context=cand.context,
+                                   attention=attention)[0] - dense) / n
         for part, t in times.parts.items():
             if t:
                 breakdown[f"compute {part}"] = runs * t
@@ -321,14 +329,14 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         update = off.device_update
     bubble = 0.0
     if stages > 1:
-        repeats = cand.pipeline_repeats or max(spec.n_layers // stages, 1)
+        repeats = pipe_repeats(cand, spec.n_layers, stages)
         bubble = (stages - 1) / (repeats * pipe_m + stages - 1)
         breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
     breakdown["optimizer update"] = update
     breakdown.update(off.breakdown)
     step = core / (1 - bubble) + update + by_phase["update"] + off.step
     if chip.saved_bw:  # XLA:CPU: storing and reloading the scan's saved activations
-        inflight = min(pipe_m, stages) if stages > 1 else 1
+        inflight = pipe_m if stages > 1 and not scheduled_backward(cand) else 1
         saved = mem["activation_bytes"] / inflight * micro / chip.saved_bw
         breakdown["saved activations"] = saved
         step += saved

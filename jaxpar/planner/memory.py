@@ -30,6 +30,8 @@ from jaxpar.planner.candidate import (
     dtype_bytes,
     local_sizes,
     pipe_microbatches,
+    pipe_repeats,
+    scheduled_backward,
 )
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
@@ -270,8 +272,22 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention)
         per_layer = host_activation_bytes(spec, loc, seq, cand.remat, act, attention)
         host_act, staging = layers * per_layer, min(STAGING_LAYERS, layers) * per_layer
-        if stages > 1:  # the pipeline keeps every in-flight microbatch's activations
-            inflight = min(pipe_microbatches(cand, stages), stages)
+        if stages > 1 and scheduled_backward(cand):
+            # 1F1B: each in-flight (microbatch, chunk) keeps only its input; one chunk's
+            # activations live while the stage runs that chunk's backward.
+            m = pipe_microbatches(cand, stages)
+            v = pipe_repeats(cand, spec.n_layers, stages)
+            inflight = (min(m, stages) if v == 1 else min(m * v, (v + 1) * stages - 1))
+            # Besides: the pipeline's input and its gradient, for all m microbatches.
+            block_input = saved_activation_bytes(spec, loc, seq, "full", act, attention)
+            saved = (inflight + 2 * m) * block_input + saved / v
+            host_act /= v
+        elif stages > 1:
+            # jax.grad of the forward loop keeps what every one of its r m + p - 1
+            # iterations ran: a layer of each stage on one microbatch.
+            m = pipe_microbatches(cand, stages)
+            r = pipe_repeats(cand, spec.n_layers, stages)
+            inflight = m * (r * m + stages - 1) / (r * m)
             saved *= inflight
             host_act *= inflight
         # XLA:CPU runs bf16 matmuls in f32, so its transients are f32 whatever the policy.

@@ -51,6 +51,8 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
     return Candidate.make(ici, dcn, rules=config.plan.rules, zero_stage=config.plan.zero_stage,
                           remat=config.plan.remat, microbatches=config.plan.microbatches,
                           pipeline_microbatches=config.pipeline.microbatches,
+                          pipeline_schedule=config.pipeline.schedule,
+                          pipeline_repeats=_repeats(config, ici.get("stage", 1) * dcn["stage"]),
                           precision=jnp.dtype(policy.compute).name,
                           optimizer=config.train.optimizer,
                           sequence_parallel=config.plan.sequence_parallel,
@@ -58,6 +60,16 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           offload_optimizer=float(getattr(config.plan, "offload_optimizer", 0)),
                           host_update=bool(getattr(config.plan, "host_update", False)),
                           offload_params=bool(getattr(config.plan, "offload_params", False)))
+
+
+def _repeats(config: Config, stages: int) -> int:
+    """Chunks per stage of the config's pipeline (0: one per layer, as the planner says)."""
+    pipe = config.pipeline
+    if pipe.schedule in ("gpipe", "1f1b"):
+        return 1
+    if pipe.repeats or not pipe.layers_per_stage or stages <= 1:
+        return pipe.repeats
+    return max(config.model.n_layers // (stages * pipe.layers_per_stage), 1)
 
 
 def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:

@@ -19,6 +19,7 @@ this to some thousands of cost-model evaluations: seconds, not minutes, for a po
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -263,10 +264,11 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                 found.rejected.get("batch not divisible", 0) + 1)
             continue
         pipe_ms = [stages, 2 * stages, 4 * stages] if stages > 1 else [0]
+        schedules = _schedules(spec.n_layers, stages)
         for zero in (0, 1, 2, 3):
             if dp_max == 1 and zero:
                 continue
-            for pm in pipe_ms:
+            for pm, (schedule, repeats) in itertools.product(pipe_ms, schedules):
                 micro_cap = global_batch // dp_max // max(pm, 1)
                 if micro_cap < 1:
                     continue
@@ -284,13 +286,27 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                             n, mb = _fewest_microbatches(
                                 spec, machine, global_batch, seq, cap, found, ici=ici,
                                 dcn=dcn, zero_stage=zero, remat=remat,
-                                pipeline_microbatches=pm, precision=precision,
+                                pipeline_microbatches=pm, pipeline_schedule=schedule,
+                                pipeline_repeats=repeats, precision=precision,
                                 optimizer=optimizer, sequence_parallel=sp,
                                 context_attention=kind, offload_optimizer=opt,
                                 host_update=host, offload_params=params)
                             found.evaluated += n
                             if mb:
                                 fitted[remat] = mb
+
+
+def _schedules(n_layers: int, stages: int) -> list[tuple[str, int]]:
+    """Pipeline schedules to try, as (kind, repeats): the circular one (smallest bubble,
+    every microbatch's activations kept), 1F1B (about ``stages`` microbatches' inputs
+    kept, one forward recomputed), and interleaved 1F1B with two chunks a stage when the
+    layers split so."""
+    if stages <= 1:
+        return [("circular", 0)]
+    out = [("circular", 0), ("1f1b", 1)]
+    if n_layers % (2 * stages) == 0:
+        out.append(("interleaved_1f1b", 2))
+    return out
 
 
 def _undominated_cap(remat: str, fitted: dict[str, int], micro_cap: int,
@@ -334,7 +350,8 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
             baselines["expert"].offer(est)
         if est.fits:
             key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
-                   cand.pipeline_microbatches, cand.sequence_parallel,
+                   cand.pipeline_microbatches, cand.pipeline_schedule,
+                   cand.pipeline_repeats, cand.sequence_parallel,
                    cand.context_attention, cand.offload_optimizer, cand.host_update,
                    cand.offload_params)
             best[key] = est

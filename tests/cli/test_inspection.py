@@ -65,3 +65,14 @@ def test_the_command_hands_the_config_over_and_prints_json_or_tables(monkeypatch
     assert cli.main(["inspect", "--config", "configs/tiny.yaml"]) == 0
     assert capsys.readouterr().out == render_inspection(REPORT) + "\n"
     assert seen[1][1] == "configs/tiny.yaml"
+
+
+def test_a_1f1b_pipeline_reports_its_ticks_and_bubble(devices, capsys):
+    tiny = ["model.n_layers=8", "model.d_model=32", "model.d_ff=64", "train.global_batch=16",
+            "train.seq_len=32", "mesh.stage=4",
+            "mesh.data=2", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"]
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline interleaved_1f1b: S=4 stages x R=2 repeats, M=4 microbatches" in out
+    assert ("timeline: 22 ticks, 6 idle on each stage (bubble 37.5% of busy time), at most "
+            "8 stage inputs held") in out

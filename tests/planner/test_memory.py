@@ -183,3 +183,20 @@ def test_attention_kind(attention, backend, precision, context, kind):
     cand = Candidate.make({"data": 8 // context, "context": context}, precision=precision,
                           context_attention="ring")
     assert attention_kind(spec, cand, backend) == kind
+
+
+def test_1f1b_activations_stay_flat_as_microbatches_grow_while_circular_grows():
+    """At a fixed microbatch size (4 sequences), raising m from 4 to 16 multiplies the
+    circular schedule's saved activations by about 3 (every microbatch's, about
+    (r m + p - 1) / r layer-runs each); 1F1B keeps about p stage inputs plus one chunk's
+    activations, and its bubble term is what m buys down."""
+    deep = dataclasses.replace(TINY, n_layers=8)
+
+    def saved(kind: str, m: int) -> float:
+        cand = Candidate.make({"stage": 4, "data": 2}, pipeline_microbatches=m,
+                              pipeline_schedule=kind, pipeline_repeats=1 if kind == "1f1b" else 0)
+        return _memory(cand, global_batch=8 * m, cfg=deep)["activation_bytes"]
+
+    assert saved("circular", 16) > 3 * saved("circular", 4)
+    assert saved("1f1b", 16) < 1.6 * saved("1f1b", 4)
+    assert saved("1f1b", 4) < saved("circular", 4) / 2

@@ -48,9 +48,11 @@ CHUNKED = {
 }
 
 
-# Experts, context and sequence parallelism: memory only (XLA merges and splits their
-# collectives in ways the per-kind byte counts do not follow closely enough for 10%).
+# Experts, context and sequence parallelism, 1F1B pipelines: memory only (XLA merges and
+# splits their collectives in ways the per-kind byte counts do not follow closely enough
+# for 10%).
 MOE = f"{MODELS['A']} n_experts=4 experts_per_token=2 expert_d_ff=64"
+DEEP = MODELS["A"].replace("n_layers=2", "n_layers=8")  # two layers on each of four stages
 PARALLEL = {
     "moe_expert4": (MOE, 16, 64, "mesh.data=2 mesh.expert=4"),
     "moe_expert2_context2_ring": (MOE, 8, 128, "mesh.data=2 mesh.expert=2 mesh.context=2 "
@@ -60,6 +62,10 @@ PARALLEL = {
                            "plan.context_attention=allgather"),
     "tensor4_sequence_parallel": ("A", 16, 64, "mesh.data=2 mesh.tensor=4 "
                                   "plan.sequence_parallel=true"),
+    "stage4_1f1b_m4": (DEEP, 32, 64, "mesh.stage=4 mesh.data=2 pipeline.schedule=1f1b "
+                       "pipeline.microbatches=4"),
+    "stage4_1f1b_m8": (DEEP, 32, 64, "mesh.stage=4 mesh.data=2 pipeline.schedule=1f1b "
+                       "pipeline.microbatches=8"),
 }
 
 
