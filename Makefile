@@ -17,7 +17,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxpar tests benchmarks examples notebooks
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --durations=25
 
 bench: $(STAMP)
 	$(PY) benchmarks/memory.py

@@ -24,8 +24,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 UNOPTIMISED = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), UNOPTIMISED]).strip()
 
-_CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# pytest-xdist workers inherit the controller's cache (and leave removing it to it).
+_CACHE = os.environ.get("JAXPAR_TEST_XLA_CACHE")
+if not _CACHE:
+    _CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+    os.environ["JAXPAR_TEST_XLA_CACHE"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": _CACHE,
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

@@ -274,6 +274,9 @@ class Transformer(nnx.Module):
                 self.blocks = pipeline_lib.relayout_module(self.blocks, pipeline.stages,
                                                            pipeline.layers_per_stage)
                 self.pipeline_schedule = pipeline
+                # model.eval() sets it: evaluation needs no backward pass, so its loss
+                # runs the vectorised forward pipeline instead of a 1F1B schedule.
+                self.deterministic = False
             self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs,
                                       offset=cfg.norm_offset)
             if not cfg.tie_embeddings:
@@ -416,7 +419,8 @@ class Transformer(nnx.Module):
         loss includes the weighted router losses, the metrics hold the router statistics
         averaged over layers and ``moe_aux_loss``, their weighted sum."""
         schedule = getattr(self, "pipeline_schedule", None)
-        if schedule is not None and schedule.backward_in_schedule:
+        if (schedule is not None and schedule.backward_in_schedule
+                and not getattr(self, "deterministic", False)):
             return self._scheduled_loss(tokens, schedule)
         chunk = self.config.loss_chunk
         head = self.unembedding() if chunk else None

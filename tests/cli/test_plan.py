@@ -26,7 +26,8 @@ BEST = {"mesh": {"data": _axis(1, 2), "fsdp": _axis(8), "tensor": _axis(1)},
                       "all-gather (fsdp)": 0.25, "pipeline bubble": 0.125}}
 WORST = {"mesh": {"data": _axis(1), "fsdp": _axis(1)}, "sequence_parallel": False,
          "context_attention": "ring", "zero_stage": 0, "remat": "none", "microbatches": 1,
-         "pipeline_microbatches": 4, "memory_per_device_bytes": 100 * GIB,
+         "pipeline_microbatches": 4, "pipeline_schedule": "1f1b",
+         "memory_per_device_bytes": 100 * GIB,
          "hbm_bytes": 80 * GIB, "fits": False, "step_time_s": 0.5, "tflops_per_device": 9.6,
          "mfu": 0.05, "reason": "-", "breakdown": {}}
 
@@ -54,13 +55,13 @@ def test_plan_table_matches_the_expected_text():
     # Columns are left-aligned to their widest cell, two spaces apart.
     assert text.splitlines()[:5] == [
         "plan: header line",
-        "#  mesh (ici*dcn)   sp   cp attn  zero  remat  mb  pp_mb  mem GiB     fits  step s  "
+        "#  mesh (ici*dcn)   sp   cp attn  zero  remat  mb  pipeline  mem GiB     fits  step s  "
         "TFLOP/s  MFU  ",
-        "-  ---------------  ---  -------  ----  -----  --  -----  ----------  ----  ------  "
+        "-  ---------------  ---  -------  ----  -----  --  --------  ----------  ----  ------  "
         "-------  -----",
-        "1  data=1*2 fsdp=8  yes  -        3     full   2   -      30.0/80.0   yes   1.250   "
+        "1  data=1*2 fsdp=8  yes  -        3     full   2   -         30.0/80.0   yes   1.250   "
         "412      41.7%",
-        "2  single           -    ring     0     none   1   4      100.0/80.0  NO    0.500   "
+        "2  single           -    ring     0     none   1   4 1f1b    100.0/80.0  NO    0.500   "
         "10       5.0% ",
     ]
     assert text.splitlines()[5] == "why #1: the fastest that fits"

@@ -159,6 +159,9 @@ def test_checkpoint_of_a_1f1b_run_restores_on_one_device_and_on_a_circular_layou
     for trainer in (single, circular):
         with Checkpointer(tmp_path) as ckpt:
             assert ckpt.restore(trainer)["step"] == 2
+    # Evaluation runs the forward pipeline alone (no schedule, no backward): the same loss.
+    assert rel(saved.eval_loss(batches()[2]), single.eval_loss(batches()[2])) < 1e-5
+    for trainer in (single, circular):
         restored = layers_layout(trainer)
         for path, value in weights.items():
             np.testing.assert_array_equal(restored[path], value)

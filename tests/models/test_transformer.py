@@ -334,7 +334,7 @@ def test_bad_shapes_and_pipelines_are_named():
                                                  r"model.max_seq_len=16"):
         model(jnp.zeros((1, 17), jnp.int32))
     with pytest.raises(jaxpar.JaxparError, match=r"model.n_layers=2 must equal pipeline stages "
-                                                 r"x repeats = 2 x 2"):
+                                                 r"x repeats x layers per stage = 2 x 2 x 1"):
         nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0), pipeline=Schedule(2, 2, 2)))
     moe = dataclasses.replace(TINY, n_experts=2)
     with pytest.raises(jaxpar.JaxparError, match=r"model.n_experts > 0 with pipeline stages"):

@@ -115,8 +115,17 @@ def test_schedule_validation():
     assert pl.Schedule.for_model(8, 4, microbatches=8, repeats=2) == pl.Schedule(4, 8, 2)
     with pytest.raises(JaxparError, match="not divisible"):
         pl.Schedule.for_model(6, 4)
-    with pytest.raises(JaxparError, match="stages x repeats"):
-        pl.Schedule.for_model(8, 2, repeats=2)
+    with pytest.raises(JaxparError, match="stages x repeats x layers_per_stage"):
+        pl.Schedule.for_model(8, 2, repeats=3)
+    # Two repeats of two layers a stage; 1F1B and GPipe take a stage's layers in one chunk.
+    assert pl.Schedule.for_model(8, 2, repeats=2) == pl.Schedule(2, 2, 2, "circular", 2)
+    assert pl.Schedule.for_model(8, 2, kind="1f1b") == pl.Schedule(2, 2, 1, "1f1b", 4)
+    with pytest.raises(JaxparError, match="schedule=1f1b runs one chunk per stage"):
+        pl.Schedule(2, 2, 2, "1f1b")
+    with pytest.raises(JaxparError, match="interleaved_1f1b needs microbatches divisible"):
+        pl.Schedule(4, 6, 2, "interleaved_1f1b")
+    with pytest.raises(JaxparError, match="pipeline.schedule='zb': choose one of"):
+        pl.Schedule(2, 2, 1, "zb")
     with pytest.raises(JaxparError, match="n_layers=4"), nnx.use_eager_sharding(False):
         Transformer(CFG, rngs=nnx.Rngs(0), pipeline=pl.Schedule(2, 2, 1))
 
