@@ -365,7 +365,8 @@ microbatch. All three take `2 (v M + S - 1)` ticks with `2 (S - 1)` idle on each
 they differ in how many microbatches each stage has begun but not finished.''',
     '''\
 fig, axes = plt.subplots(3, 1, figsize=(11, 6.5))
-for ax, (kind, v) in zip(axes, (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))):
+for ax, (kind, v) in zip(axes, (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)),
+                         strict=True):
     tl = schedules.timeline(kind, stages=4, microbatches=8, virtual=v)
     colors = plt.cm.tab10(np.arange(8))
     for t in range(tl.ticks):
