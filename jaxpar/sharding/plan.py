@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.sharding import quantization
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.annotations import pairs
@@ -160,6 +161,10 @@ class Plan:
         (ZeRO-Offload): gradients go down, new weights come up.
       offload_params: keep the stacked layers' weights in host memory and stream each
         layer's shard to the device as the layer loop reaches it (ZeRO-Infinity).
+      quantize: ``int8`` or ``fp8`` matmuls, forward and backward, for the modules whose
+        paths match ``quantize_target`` and not ``quantize_exclude`` (regular expressions
+        matched against whole paths such as ``blocks/mlp/w_up``); see
+        :mod:`jaxpar.sharding.quantization`.
     """
 
     mesh: Mesh
@@ -180,6 +185,11 @@ class Plan:
                                     valid="must be a fraction from 0 (none) to 1 (all)")
     host_update: bool = knob(False)
     offload_params: bool = knob(False)
+    quantize: str = knob("none", choices=quantization.MODES)
+    quantize_target: str = knob(quantization.DEFAULT_TARGET, check=quantization.is_pattern,
+                                valid="must be a valid regular expression")
+    quantize_exclude: str = knob(quantization.DEFAULT_EXCLUDE, check=quantization.is_pattern,
+                                 valid="must be a valid regular expression")
 
     def __post_init__(self) -> None:
         for f in knobs():

@@ -31,6 +31,7 @@ from flax import nnx
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import offload
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
+from jaxpar.sharding import quantization
 from jaxpar.sharding.partitioning import (
     prepare_model,
     state_shardings,
@@ -261,9 +262,14 @@ class Trainer:
                          self.policy.narrow_to_compute(frozen))
 
     def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:
+        """The loss function on ``model``, its matmuls quantized as ``plan.quantize`` says."""
         if self._loss_rngs:
-            return self.loss_fn(model, batch, rngs=nnx.Rngs(key))
-        return self.loss_fn(model, batch)
+            call = lambda m: self.loss_fn(m, batch, rngs=nnx.Rngs(key))  # noqa: E731
+        else:
+            call = lambda m: self.loss_fn(m, batch)  # noqa: E731
+        plan = self.plan
+        return quantization.quantized_loss(model, call, plan.quantize, plan.quantize_target,
+                                           plan.quantize_exclude, carried=_MUTABLE)
 
     def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array
               ) -> tuple[jax.Array, tuple[nnx.State, dict[str, jax.Array]]]:

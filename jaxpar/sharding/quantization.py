@@ -1,0 +1,127 @@
+"""Quantized matmuls in training: int8 or fp8 forward and backward, through Qwix.
+
+``plan.quantize`` (``none``, ``int8``, ``fp8``) makes every matmul of the model whose
+module path matches ``plan.quantize_target`` and not ``plan.quantize_exclude`` run on
+quantized operands, forward and backward, with Qwix's quantized-training provider (the
+library MaxText trains with in int8 and fp8): both operands are scaled per channel by
+their absolute maximum and rounded to the 8-bit type, the product is taken in that type
+(int8 x int8 -> int32, fp8 x fp8) and rescaled; the backward pass quantizes the incoming
+gradients the same way (int8, or fp8 e5m2 for the wider range gradients need). The
+weights themselves stay in their stored dtype, so checkpoints, LoRA, ZeRO and every
+sharding are unchanged; only the arithmetic is.
+
+Qwix intercepts ``jax.lax.dot_general`` and ``jnp.einsum`` while a wrapped method runs and
+finds the module making the call on the stack. :func:`quantized_loss` wraps the Trainer's
+loss call: the user's model is held by a one-field module (``model``), so its matmuls are
+matched by their path in the model, e.g. ``blocks/mlp/w_up``. Matmuls of the model's root
+module (a tied output projection, the loss), of modules matching ``quantize_exclude`` (by
+default embeddings, the LM head and attention modules' own score and value products,
+whose projections stay included) and LoRA's low-rank updates (an int8 or fp8 base, the
+adapters in the compute dtype) run unquantized.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.errors import JaxparError
+
+MODES: tuple[str, ...] = ("none", "int8", "fp8")
+DEFAULT_TARGET = ".*"
+DEFAULT_EXCLUDE = (r"(.*/)?(embed|embed_tokens|embedding|wte|wpe|lm_head|head|attn|attention"
+                   r"|self_attn)")
+"""Module paths left in the compute dtype unless the plan says otherwise: embeddings, the
+output head, and attention modules' own products (scores and values; their q/k/v/o
+projections are submodules and stay quantized)."""
+
+_QTYPES = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+"""Forward (weights and activations) and backward (gradients) types of each mode."""
+
+
+def is_pattern(pattern: Any) -> bool:
+    """Whether ``pattern`` is a string that compiles as a regular expression."""
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError):
+        return False
+    return True
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise JaxparError(f"quantize={mode!r}: choose one of {list(MODES)}")
+    return mode
+
+
+@functools.cache
+def provider(mode: str, target: str = DEFAULT_TARGET, exclude: str = DEFAULT_EXCLUDE):
+    """The Qwix quantized-training provider for ``mode`` (None for ``none``): rules in
+    order, the first whose path matches wins: the root module, then ``exclude``, stay
+    in full precision; ``target`` is quantized."""
+    import qwix  # imported on use: runs without quantization never load it
+
+    if check_mode(mode) == "none":
+        return None
+    forward, backward = _QTYPES[mode]
+    ops = ("dot_general", "einsum")
+    return qwix.QtProvider([
+        qwix.QtRule(module_path="model"),
+        qwix.QtRule(module_path=f"model/(?:{exclude})"),
+        qwix.QtRule(module_path=f"model/(?:{target})", weight_qtype=forward,
+                    act_qtype=forward, bwd_qtype=backward, op_names=ops),
+    ])
+
+
+def _adapter_paths(model: nnx.Module) -> tuple[str, ...]:
+    """Paths of the modules holding ``nnx.LoRAParam`` s themselves (LoRA wrappers): their
+    own products, the low-rank update, stay in the compute dtype; the wrapped base
+    projection, a submodule, is quantized like any other."""
+    found = set()
+    for path, module in nnx.iter_modules(model):
+        if any(isinstance(v, nnx.LoRAParam) for v in vars(module).values()):
+            found.add("/".join(str(p) for p in path))
+    return tuple(sorted(found))
+
+
+class _Holder(nnx.Module):
+    """The user's model under one field, so Qwix sees its modules at ``model/<path>``."""
+
+    def __init__(self, model: nnx.Module, call: Callable[[nnx.Module], Any]):
+        self.model = model
+        self.call = call
+
+    def __call__(self, marker: Any = None) -> Any:
+        return self.call(self.model)
+
+
+def quantized_loss(model: nnx.Module, call: Callable[[nnx.Module], Any], mode: str,
+                   target: str = DEFAULT_TARGET, exclude: str = DEFAULT_EXCLUDE,
+                   carried: Any = None) -> Any:
+    """``call(model)`` (a loss, say) with the matmuls ``mode`` quantizes; a plain call for
+    ``none``. State the call changed in the model (``carried``, an nnx filter; default
+    everything but parameters: dropout counters, batch statistics) is written back to
+    ``model``."""
+    if check_mode(mode) == "none":
+        return call(model)
+    adapters = _adapter_paths(model)
+    if adapters:
+        exclude = f"(?:{exclude})|" + "|".join(re.escape(p) for p in adapters)
+    prov = provider(mode, target, exclude)
+    import qwix
+
+    with warnings.catch_warnings():  # Qwix 0.1.8 uses Flax APIs that 0.12 deprecates
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"qwix\.")
+        holder = qwix.quantize_model(_Holder(model, call), prov, 0, skip_nnx_init=True)
+        out = holder()
+    changed = nnx.state(holder.model, carried if carried is not None else nnx.Not(nnx.Param))
+    if changed:
+        nnx.update(model, changed)
+    return out

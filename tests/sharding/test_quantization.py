@@ -1,0 +1,138 @@
+"""plan.quantize: int8 and fp8 matmuls in training through Qwix, read from the program the
+Trainer hands to XLA (the dot operands' types), on the reference decoder, a user's model
+written without jaxpar and LoRA; training tracks the unquantized run."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.adapters import lora
+from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.sharding.quantization import DEFAULT_EXCLUDE
+from tests import user_models as um
+
+CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=32)
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+_DOT = re.compile(r"stablehlo\.dot_general .*?: \(tensor<(?:\d+x)*(\w+?)>, "
+                  r"tensor<(?:\d+x)*(\w+?)>\)")
+
+
+def batches(steps: int = 1, vocab: int = CFG.vocab_size) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, (8, 17)).astype(np.int32) for _ in range(steps)]
+
+
+def dot_types(trainer: jaxpar.Trainer, batch: np.ndarray) -> collections.Counter:
+    """(lhs, rhs) element types of every dot in the step as lowered for XLA."""
+    text = trainer.lower(batch).as_text()
+    return collections.Counter(_DOT.findall(text))
+
+
+def trainer(quantize: str = "none", model=None, **knobs) -> jaxpar.Trainer:
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize=quantize,
+                                   **knobs)
+    model = model or (lambda: Transformer(CFG, rngs=nnx.Rngs(0)))
+    return jaxpar.Trainer(jaxpar.init_sharded(model, plan), optax.adam(1e-2), plan)
+
+
+@functools.cache
+def reference_dots() -> collections.Counter:
+    return dot_types(trainer(), batches()[0])
+
+
+def test_int8_runs_every_projection_on_int8_operands_forward_and_backward(devices):
+    """Seven projections a layer (q, k, v, o, gate, up, down), each three int8 products
+    (forward, input gradient, weight gradient), in the layer loop's body once; attention's
+    own products and the head stay f32."""
+    got = dot_types(trainer("int8"), batches()[0])
+    assert got[("i8", "i8")] == 21
+    assert sum(got.values()) == sum(reference_dots().values())
+    assert got[("f32", "f32")] == reference_dots()[("f32", "f32")] - 21
+
+
+def test_fp8_uses_e4m3_forward_and_e5m2_gradients(devices):
+    got = dot_types(trainer("fp8"), batches()[0])
+    assert got[("f8E4M3FN", "f8E4M3FN")] == 7  # forward
+    assert got[("f8E5M2", "f8E4M3FN")] == 14  # gradients (e5m2) x forward values (e4m3)
+    assert not got[("i8", "i8")]
+
+
+def test_target_and_exclude_select_the_modules(devices):
+    only_mlp = dot_types(trainer("int8", quantize_target=r"blocks/mlp/.*"), batches()[0])
+    assert only_mlp[("i8", "i8")] == 9
+    no_attention = dot_types(trainer("int8", quantize_exclude=rf"{DEFAULT_EXCLUDE}|.*/attn/.*"),
+                             batches()[0])
+    assert no_attention[("i8", "i8")] == 9
+    assert not dot_types(trainer("none"), batches()[0])[("i8", "i8")]
+
+
+def test_the_compiled_step_holds_the_quantized_operands(devices):
+    """XLA:CPU widens int8 products to int32 arithmetic, but the quantized operands are
+    in the compiled program: no dequantized copy of the weights stands in for them."""
+    step = trainer("int8")
+    text = step.lower(batches()[0]).compile().as_text()
+    assert "s8[" in text
+    assert "s8[" not in trainer().lower(batches()[0]).compile().as_text()
+
+
+def test_lora_keeps_its_update_unquantized_and_quantizes_the_base(devices):
+    """LoRA on every projection: the frozen base's products are int8 (forward and input
+    gradient: a frozen weight has no gradient product), the low-rank update (A and B,
+    trained) stays in the compute dtype."""
+    def model():
+        return lora.apply(Transformer(CFG, rngs=nnx.Rngs(0)), rank=4)
+
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize="int8")
+    step = jaxpar.Trainer(jaxpar.init_sharded(model, plan), optax.adam(1e-2), plan,
+                          trainable=nnx.LoRAParam)
+    got = dot_types(step, batches()[0])
+    assert got[("i8", "i8")] == 14
+    assert got[("f32", "f32")] > reference_dots()[("f32", "f32")]
+    before = float(step.step(batches()[0])["loss"])
+    assert float(step.step(batches()[0])["loss"]) < before
+
+
+def test_a_users_model_quantizes_by_its_own_paths(devices):
+    """A Llama-like model written with plain Flax: its projections (layers/0/self_attn/
+    q_proj, ...) are int8; its embedding, head and the attention products it writes with
+    jnp.einsum inside self_attn stay f32."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize="int8",
+                                   annotations=um.LLAMA_ANNOTATIONS)
+    model = jaxpar.init_sharded(lambda: um.LlamaLike(rngs=nnx.Rngs(0)), plan)
+    step = jaxpar.Trainer(model, optax.adam(1e-2), plan)
+    got = dot_types(step, batches(vocab=um.VOCAB)[0])
+    # Two layers unrolled, seven projections each, three products each.
+    assert got[("i8", "i8")] == 42
+    assert got[("f32", "f32")] == 2 * 2 * 3 + 3  # attention's two products, the head
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_training_tracks_the_unquantized_run(devices, mode):
+    """Ten Adam steps on the same batches: every loss within 2% of the unquantized run's
+    and the loss falls as far (the 200-step curves on configs/tiny.yaml are in the
+    README's "Fewer bits")."""
+    data = batches(10)
+    plain, quantized = trainer(), trainer(mode)
+    want = [float(plain.step(b)["loss"]) for b in data]
+    got = [float(quantized.step(b)["loss"]) for b in data]
+    assert max(abs(g - w) / w for g, w in zip(got, want, strict=True)) < 0.02
+    assert got[-1] < got[0] - 0.5 * (want[0] - want[-1])
+
+
+def test_bad_settings_are_one_line(devices):
+    with pytest.raises(jaxpar.JaxparError, match=r"quantize='int4': choose one of "
+                                                 r"\['none', 'int8', 'fp8'\]"):
+        jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize="int4")
+    with pytest.raises(jaxpar.JaxparError, match=r"quantize_target='\(': must be a valid"):
+        jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize_target="(")
+    jax.clear_caches()
