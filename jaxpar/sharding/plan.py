@@ -118,6 +118,10 @@ def check_knob(name: str, value: Any, key: str | None = None) -> Any:
 def check_knob_pairs(knob_values: Any) -> None:
     """Refuse knobs that are valid alone but not together (``knob_values`` has the knobs
     as attributes: a Plan, or the config's ``plan`` section)."""
+    if knob_values.quantize_gather != "none" and knob_values.offload_params:
+        raise JaxparError("plan.quantize_gather quantizes weights on the device before "
+                          "gathering them; it does not combine with plan.offload_params "
+                          "(weights streamed from host memory)")
     if knob_values.host_update and knob_values.offload_optimizer != 1:
         raise JaxparError("plan.host_update runs the optimizer update on the host and "
                           "needs all of its state there: set plan.offload_optimizer: 1 "
@@ -165,6 +169,9 @@ class Plan:
         paths match ``quantize_target`` and not ``quantize_exclude`` (regular expressions
         matched against whole paths such as ``blocks/mlp/w_up``); see
         :mod:`jaxpar.sharding.quantization`.
+      quantize_gather: ``int8``: weights split over the data-parallel axes (FSDP, ZeRO-3)
+        are all-gathered as int8 plus per-row scales (ZeRO++'s qwZ), see
+        :func:`jaxpar.parallel.zero.gather_int8`.
     """
 
     mesh: Mesh
@@ -190,6 +197,7 @@ class Plan:
                                 valid="must be a valid regular expression")
     quantize_exclude: str = knob(quantization.DEFAULT_EXCLUDE, check=quantization.is_pattern,
                                  valid="must be a valid regular expression")
+    quantize_gather: str = knob("none", choices=("none", "int8"))
 
     def __post_init__(self) -> None:
         for f in knobs():

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import offload
-from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
+from jaxpar.parallel.zero import formula_bytes, gather_int8, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
 from jaxpar.sharding.partitioning import (
     prepare_model,
@@ -257,18 +257,21 @@ class Trainer:
 
     # --- the step -------------------------------------------------------------------------
     def _merged(self, params: nnx.State, frozen: nnx.State) -> nnx.Module:
-        """The model with these weights, in the compute dtype."""
-        return nnx.merge(self._graphdef, self.policy.cast_to_compute(params),
-                         self.policy.narrow_to_compute(frozen))
+        """The model with these weights, in the compute dtype (gathered in int8 under
+        ``plan.quantize_gather``)."""
+        parts = {"params": self.policy.cast_to_compute(params),
+                 "frozen": self.policy.narrow_to_compute(frozen)}
+        if self.plan.quantize_gather == "int8":
+            parts = {k: gather_int8(v, self.state_shardings[k], self.plan.mesh,
+                                    self.plan.data_parallel_axes) for k, v in parts.items()}
+        return nnx.merge(self._graphdef, parts["params"], parts["frozen"])
 
     def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:
         """The loss function on ``model``, its matmuls quantized as ``plan.quantize`` says."""
-        if self._loss_rngs:
-            call = lambda m: self.loss_fn(m, batch, rngs=nnx.Rngs(key))  # noqa: E731
-        else:
-            call = lambda m: self.loss_fn(m, batch)  # noqa: E731
+        rngs = {"rngs": nnx.Rngs(key)} if self._loss_rngs else {}
         plan = self.plan
-        return quantization.quantized_loss(model, call, plan.quantize, plan.quantize_target,
+        return quantization.quantized_loss(model, lambda m: self.loss_fn(m, batch, **rngs),
+                                           plan.quantize, plan.quantize_target,
                                            plan.quantize_exclude, carried=_MUTABLE)
 
     def _loss(self, params: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array
