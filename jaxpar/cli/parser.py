@@ -93,6 +93,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--expert", metavar="SIZES",
                       help="expert-axis sizes to consider (default: the divisors of "
                            "model.n_experts)")
+    plan.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
+                      help="int8 or fp8 matmuls in the decoder layers (plan.quantize), "
+                           "priced at the chip's 8-bit rate")
     plan.add_argument("--offload", choices=("never", "auto", "always"), default="auto",
                       help="host offload as a search dimension: never, when nothing fits "
                            "without it (auto, the default), or always")

@@ -125,7 +125,7 @@ def command(args: argparse.Namespace) -> int:
     offload = args.offload
     plans = plan(resolved.config, chips=machine, global_batch=args.global_batch, seq=args.seq,
                  top=args.top, context=_allowed(args.context), expert=_allowed(args.expert),
-                 offload=offload)
+                 offload=offload, quantize=args.quantize)
     rows = [to_dict(p, args.global_batch, args.seq) for p in plans]
     if args.json:
         print(json.dumps(rows, indent=1))

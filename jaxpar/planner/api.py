@@ -92,7 +92,7 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
          slices: int = 1, catalog: str | Path | Mapping[str, Chip] | None = None,
          top: int = 5, precision: str = "bfloat16", overrides: Iterable[str] = (),
          context: int | Sequence[int] | None = None, expert: int | Sequence[int] | None = None,
-         offload: str = "never") -> list[Estimate]:
+         offload: str = "never", quantize: str = "none") -> list[Estimate]:
     """The best plans for training ``model`` on ``chips``, fastest first.
 
     Args:
@@ -113,6 +113,8 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
         activations saved to the host): ``never`` (the default), ``auto`` (only when
         nothing fits without it; what ``jaxpar plan`` does) or ``always``. A plan that
         offloads says in its ``reason`` what moved and what it costs.
+      quantize: ``none``, ``int8`` or ``fp8`` matmuls in the decoder layers
+        (``plan.quantize``), priced at the chip's 8-bit rate.
 
     Returns:
       :class:`Estimate` s, best first. Each has ``candidate`` (mesh and knobs),
@@ -131,7 +133,7 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
     result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
                     optimizer=optimizer, top=top, pipeline=resolved.pipeline,
                     contexts=_sizes(context, "context"), experts=_sizes(expert, "expert"),
-                    offload=offload)
+                    offload=offload, quantize=quantize)
     plans = result.plans
     for i, est in enumerate(plans):
         est.reason = reason(est, plans[i + 1] if i + 1 < len(plans) else None)
@@ -177,6 +179,8 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "pipeline_schedule": c.pipeline_schedule if c.sizes["stage"] > 1 else None,
         "pipeline_repeats": c.pipeline_repeats,
         "precision": c.precision,
+        "quantize": c.quantize,
+        "quantize_gather": c.quantize_gather,
         "sequence_parallel": c.sequence_parallel and c.sizes["tensor"] > 1,
         "context_attention": c.context_attention if c.context > 1 else None,
         "memory_per_device_bytes": int(est.memory_per_device_bytes),
@@ -216,7 +220,8 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                     "precision": f"params=float32,compute={compute},output=float32",
                     "remat": c.remat, "microbatches": c.microbatches,
                     "sequence_parallel": c.sequence_parallel and ici["tensor"] > 1,
-                    "context_attention": c.context_attention}
+                    "context_attention": c.context_attention, "quantize": c.quantize,
+                    "quantize_gather": c.quantize_gather}
     if c.offloads_state:
         data["plan"].update(offload_optimizer=c.offload_optimizer, host_update=c.host_update,
                             offload_params=c.offload_params)

@@ -41,6 +41,11 @@ class Candidate:
     keep every microbatch's activations, the 1F1B ones about ``stages`` microbatches'
     stage inputs and recompute each chunk's forward pass in its backward.
 
+    ``quantize`` (``none``, ``int8``, ``fp8``): the decoder layers' projections run on
+    8-bit operands (:mod:`jaxpar.sharding.quantization`), at the chip's 8-bit matmul rate
+    plus the quantization passes; ``quantize_gather`` ``int8``: FSDP/ZeRO-3 weights are
+    gathered in int8 once a step and held dequantized (ZeRO++ qwZ).
+
     Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
     and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
     of the optimizer state's bytes (f32 master weights under mixed precision and the
@@ -64,6 +69,8 @@ class Candidate:
     context_attention: str = "allgather"
     pipeline_repeats: int = 0
     pipeline_schedule: str = "circular"
+    quantize: str = "none"
+    quantize_gather: str = "none"
     offload_optimizer: float = 0.0
     host_update: bool = False
     offload_params: bool = False

@@ -79,6 +79,8 @@ class Chip:
       host_mem_bw: host memory bytes/s per chip, the roof of an optimizer update run on
         the host (0: not known; :attr:`host_update_bw` then assumes four times
         ``host_bw``).
+      int8_flops, fp8_flops: dense int8 / fp8 matmul op/s (0: no faster 8-bit path, such
+        matmuls run at ``peak_flops``).
       source: where the figures come from.
     """
 
@@ -105,7 +107,15 @@ class Chip:
     saved_bw: float = 0.0
     host_bytes: float = 0.0
     host_mem_bw: float = 0.0
+    int8_flops: float = 0.0
+    fp8_flops: float = 0.0
     source: str = ""
+
+    def quantized_flops(self, mode: str) -> float:
+        """Matmul op/s of ``mode`` (``int8``, ``fp8``) operands: the 8-bit rate, or the
+        bf16 peak where the chip has none."""
+        rate = {"int8": self.int8_flops, "fp8": self.fp8_flops}.get(mode, 0.0)
+        return rate or self.peak_flops
 
     @property
     def host_update_bw(self) -> float:
@@ -144,6 +154,9 @@ class Chip:
 _DDR5_4800_2S = 2 * 8 * 4800e6 * 8
 _DDR4_3200_2S = 2 * 8 * 3200e6 * 8
 
+# 8-bit matmul rates (dense): TPU v4 runs int8 at its bf16 rate; v5e 394, v5p 918 and
+# v6e 1836 int8 TOP/s (Cloud TPU pages); v7 4614 fp8 TFLOP/s; A100 624 int8 TOP/s (no
+# fp8); H100 and H200 1979 int8 / fp8, B200 4500 (datasheets).
 BUILTIN: dict[str, Chip] = {
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s, 3D torus,
     # 4096-chip pod. ICI: six links of 50 GB/s (Jouppi et al., "TPU v4", ISCA 2023); MXU
@@ -152,6 +165,7 @@ BUILTIN: dict[str, Chip] = {
                    matmul_tile=128, torus_dims=3, ici_links=6, ici_link_bw=45 * GB,
                    host_bw=16 * GB, host_bytes=407 * GB / 4, host_mem_bw=_DDR4_3200_2S / 4,
                    matmul_efficiency=0.92, memory_efficiency=0.6,
+                   int8_flops=275e12,
                    source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper; "
                           "jax-ml.github.io/scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI
@@ -161,7 +175,7 @@ BUILTIN: dict[str, Chip] = {
                     hbm_bw=819 * GB, matmul_tile=128, torus_dims=2, ici_links=4,
                     ici_link_bw=45 * GB, host_bw=16 * GB, host_bytes=384 * GB / 8,
                     host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.86, memory_efficiency=1.0,
-                    source="cloud.google.com/tpu/docs/v5e; scaling-book (TPUs)"),
+                    int8_flops=394e12, source="cloud.google.com/tpu/docs/v5e; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GB/s, ICI
     # 4800 Gbps over 6 links (3D torus), DCN 50 Gbps per chip, slices up to 6144 chips;
     # MXU 128x128. Host: 448 GB of RAM and 208 vCPUs for the 4 chips of a VM.
@@ -169,7 +183,7 @@ BUILTIN: dict[str, Chip] = {
                     hbm_bw=2765 * GB, matmul_tile=128, torus_dims=3, ici_links=6,
                     ici_link_bw=90 * GB, host_bw=16 * GB, host_bytes=448 * GB / 4,
                     host_mem_bw=_DDR5_4800_2S / 4, matmul_efficiency=0.76, memory_efficiency=0.7,
-                    source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
+                    int8_flops=918e12, source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, ICI
     # 3584 Gbps over 4 links (2D torus), pod of 256, DCN 25.6 Tbps per pod (100 Gbps a
     # chip); MXU 256x256. Host: 1536 GiB of DRAM for 8 chips.
@@ -177,6 +191,7 @@ BUILTIN: dict[str, Chip] = {
                     hbm_bw=1640 * GB, matmul_tile=256, torus_dims=2, ici_links=4,
                     ici_link_bw=90 * GB, host_bw=32 * GB, host_bytes=1536 * GiB / 8,
                     host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.84, memory_efficiency=1.0,
+                    int8_flops=1836e12,
                     source="cloud.google.com/tpu/docs/v6e; scaling-book (TPUs)"),
     # cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16 (4614 fp8), 192 GB
     # GiB HBM3e at 7.38 TB/s, a 3D torus of 4x4x4 cubes (links as v5p's: scaling-book),
@@ -185,7 +200,7 @@ BUILTIN: dict[str, Chip] = {
     "tpu-v7": Chip("tpu-v7", 2307e12, 192 * GiB, 540 * GB, 100 * _GBPS, 9216,
                    hbm_bw=7380 * GB, matmul_tile=256, torus_dims=3, ici_links=6,
                    ici_link_bw=90 * GB, host_bw=32 * GB,
-                   source="cloud.google.com/tpu/docs/tpu7x"),
+                   fp8_flops=4614e12, source="cloud.google.com/tpu/docs/tpu7x"),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s dense bf16, 19.5 TFLOP/s FP32, 80 GB
     # HBM2e at 2039 GB/s, NVLink 600 GB/s (300 each way); DGX A100: 8 GPUs per NVLink
     # domain, one 200 Gb/s HDR InfiniBand port per GPU, PCIe Gen4 x16; DGX A100 640GB:
@@ -195,7 +210,7 @@ BUILTIN: dict[str, Chip] = {
                       ici_latency_s=5e-6, dcn_latency_s=1e-5, host_bw=32 * GB,
                       host_bytes=2000 * GB / 8, host_mem_bw=_DDR4_3200_2S / 8,
                       matmul_efficiency=0.76, memory_efficiency=0.8,
-                      source="NVIDIA A100 datasheet; DGX A100 user guide"),
+                      int8_flops=624e12, source="NVIDIA A100 datasheet; DGX A100 user guide"),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 80 GB HBM3 at
     # 3.35 TB/s, NVLink 900 GB/s (450 each way); DGX H100: 8 GPUs, 400 Gb/s NDR per GPU,
     # PCIe Gen5 x16, 2 TB of system memory, two Intel Xeon Platinum 8480C (8 DDR5-4800
@@ -204,6 +219,7 @@ BUILTIN: dict[str, Chip] = {
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
                  host_bw=64 * GB, matmul_efficiency=0.64, memory_efficiency=0.6,
                  host_bytes=2000 * GB / 8, host_mem_bw=_DDR5_4800_2S / 8,
+                 int8_flops=1979e12, fp8_flops=1979e12,
                  source="NVIDIA H100 datasheet; DGX H100 user guide"),
     # NVIDIA H200 datasheet (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s; HGX H200: 8 GPUs, 400 Gb/s InfiniBand per GPU; DGX H200: 2 TB of
@@ -211,6 +227,7 @@ BUILTIN: dict[str, Chip] = {
     "h200": Chip("h200", 989e12, 141 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=4800 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
                  host_bw=64 * GB, host_bytes=2000 * GB / 8, host_mem_bw=_DDR5_4800_2S / 8,
+                 int8_flops=1979e12, fp8_flops=1979e12,
                  source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA DGX B200 datasheet: 8 GPUs, 1440 GB HBM3e (180 GB each) at 8 TB/s a GPU,
     # 72 PFLOP/s FP8 training for eight (4.5 PFLOP/s dense FP8, 2.25 dense bf16 a GPU),
@@ -219,7 +236,8 @@ BUILTIN: dict[str, Chip] = {
     "b200": Chip("b200", 2250e12, 180 * GB, 900 * GB, 400 * _GBPS, 8, hbm_bw=8000 * GB,
                  f32_flops=75e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
                  host_bw=64 * GB, host_bytes=2000 * GB / 8,
-                 host_mem_bw=2 * 8 * 5600e6 * 8 / 8, source="NVIDIA DGX B200 datasheet"),
+                 host_mem_bw=2 * 8 * 5600e6 * 8 / 8, int8_flops=4500e12, fp8_flops=4500e12,
+                 source="NVIDIA DGX B200 datasheet"),
 }
 
 ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",

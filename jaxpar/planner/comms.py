@@ -140,7 +140,12 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         compute, base = p.compute / per, p.base / per
         # Weights stored split over data-parallel axes: gathered for forward and backward
         # (per microbatch); the embedding and head once when not inside the layer loop.
-        if p.store_dp_axes:
+        if p.store_dp_axes and cand.quantize_gather == "int8":
+            # ZeRO++ qwZ: once a step, a byte an element plus an f32 scale a row (rows
+            # of a model dimension or more: a 1/64 or smaller overhead is taken).
+            rows.add("all-gather", p.store_dp_axes, compute * per * (1 + 4 / 64), 1, micro,
+                     phase="forward")
+        elif p.store_dp_axes:
             nbytes = compute * wire
             rows.add("all-gather", p.store_dp_axes, nbytes, 1, per * micro, phase="forward")
             rows.add("all-gather", p.store_dp_axes, nbytes, 1 if p.tensor.per_layer else 0,

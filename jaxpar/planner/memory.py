@@ -320,7 +320,11 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     # buffers never meet the loss's working set (counting them with a layer's is the
     # calibrated approximation).
     work = max(layer_work, loss_work)
-    temp = grads + saved + max(layer_work + stream + staging + update_device, loss_work)
+    # ZeRO++ qwZ: the gathered weights stay dequantized for the whole step.
+    gathered = (sum(p.compute for p in lay.placed if p.store_dp_axes) * c
+                if cand.quantize_gather == "int8" else 0.0)
+    temp = (grads + saved + gathered
+            + max(layer_work + stream + staging + update_device, loss_work))
     argument = params + master + opt + batch - off.optimizer - off.params
     host = off.optimizer + off.params + host_act
     return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
@@ -331,4 +335,5 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
             "expert_state_bytes": _expert_state_bytes(lay, cand),
             "host_opt_bytes": off.optimizer, "host_param_bytes": off.params,
             "host_activation_bytes": host_act, "host_bytes": host,
-            "offload_transient_bytes": stream + staging + transient}
+            "offload_transient_bytes": stream + staging + transient,
+            "gathered_weight_bytes": gathered}

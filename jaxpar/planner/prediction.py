@@ -52,6 +52,8 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           remat=config.plan.remat, microbatches=config.plan.microbatches,
                           pipeline_microbatches=config.pipeline.microbatches,
                           pipeline_schedule=config.pipeline.schedule,
+                          quantize=config.plan.quantize,
+                          quantize_gather=config.plan.quantize_gather,
                           pipeline_repeats=_repeats(config, ici.get("stage", 1) * dcn["stage"]),
                           precision=jnp.dtype(policy.compute).name,
                           optimizer=config.train.optimizer,

@@ -109,11 +109,17 @@ def _pad(x: float, tile: int) -> float:
 
 
 def matmul_time(chip: Chip, m: float, k: float, n: float, *, batch: float = 1.0,
-                act_bytes: int = 2, efficiency: float = 1.0) -> float:
+                act_bytes: int = 2, efficiency: float = 1.0, quantize: str = "none") -> float:
     """Seconds for ``batch`` matmuls ``(m x k) @ (k x n)`` on ``chip`` (see the module
-    docstring); ``efficiency`` scales the chip's matmul rate (flash kernels)."""
+    docstring); ``efficiency`` scales the chip's matmul rate (flash kernels). With
+    ``quantize`` (``int8``, ``fp8``) the product runs on 8-bit operands at the chip's
+    8-bit rate (the quantization passes are :func:`_train`'s)."""
     if min(m, k, n, batch) <= 0:
         return 0.0
+    if quantize != "none":
+        return matmul_time(chip, m, k, n, batch=batch, act_bytes=1,
+                           efficiency=efficiency * chip.quantized_flops(quantize)
+                           / chip.peak_flops)
     tile = max(chip.matmul_tile, 1)
     peak = chip.matmul_flops_f32 if act_bytes >= 4 else chip.peak_flops
     padded = 2 * _pad(m, 8) * _pad(k, tile) * _pad(n, tile) * batch
@@ -123,12 +129,19 @@ def matmul_time(chip: Chip, m: float, k: float, n: float, *, batch: float = 1.0,
     return max(t_compute, t_memory) + chip.op_overhead_s
 
 
-def _train(chip: Chip, m: float, k: float, n: float, act: int, batch: float = 1.0
-           ) -> tuple[float, float]:
-    """(forward, backward) seconds of one matmul and its two gradient matmuls."""
-    fwd = matmul_time(chip, m, k, n, batch=batch, act_bytes=act)
-    bwd = (matmul_time(chip, m, n, k, batch=batch, act_bytes=act)
-           + matmul_time(chip, k, m, n, batch=batch, act_bytes=act))
+def _train(chip: Chip, m: float, k: float, n: float, act: int, batch: float = 1.0,
+           quantize: str = "none") -> tuple[float, float]:
+    """(forward, backward) seconds of one matmul and its two gradient matmuls; quantized,
+    each operand (input, weight, incoming gradient) is quantized once (read in ``act``
+    bytes, an 8-bit copy written; the gradient products reuse the forward's copies)."""
+    fwd = matmul_time(chip, m, k, n, batch=batch, act_bytes=act, quantize=quantize)
+    if quantize != "none":
+        fwd += memory_time(chip, batch * (m * k + k * n) * (act + 1))
+        fwd_q = memory_time(chip, batch * m * n * (act + 1))
+    else:
+        fwd_q = 0.0
+    bwd = (fwd_q + matmul_time(chip, m, n, k, batch=batch, act_bytes=act, quantize=quantize)
+           + matmul_time(chip, k, m, n, batch=batch, act_bytes=act, quantize=quantize))
     return fwd, bwd
 
 
@@ -209,19 +222,20 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
       local_state: parameter elements whose optimizer state this device updates.
       local_grads: gradient elements this device holds in the compute layout.
     """
-    act = dtype_bytes(cand.precision)
+    act, q = dtype_bytes(cand.precision), cand.quantize
     t, d, h = loc.tokens, spec.d_model, spec.head_dim
     parts: dict[str, tuple[float, float]] = {
-        "qkv": _train(chip, t, d, (loc.heads + 2 * loc.kv_heads) * h, act),
-        "wo": _train(chip, t, loc.heads * h, d, act),
+        "qkv": _train(chip, t, d, (loc.heads + 2 * loc.kv_heads) * h, act, quantize=q),
+        "wo": _train(chip, t, loc.heads * h, d, act, quantize=q),
     }
     experts = (0.0, 0.0)
     if spec.is_moe:
         e_local = max(spec.n_experts // cand.expert, 1)
         per_expert = loc.dispatched / e_local  # token slots each local expert computes
         router = _train(chip, t, d, spec.n_experts, act)
-        gate_up = _train(chip, per_expert, d, 2 * loc.expert_ff, act, batch=e_local)
-        down = _train(chip, per_expert, loc.expert_ff, d, act, batch=e_local)
+        gate_up = _train(chip, per_expert, d, 2 * loc.expert_ff, act, batch=e_local,
+                         quantize=q)
+        down = _train(chip, per_expert, loc.expert_ff, d, act, batch=e_local, quantize=q)
         # GShard's one-hot dispatch and combine einsums: (tokens x slots) x (tokens x d)
         # per sequence, forward and backward.
         cap = loc.dispatched / max(loc.seqs, 1e-9)
@@ -231,11 +245,11 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
             experts = tuple(x * (1 + MOE_IMBALANCE) for x in experts)
         parts["router"] = router
         if loc.shared_ff:
-            parts["gate_up"] = _train(chip, t, d, 2 * loc.shared_ff, act)
-            parts["down"] = _train(chip, t, loc.shared_ff, d, act)
+            parts["gate_up"] = _train(chip, t, d, 2 * loc.shared_ff, act, quantize=q)
+            parts["down"] = _train(chip, t, loc.shared_ff, d, act, quantize=q)
     else:
-        parts["gate_up"] = _train(chip, t, d, 2 * loc.d_ff, act)
-        parts["down"] = _train(chip, t, loc.d_ff, d, act)
+        parts["gate_up"] = _train(chip, t, d, 2 * loc.d_ff, act, quantize=q)
+        parts["down"] = _train(chip, t, loc.d_ff, d, act, quantize=q)
     a_fwd, a_bwd, a_redo = _attention(chip, spec, loc, attention, act, causal)
     parts["attention"] = (a_fwd, a_bwd)
     elem = memory_time(chip, _elementwise_bytes(spec, loc, act))

@@ -194,6 +194,7 @@ class _Found:
 
 def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
            seq: int, *, precision: str = "bfloat16", optimizer: str = "adamw",
+           quantize: str = "none",
            top: int = 5, pipeline: bool = True, contexts: Sequence[int] | None = None,
            experts: Sequence[int] | None = None, offload: str = "never") -> SearchResult:
     """Rank candidates; ``spec_for(stages)`` gives the model in the layout for that many
@@ -208,7 +209,8 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
         raise JaxparError(f"offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     found = _Found()
     args = (spec_for, machine, global_batch, seq, found)
-    kw = {"precision": precision, "optimizer": optimizer, "pipeline": pipeline,
+    kw = {"precision": precision, "optimizer": optimizer, "quantize": quantize,
+          "pipeline": pipeline,
           "contexts": contexts, "experts": experts}
     _search_pass(*args, states=((0.0, False, False),), remats=REMATS, **kw)
     plain = _Baseline()
@@ -245,7 +247,8 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
 
 def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
                  seq: int, found: _Found, *, states: Sequence[tuple[float, bool, bool]],
-                 remats: Sequence[str], precision: str, optimizer: str, pipeline: bool,
+                 remats: Sequence[str], precision: str, optimizer: str, quantize: str,
+                 pipeline: bool,
                  contexts: Sequence[int] | None, experts: Sequence[int] | None,
                  skip_plain: bool = False) -> None:
     """Evaluate every mesh and knob set with each offload setting of ``states``
@@ -288,6 +291,7 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                                 dcn=dcn, zero_stage=zero, remat=remat,
                                 pipeline_microbatches=pm, pipeline_schedule=schedule,
                                 pipeline_repeats=repeats, precision=precision,
+                                quantize=quantize,
                                 optimizer=optimizer, sequence_parallel=sp,
                                 context_attention=kind, offload_optimizer=opt,
                                 host_update=host, offload_params=params)
