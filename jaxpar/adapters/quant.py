@@ -147,6 +147,8 @@ class QuantizedProjection(nnx.Module):
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         dtype = self.dtype or jnp.result_type(x.dtype, self.scale[...].dtype)
+        if getattr(self, "outlier_threshold", 0.0) > 0:
+            return self._llm_int8(x, dtype)
         w = self.dequantize(dtype)
         kwargs: dict[str, Any] = {}
         if self.preferred_element_type is not None:
@@ -159,9 +161,66 @@ class QuantizedProjection(nnx.Module):
                                     y.ndim)
         return y
 
+    def _llm_int8(self, x: jax.Array, dtype: Any) -> jax.Array:
+        """LLM.int8: the input's feature columns holding a value beyond
+        ``outlier_threshold`` (in magnitude) are multiplied in the compute dtype against
+        the dequantized kernel; the rest is quantized to int8 one scale per row (vector-
+        wise), multiplied with the int8 kernel into int32 and rescaled by row times
+        output-channel scale."""
+        lhs, rhs, out = _explicit(self.equation, x.ndim)
+        contracted = [c for c in rhs if c in lhs and c not in out]
+        x_axes = tuple(lhs.index(c) for c in contracted)
+        w_axes = tuple(rhs.index(c) for c in contracted)
+        others = tuple(i for i in range(x.ndim) if i not in x_axes)
+        x32 = x.astype(jnp.float32)
+        outlier = jnp.max(jnp.abs(x32), axis=others, keepdims=True) > self.outlier_threshold
+        regular = jnp.where(outlier, 0.0, x32)
+        sx = jnp.maximum(jnp.max(jnp.abs(regular), axis=x_axes, keepdims=True) / _INT8_MAX,
+                         jnp.finfo(jnp.float32).smallest_normal)
+        xq = jnp.clip(jnp.round(regular / sx), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+        y = jnp.einsum(f"{lhs},{rhs}->{out}", xq, self.kernel[...],
+                       preferred_element_type=jnp.int32)
+        keep_x = "".join(c for c in lhs if c not in contracted)
+        keep_w = "".join(c for c in rhs if c not in contracted)
+        scales = jnp.einsum(f"{keep_x},{keep_w}->{out}", jnp.squeeze(sx, x_axes),
+                            jnp.squeeze(self.scale[...].astype(jnp.float32), w_axes))
+        wide = jnp.einsum(f"{lhs},{rhs}->{out}", jnp.where(outlier, x32, 0.0).astype(dtype),
+                          self.dequantize(dtype))
+        y = (y.astype(jnp.float32) * scales + wide.astype(jnp.float32)).astype(dtype)
+        if self.bias is not None:
+            y = y + _broadcast_bias(self.bias[...].astype(y.dtype), self.equation,
+                                    self.kernel[...].shape, y.ndim)
+        return y
+
     def to_float(self, dtype: Any = None) -> nnx.Linear | nnx.LinearGeneral | nnx.Einsum:
         """An equivalent float layer of the kind it replaced (dequantized kernel)."""
         return rebuild_projection(self, self.dequantize(dtype or self.orig_dtype))
+
+
+def _explicit(equation: str, x_ndim: int) -> tuple[str, str, str]:
+    """``equation``'s input, kernel and output subscripts with ``...`` spelled out for an
+    input of ``x_ndim`` dimensions."""
+    lhs, rest = equation.replace(" ", "").split(",")
+    rhs, out = rest.split("->")
+    if "..." in lhs:
+        used = set(lhs + rhs + out)
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used]
+        dots = "".join(free[:x_ndim - len(lhs.replace("...", ""))])
+        lhs, out = lhs.replace("...", dots), out.replace("...", dots)
+    return lhs, rhs, out
+
+
+def llm_int8(model: nnx.Module, threshold: float = 6.0,
+             skip: Callable[[tuple, nnx.Variable], bool] | None = None) -> nnx.Module:
+    """LLM.int8 inference, in place: every projection (but those ``skip`` exempts by
+    kernel path) stored in int8 (:func:`convert_frozen`) and run as
+    :meth:`QuantizedProjection._llm_int8` with outlier columns beyond ``threshold``
+    (6.0, the paper's) kept in the compute dtype. Returns ``model``."""
+    convert_frozen(model, "int8", skip=skip)
+    for _, mod in projections(model):
+        if isinstance(mod, QuantizedProjection):
+            mod.outlier_threshold = float(threshold)
+    return model
 
 
 def _broadcast_bias(bias: jax.Array, equation: str, kernel_shape: tuple[int, ...],

@@ -53,6 +53,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("--top-k", type=int, default=0,
                         help="sample among the K most likely tokens only (0: all)")
     sample.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    sample.add_argument("--int8", action="store_true",
+                        help="LLM.int8 inference: int8 projection weights, input features "
+                             "beyond 6.0 multiplied in floats (the output head stays float)")
     sample.set_defaults(command="sample")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar.adapters import quant
 from jaxpar.errors import JaxparError
 from jaxpar.runs import generate as gen
 from jaxpar.runs.generate import check_run
@@ -49,6 +50,8 @@ def command(args: argparse.Namespace) -> int:
 
     max_tokens = budget(gen.context_room(config, len(ids)))  # before the model is built
     model, _ = gen.load_run_model(args.run)
+    if args.int8:  # LLM.int8: int8 weights, outlier features in floats; the head stays
+        quant.llm_int8(model, skip=lambda path, _: "lm_head" in map(str, path))
     if max_tokens is None:  # a model.factory model: its limit is known once built
         max_tokens = budget(gen.context_room(config, len(ids), model))
     tokens = gen.generate_iter(model, ids, max_new_tokens=max_tokens,

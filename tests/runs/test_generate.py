@@ -124,3 +124,26 @@ def test_lora_run_samples_with_its_adapters(runs, loaded, capsys):
         nnx.update(model, adapters)
     assert not np.allclose(with_lora, without)
     np.testing.assert_allclose(without, logits(base_model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_sample_int8_runs_llm_int8_close_to_the_float_model(runs, loaded, capsys):
+    """``jaxpar sample --int8``: every projection but the head in int8 with LLM.int8's
+    float outlier columns; the next-token logits stay within 2% of the float model's and
+    the command prints the int8 model's greedy continuation."""
+    from jaxpar.adapters.quant import QuantizedProjection, llm_int8
+
+    base, _ = runs
+    model, config = loaded[0]
+    tokens = jnp.asarray([list(b"hello world, ab")], jnp.int32)
+    want = np.asarray(logits(model, tokens))
+    fresh, _ = load_run_model(base)
+    int8 = llm_int8(fresh, skip=lambda path, _: "lm_head" in map(str, path))
+    assert isinstance(int8.blocks.mlp.w_up, QuantizedProjection)
+    assert not isinstance(int8.lm_head, QuantizedProjection)
+    got = np.asarray(logits(int8, tokens))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+    capsys.readouterr()
+    assert main(["sample", "--run", str(base), "--prompt", "ab", "--max-tokens", "5",
+                 "--int8"]) == 0
+    new = generate(int8, list(b"ab"), max_new_tokens=5)
+    assert capsys.readouterr().out == TextCodec().decode([*b"ab", *new]) + "\n"
