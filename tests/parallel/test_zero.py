@@ -100,8 +100,8 @@ def _gathers(axes: dict, rules: str, zero: int, quantize_gather: str):
 ], ids=["fsdp8", "zero3-data2-fsdp2-tensor2"])
 def test_int8_weight_gathers_move_a_quarter_of_the_bytes(devices, axes, rules, zero):
     """plan.quantize_gather=int8 (ZeRO++ qwZ): the weights' all-gathers carry int8 and
-    per-row scales. XLA gathers the f32 stored weights today (it moves the bf16 cast
-    after the gather), so the bytes fall to under 30% of that, under 60% of a bf16 gather;
+    per-row scales. XLA:CPU runs bf16 matmuls in f32 and gathers the weights widened, so
+    the bytes fall to under 30% of that, under 60% of a bf16 gather;
     no other collective appears, the gradient reductions are unchanged, and three steps'
     losses stay within 1e-4 of the unquantized run's."""
     plain, plain_losses = _gathers(axes, rules, zero, "none")
