@@ -38,8 +38,8 @@ CFG = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=8, n_k
 SETTINGS = [("none", "none"), ("int8", "none"), ("fp8", "none"), ("none", "int8"),
             ("int8", "int8")]
 _DOT = re.compile(r"stablehlo\.dot_general .*?contracting_dims = \[([\d, ]*)\] x .*?: "
-                  r"\(tensor<([\dx]*?)x?(\w+?)>, tensor<[\dx]*?x?(\w+?)>\) -> "
-                  r"tensor<([\dx]*?)x?\w+?>")
+                  r"\(tensor<((?:\d+x)*)(\w+)>, tensor<(?:\d+x)*(\w+)>\) -> "
+                  r"tensor<((?:\d+x)*)\w+>")
 
 
 def dots_by_type(text: str) -> dict[str, tuple[int, float]]:
