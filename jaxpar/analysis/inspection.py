@@ -176,7 +176,10 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
                      + (f", optimizer offload {plan.offload_optimizer:g}"
                         if plan.offload_optimizer else "")
                      + (", update on host" if plan.host_update else "")
-                     + (", weights streamed from host" if plan.offload_params else "")),
+                     + (", weights streamed from host" if plan.offload_params else "")
+                     + (f", {plan.quantize} matmuls" if plan.quantize != "none" else "")
+                     + (f", {plan.quantize_gather} weight gathers"
+                        if plan.quantize_gather != "none" else "")),
             "global_batch": config.train.global_batch,
             "seq_len": config.train.seq_len,
             "compile_s": compile_s,

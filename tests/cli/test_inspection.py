@@ -76,3 +76,11 @@ def test_a_1f1b_pipeline_reports_its_ticks_and_bubble(devices, capsys):
     assert "pipeline interleaved_1f1b: S=4 stages x R=2 repeats, M=4 microbatches" in out
     assert ("timeline: 22 ticks, 6 idle on each stage (bubble 37.5% of busy time), at most "
             "8 stage inputs held") in out
+
+
+def test_quantized_plans_are_named_in_the_header(devices, capsys):
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.d_ff=64", *FAST,
+            "plan.quantize=int8", "plan.quantize_gather=int8"]
+    assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "int8 matmuls, int8 weight gathers" in out
