@@ -172,6 +172,9 @@ class Plan:
       quantize_gather: ``int8``: weights split over the data-parallel axes (FSDP, ZeRO-3)
         are all-gathered as int8 plus per-row scales (ZeRO++'s qwZ), see
         :func:`jaxpar.parallel.zero.gather_int8`.
+      compress_gradients: ``sign``: the gradients are averaged over the ``data`` axis one
+        bit a value with error feedback, after ``compress_warmup`` exact steps (see
+        :mod:`jaxpar.parallel.compression`).
     """
 
     mesh: Mesh
@@ -198,6 +201,8 @@ class Plan:
     quantize_exclude: str = knob(quantization.DEFAULT_EXCLUDE, check=quantization.is_pattern,
                                  valid="must be a valid regular expression")
     quantize_gather: str = knob("none", choices=("none", "int8"))
+    compress_gradients: str = knob("none", choices=("none", "sign"))
+    compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
 
     def __post_init__(self) -> None:
         for f in knobs():
@@ -330,7 +335,16 @@ def _on_context_mesh(sharding: Any) -> Any:
     context = jax.sharding.get_abstract_mesh()
     if context.empty or not context.manual_axes:
         return sharding
-    return jax.tree.map(lambda s: NamedSharding(context, s.spec)
+    manual = set(context.manual_axes)
+
+    def restated(spec: PartitionSpec) -> PartitionSpec:
+        def keep(entry):  # the manual axes are the shard_map's: not named in a constraint
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            kept = tuple(a for a in axes if a not in manual)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return PartitionSpec(*(keep(e) for e in spec))
+
+    return jax.tree.map(lambda s: NamedSharding(context, restated(s.spec))
                         if isinstance(s, NamedSharding) else s, sharding)
 
 

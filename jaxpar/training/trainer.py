@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import JaxparError
-from jaxpar.parallel import offload
+from jaxpar.parallel import compression, offload
 from jaxpar.parallel.zero import formula_bytes, gather_int8, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
 from jaxpar.sharding.partitioning import (
@@ -172,6 +172,8 @@ class Trainer:
             shardings["master"] = master
         if self.loss_scale is not None:
             shardings["loss_scale"] = plan.replicated
+        if plan.compress_gradients != "none":
+            shardings["grad_error"] = compression.error_shardings(plan, base)
         return self._offloaded(shardings, params, frozen), zero if stage >= 2 else base, \
             left_whole
 
@@ -225,6 +227,9 @@ class Trainer:
             state["params"] = jax.device_put(master, sh["params"])
         if self.loss_scale is not None:
             state["loss_scale"] = jax.device_put(self.loss_scale.init(), sh["loss_scale"])
+        if "grad_error" in sh:
+            state["grad_error"] = jax.jit(lambda p: compression.zero_errors(p, self.plan),
+                                          out_shardings=sh["grad_error"])(params)
         return state
 
     def batch_shardings(self, batch: Batch) -> Any:
@@ -375,7 +380,13 @@ class Trainer:
         return update(grads, opt_state, master)
 
     def _step_impl(self, state: dict[str, Any], batch: Batch):
-        loss, grads, frozen, extra = self._gradients(state, batch)
+        errors = None
+        if "grad_error" in state:  # one-bit averaging over data (parallel/compression.py)
+            reduce = compression.data_parallel(self._gradients, self.plan)
+            view = {k: v for k, v in state.items() if k != "grad_error"}
+            loss, grads, frozen, extra, errors = reduce(view, batch, state["grad_error"])
+        else:
+            loss, grads, frozen, extra = self._gradients(state, batch)
         master = offload.to_device(state["master"] if self.policy.mixed else state["params"])
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         metrics: dict[str, jax.Array] = {"loss": loss, **extra}
@@ -393,6 +404,8 @@ class Trainer:
             opt_state = keep(opt_state, offload.to_device(state["opt_state"]))
             new_state["loss_scale"] = self.loss_scale.adjust(state["loss_scale"], finite)
         new_state["opt_state"] = opt_state
+        if errors is not None:
+            new_state["grad_error"] = errors
         if self.policy.mixed:
             new_state.update(master=new_master,
                              params=self.policy.cast_to_compute(new_master))
