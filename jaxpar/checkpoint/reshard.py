@@ -19,7 +19,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
-from jaxpar.parallel import pipeline
+from jaxpar.parallel import schedules
 from jaxpar.sharding.paths import key_str
 
 
@@ -77,8 +77,8 @@ def _restack(x: jax.Array, *, unstack: bool, stack: bool, stages: int, have_laye
     """Stacked layers from the checkpoint's layout to the target's (through plain
     ``(layers, ...)``)."""
     if unstack:
-        x = pipeline.unstack_layers(x, have_layers)
-    return pipeline.stack_layers(x, stages, want_layers) if stack else x
+        x = schedules.unstack_layers(x, have_layers)
+    return schedules.stack_layers(x, stages, want_layers) if stack else x
 
 
 def _prod(shape: tuple) -> int:
@@ -101,7 +101,7 @@ def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
     ``saved`` maps paths to stored shapes; ``target`` maps paths to arrays (or abstract
     arrays) carrying the wanted shape, dtype and sharding. ``stages``: pipeline stages the
     checkpoint and the target were laid out for, and ``layers_per_stage`` of each (stacked
-    layers are converted: :func:`jaxpar.parallel.pipeline.stack_layers`).
+    layers are converted: :func:`jaxpar.parallel.schedules.stack_layers`).
 
     Raises:
       JaxparError: listing every path whose shape differs, is missing from the

@@ -85,7 +85,7 @@ def check(plan: Any, base: Any) -> None:
                           "plan.microbatches=1 (each device reduces its whole gradient)")
     split = [jax.tree_util.keystr(path) for path, sh in jax.tree_util.tree_leaves_with_path(
         base, is_leaf=lambda x: isinstance(x, NamedSharding))
-        if AXIS in str(sh.spec)]
+        if any(AXIS in (e if isinstance(e, tuple) else (e,)) for e in sh.spec)]
     if split:
         raise JaxparError(f"plan.compress_gradients needs the weights whole over the data "
                           f"axis; the rules split {split[0]} over it")

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.schedules import peak_in_flight, stack_layers, unstack_layers
 from jaxpar.sharding.annotations import _NAME_KEYS, logical_names
 from jaxpar.sharding.plan import constrain
 
@@ -189,8 +190,7 @@ class Schedule:
         ``(R + 1) * S`` interleaved."""
         if not self.backward_in_schedule:
             return self.repeats * self.microbatches
-        m, p, v = self.microbatches, self.stages, self.repeats
-        return min(m, p) if v == 1 else min(m * v, (v + 1) * p - 1)
+        return peak_in_flight(self.kind, self.stages, self.microbatches, self.repeats)
 
     def position(self, layer: int) -> tuple[int, int]:
         """Where layer ``layer`` is stored in the pipeline layout: ``(row, stage)``."""
@@ -229,25 +229,6 @@ def _renamed(variable: nnx.Variable, value: Any, names: tuple[str | None, ...]) 
 
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def stack_layers(value: Any, stages: int, layers_per_stage: int = 1) -> Any:
-    """One array ``(n, ...)`` of stacked layers in the pipeline layout
-    ``(n // stages, stages, ...)``: layer ``(c * S + s) * L + j`` at ``[c * L + j, s]``
-    (:meth:`Schedule.position`); a pure reshape when ``L = 1``."""
-    n, L = value.shape[0], layers_per_stage
-    if L == 1:
-        return value.reshape(n // stages, stages, *value.shape[1:])
-    value = value.reshape(n // (stages * L), stages, L, *value.shape[1:]).swapaxes(1, 2)
-    return value.reshape(n // stages, stages, *value.shape[3:])
-
-
-def unstack_layers(value: Any, layers_per_stage: int = 1) -> Any:
-    """Inverse of :func:`stack_layers`: ``(rows, stages, ...)`` -> ``(layers, ...)``."""
-    rows, stages, L = value.shape[0], value.shape[1], layers_per_stage
-    if L > 1:
-        value = value.reshape(rows // L, L, stages, *value.shape[2:]).swapaxes(1, 2)
-    return value.reshape(rows * stages, *value.shape[(3 if L > 1 else 2):])
 
 
 def to_pipeline_layout(tree: Any, stages: int, layers_per_stage: int = 1) -> Any:

@@ -329,7 +329,8 @@ def peak_in_flight(kind: str, stages: int, microbatches: int, virtual: int = 1) 
 # --- Parameter layout ------------------------------------------------------------------
 def to_schedule_layout(tree: Any, stages: int, virtual: int = 1) -> Any:
     """Restack every ``(n_layers, ...)`` leaf as ``(v * L, p, ...)``: layer
-    ``(c * p + s) * L + j`` lands at ``[c * L + j, s]`` (``L = n_layers / (v * p)``).
+    ``(c * p + s) * L + j`` lands at ``[c * L + j, s]`` (``L = n_layers / (v * p)``; see
+    :func:`stack_layers`).
 
     Raises:
       JaxparError: when a leaf's layer count is not a multiple of ``stages * virtual``.
@@ -338,21 +339,34 @@ def to_schedule_layout(tree: Any, stages: int, virtual: int = 1) -> Any:
         if a.ndim < 1 or a.shape[0] % (stages * virtual):
             raise JaxparError(f"a stacked leaf of shape {a.shape} does not split into "
                               f"{stages} stages x {virtual} chunks")
-        per = a.shape[0] // (stages * virtual)
-        a = a.reshape(virtual, stages, per, *a.shape[1:]).swapaxes(1, 2)
-        return a.reshape(virtual * per, stages, *a.shape[3:])
+        return stack_layers(a, stages, a.shape[0] // (stages * virtual))
 
     return jax.tree.map(one, tree)
 
 
 def from_schedule_layout(tree: Any, virtual: int = 1) -> Any:
     """Inverse of :func:`to_schedule_layout`: ``(v * L, p, ...)`` -> ``(n_layers, ...)``."""
-    def one(a: jax.Array) -> jax.Array:
-        rows, stages = a.shape[:2]
-        a = a.reshape(virtual, rows // virtual, stages, *a.shape[2:]).swapaxes(1, 2)
-        return a.reshape(rows * stages, *a.shape[3:])
+    return jax.tree.map(lambda a: unstack_layers(a, a.shape[0] // virtual), tree)
 
-    return jax.tree.map(one, tree)
+
+def stack_layers(value: Any, stages: int, layers_per_stage: int = 1) -> Any:
+    """One array ``(n, ...)`` of stacked layers as ``(n // stages, stages, ...)``: layer
+    ``(c * S + s) * L + j`` at ``[c * L + j, s]`` (``L = layers_per_stage``); a pure
+    reshape when ``L = 1``. The storage layout of every pipeline schedule
+    (:func:`jaxpar.parallel.pipeline.to_pipeline_layout`)."""
+    n, per = value.shape[0], layers_per_stage
+    if per == 1:
+        return value.reshape(n // stages, stages, *value.shape[1:])
+    value = value.reshape(n // (stages * per), stages, per, *value.shape[1:]).swapaxes(1, 2)
+    return value.reshape(n // stages, stages, *value.shape[3:])
+
+
+def unstack_layers(value: Any, layers_per_stage: int = 1) -> Any:
+    """Inverse of :func:`stack_layers`: ``(rows, stages, ...)`` -> ``(layers, ...)``."""
+    rows, stages, per = value.shape[0], value.shape[1], layers_per_stage
+    if per > 1:
+        value = value.reshape(rows // per, per, stages, *value.shape[2:]).swapaxes(1, 2)
+    return value.reshape(rows * stages, *value.shape[(3 if per > 1 else 2):])
 
 
 # --- The executor ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ offloaded optimizer state of the tensors being updated.
 
 from __future__ import annotations
 
+from jaxpar.parallel.schedules import peak_in_flight
 from jaxpar.planner.candidate import (
     OPTIMIZER_MOMENTS,
     Candidate,
@@ -277,7 +278,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
             # activations live while the stage runs that chunk's backward.
             m = pipe_microbatches(cand, stages)
             v = pipe_repeats(cand, spec.n_layers, stages)
-            inflight = (min(m, stages) if v == 1 else min(m * v, (v + 1) * stages - 1))
+            inflight = peak_in_flight(cand.pipeline_schedule, stages, m, v)
             # Besides: the pipeline's input and its gradient, for all m microbatches.
             block_input = saved_activation_bytes(spec, loc, seq, "full", act, attention)
             saved = (inflight + 2 * m) * block_input + saved / v

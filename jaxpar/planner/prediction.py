@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpar.config.schema import Config
+from jaxpar.config.validate import pipeline_for
 from jaxpar.errors import JaxparError
 from jaxpar.planner.api import resolve_model
 from jaxpar.planner.catalog import Machine, cpu_chip
@@ -65,13 +66,8 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
 
 
 def _repeats(config: Config, stages: int) -> int:
-    """Chunks per stage of the config's pipeline (0: one per layer, as the planner says)."""
-    pipe = config.pipeline
-    if pipe.schedule in ("gpipe", "1f1b"):
-        return 1
-    if pipe.repeats or not pipe.layers_per_stage or stages <= 1:
-        return pipe.repeats
-    return max(config.model.n_layers // (stages * pipe.layers_per_stage), 1)
+    """Chunks per stage of the config's pipeline, as its Schedule fills them in."""
+    return pipeline_for(config, stages).repeats if stages > 1 else config.pipeline.repeats
 
 
 def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:

@@ -1,5 +1,5 @@
 """What LoRA saves: trainable parameters and optimizer memory against full fine-tuning,
-from abstract shapes.
+computed on abstract shapes.
 """
 
 from __future__ import annotations
