@@ -44,7 +44,8 @@ class Candidate:
     ``quantize`` (``none``, ``int8``, ``fp8``): the decoder layers' projections run on
     8-bit operands (:mod:`jaxpar.sharding.quantization`), at the chip's 8-bit matmul rate
     plus the quantization passes; ``quantize_gather`` ``int8``: FSDP/ZeRO-3 weights are
-    gathered in int8 once a step and held dequantized (ZeRO++ qwZ).
+    gathered in int8 once a step and held dequantized (ZeRO++ qwZ); ``quantize_reduce``
+    ``int8``: their gradients reduced by int8 all-to-alls once a step (ZeRO++ qgZ).
 
     Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
     and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
@@ -71,6 +72,7 @@ class Candidate:
     pipeline_schedule: str = "circular"
     quantize: str = "none"
     quantize_gather: str = "none"
+    quantize_reduce: str = "none"
     offload_optimizer: float = 0.0
     host_update: bool = False
     offload_params: bool = False

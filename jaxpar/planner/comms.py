@@ -11,6 +11,11 @@ Collectives are listed as XLA emits them for the reference transformer:
 * all-gathers of weights stored split over data-parallel axes (FSDP, ZeRO-3) to their
   compute layout, in the forward and again in the backward pass;
 * ZeRO 1-2: one all-gather of the updated parameters from the sharded master weights;
+* ZeRO++ (:mod:`jaxpar.parallel.zeropp`): qwZ gathers each weight once a step in int8
+  (a byte an element and an f32 scale a row); qgZ replaces the gradient reduction by
+  int8 all-to-alls, one per splitting axis from the innermost, each on the block the
+  last left, and an int8 all-to-all and all-gather over each data-parallel axis the
+  gradient is whole over, once a step after the backward pass;
 * Megatron tensor parallelism: all-reduces of the ``(tokens, d_model)`` activations: 2 per
   layer forward (attention and MLP outputs) and, in the backward pass, one per
   column-parallel projection (q, k, v, gate, up: 5) on XLA:CPU, one per sublayer (2) on
@@ -140,10 +145,11 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         compute, base = p.compute / per, p.base / per
         # Weights stored split over data-parallel axes: gathered for forward and backward
         # (per microbatch); the embedding and head once when not inside the layer loop.
-        if p.store_dp_axes and cand.quantize_gather == "int8":
-            # ZeRO++ qwZ: once a step, a byte an element plus an f32 scale a row (rows
-            # of a model dimension or more: a 1/64 or smaller overhead is taken).
-            rows.add("all-gather", p.store_dp_axes, compute * per * (1 + 4 / 64), 1, micro,
+        if p.store_dp_axes and "int8" in (cand.quantize_gather, cand.quantize_reduce):
+            # ZeRO++: once a step; under qwZ a byte an element plus an f32 scale a row
+            # (rows of a model dimension or more: a 1/64 or smaller overhead is taken).
+            width = 1 + 4 / 64 if cand.quantize_gather == "int8" else wire
+            rows.add("all-gather", p.store_dp_axes, compute * per * width, 1, micro,
                      phase="forward")
         elif p.store_dp_axes:
             nbytes = compute * wire
@@ -162,6 +168,19 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         rest = tuple(a for a in reduce_axes if a not in grad_split)
         full = compute * wire
         n = math.prod(lay.sizes[a] for a in grad_split)
+        if cand.quantize_reduce == "int8" and reduce_axes:
+            # ZeRO++ qgZ, once a step after the backward pass (nothing to hide under): an
+            # int8 all-to-all per splitting axis, innermost first, each on what the last
+            # left; then an int8 all-to-all and all-gather over the other axes.
+            left = compute * per * (1 + 4 / 64)
+            for axis in sorted(grad_split, key=MESH_AXES.index, reverse=True):
+                rows.add("all-to-all", (axis,), left, 1, 1, phase="exposed")
+                left /= lay.sizes[axis]
+            for axis in rest:
+                rows.add("all-to-all", (axis,), left, 1, 1, phase="exposed")
+                rows.add("all-gather", (axis,), left, 1, 1, phase="exposed")
+            rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
+            continue
         if grad_split:
             if backend == "cpu":
                 rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")

@@ -321,9 +321,11 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     # buffers never meet the loss's working set (counting them with a layer's is the
     # calibrated approximation).
     work = max(layer_work, loss_work)
-    # ZeRO++ qwZ: the gathered weights stay dequantized for the whole step.
+    # ZeRO++: the weights gathered once a step stay whole for the whole step.
     gathered = (sum(p.compute for p in lay.placed if p.store_dp_axes) * c
-                if cand.quantize_gather == "int8" else 0.0)
+                if "int8" in (cand.quantize_gather, cand.quantize_reduce) else 0.0)
+    if cand.quantize_reduce == "int8":  # qgZ quantizes from a float32 copy of them
+        gathered += sum(p.compute for p in lay.placed if p.store_dp_axes) * 4
     temp = (grads + saved + gathered
             + max(layer_work + stream + staging + update_device, loss_work))
     argument = params + master + opt + batch - off.optimizer - off.params

@@ -55,6 +55,7 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           pipeline_schedule=config.pipeline.schedule,
                           quantize=config.plan.quantize,
                           quantize_gather=config.plan.quantize_gather,
+                          quantize_reduce=config.plan.quantize_reduce,
                           pipeline_repeats=_repeats(config, ici.get("stage", 1) * dcn["stage"]),
                           precision=jnp.dtype(policy.compute).name,
                           optimizer=config.train.optimizer,

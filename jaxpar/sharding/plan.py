@@ -122,6 +122,12 @@ def check_knob_pairs(knob_values: Any) -> None:
         raise JaxparError("plan.quantize_gather quantizes weights on the device before "
                           "gathering them; it does not combine with plan.offload_params "
                           "(weights streamed from host memory)")
+    if knob_values.quantize_reduce != "none" and (
+            knob_values.compress_gradients != "none" or knob_values.microbatches > 1
+            or knob_values.offload_params):
+        raise JaxparError("plan.quantize_reduce reduces each step's gradients once, by "
+                          "hand: it does not combine with plan.compress_gradients, "
+                          "plan.microbatches > 1 or plan.offload_params")
     if knob_values.host_update and knob_values.offload_optimizer != 1:
         raise JaxparError("plan.host_update runs the optimizer update on the host and "
                           "needs all of its state there: set plan.offload_optimizer: 1 "
@@ -171,7 +177,10 @@ class Plan:
         :mod:`jaxpar.sharding.quantization`.
       quantize_gather: ``int8``: weights split over the data-parallel axes (FSDP, ZeRO-3)
         are all-gathered as int8 plus per-row scales (ZeRO++'s qwZ), see
-        :func:`jaxpar.parallel.zero.gather_int8`.
+        :func:`jaxpar.parallel.zeropp.gather_int8`.
+      quantize_reduce: ``int8``: gradients split over the data-parallel axes (FSDP,
+        ZeRO-2/3) are reduce-scattered by int8 all-to-alls, innermost axis first
+        (ZeRO++'s qgZ), see :func:`jaxpar.parallel.zeropp.reduce_int8`.
       compress_gradients: ``sign``: the gradients are averaged over the ``data`` axis one
         bit a value with error feedback, after ``compress_warmup`` exact steps (see
         :mod:`jaxpar.parallel.compression`).
@@ -201,6 +210,7 @@ class Plan:
     quantize_exclude: str = knob(quantization.DEFAULT_EXCLUDE, check=quantization.is_pattern,
                                  valid="must be a valid regular expression")
     quantize_gather: str = knob("none", choices=("none", "int8"))
+    quantize_reduce: str = knob("none", choices=("none", "int8"))
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
 

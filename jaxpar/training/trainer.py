@@ -29,8 +29,8 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import JaxparError
-from jaxpar.parallel import compression, offload
-from jaxpar.parallel.zero import formula_bytes, gather_int8, per_device_bytes, zero_shardings
+from jaxpar.parallel import compression, offload, zeropp
+from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
 from jaxpar.sharding.partitioning import (
     prepare_model,
@@ -174,6 +174,8 @@ class Trainer:
             shardings["loss_scale"] = plan.replicated
         if plan.compress_gradients != "none":
             shardings["grad_error"] = compression.error_shardings(plan, base)
+        if plan.quantize_reduce != "none":
+            zeropp.check(plan, zero if stage >= 2 else base)
         return self._offloaded(shardings, params, frozen), zero if stage >= 2 else base, \
             left_whole
 
@@ -266,8 +268,9 @@ class Trainer:
         ``plan.quantize_gather``)."""
         parts = {"params": self.policy.cast_to_compute(params),
                  "frozen": self.policy.narrow_to_compute(frozen)}
-        if self.plan.quantize_gather == "int8":
-            parts = {k: gather_int8(v, self.state_shardings[k], self.plan.mesh,
+        manual = jax.sharding.get_abstract_mesh().manual_axes  # qgZ gathered them already
+        if self.plan.quantize_gather == "int8" and not manual:
+            parts = {k: zeropp.gather_int8(v, self.state_shardings[k], self.plan.mesh,
                                     self.plan.data_parallel_axes) for k, v in parts.items()}
         return nnx.merge(self._graphdef, parts["params"], parts["frozen"])
 
@@ -385,6 +388,12 @@ class Trainer:
             reduce = compression.data_parallel(self._gradients, self.plan)
             view = {k: v for k, v in state.items() if k != "grad_error"}
             loss, grads, frozen, extra, errors = reduce(view, batch, state["grad_error"])
+        elif self.plan.quantize_reduce == "int8":  # ZeRO++ qgZ (parallel/zeropp.py)
+            reduce = zeropp.reduce_int8(self._gradients, self.plan, self.state_shardings,
+                                        self.grad_shardings)
+            view = {k: state[k] for k in ("params", "frozen", "step", "loss_scale")
+                    if k in state}
+            loss, grads, frozen, extra = reduce(view, batch)
         else:
             loss, grads, frozen, extra = self._gradients(state, batch)
         master = offload.to_device(state["master"] if self.policy.mixed else state["params"])

@@ -219,3 +219,33 @@ def test_int8_weight_gathers_halve_the_fsdp_gather_bytes():
                             if r["kind"] == "all-gather")
     assert 0.2 < gathers(quant) / gathers(plain) < 0.3
     assert quant.memory["gathered_weight_bytes"] > 0 == plain.memory["gathered_weight_bytes"]
+
+
+def test_int8_gradient_reductions_halve_the_reduce_scatter_bytes():
+    """ZeRO++ qgZ in the planner: the gradient reduce-scatter (two bytes an element) becomes
+    an int8 all-to-all (a byte plus scales); with data x fsdp, the fsdp hop first and an
+    int8 all-to-all + all-gather of the reduced block over data."""
+
+    def est(reduce: str, axes: dict, zero: int = 3):
+        cand = Candidate.make(axes, zero_stage=zero, quantize_reduce=reduce)
+        return estimate("configs/llama-7b.yaml", cand, chips="h100:64", global_batch=512,
+                        seq=4096)
+
+    def moved(e, kinds):
+        return sum(r["bytes_per_step"] for r in e.collectives if r["kind"] in kinds
+                   and set(r["axes"]) <= {"data", "fsdp"})
+
+    plain, quant = est("none", {"fsdp": 64}), est("int8", {"fsdp": 64})
+    ratio = moved(quant, ("all-to-all",)) / (64 * moved(plain, ("reduce-scatter",)))
+    assert 0.5 < ratio < 0.56  # an all-to-all's result is the whole gradient, 64 blocks
+    def rows(e):
+        return {(r["kind"], tuple(r["axes"])): r["bytes_per_step"] for r in e.collectives}
+
+    zero3 = rows(est("int8", {"data": 2, "fsdp": 32}))  # weights split over both
+    assert zero3[("all-to-all", ("fsdp",))] == pytest.approx(
+        32 * zero3[("all-to-all", ("data",))])
+    assert ("all-gather", ("data",)) not in zero3
+    fsdp = rows(est("int8", {"data": 2, "fsdp": 32}, zero=0))  # whole over data
+    assert fsdp[("all-gather", ("data",))] == fsdp[("all-to-all", ("data",))]
+    assert fsdp[("all-to-all", ("fsdp",))] == pytest.approx(  # norms: whole over fsdp
+        32 * fsdp[("all-to-all", ("data",))], rel=0.01)
