@@ -7,13 +7,15 @@ cores, that is the host's rate split among them.
 
 * matmuls ``(m x k) @ (k x n)`` per device over a grid of shapes, float32 and bfloat16:
   ``f32_flops`` and ``peak_flops`` are the median rates of the large shapes (the
-  sustained rate, robust to a timing disturbed by other work);
+  sustained rate, robust to a timing disturbed by other work; on a GPU or TPU the grid
+  adds matmuls up to 8192 wide, and only those of at least 2 x 4096^3 FLOPs count as
+  large: a 1024-wide matmul leaves an H100 mostly idle);
   ``matmul_tile`` and ``op_overhead_s`` are fitted (least squares on log time) so that
   :func:`jaxpar.planner.roofline.matmul_time`, with ``matmul_efficiency`` 1, reproduces
   the whole grid;
-* memory: an elementwise update of 64 MB a device (a working set like a step's: on a
-  CPU a smaller one runs from the caches), ``hbm_bw`` = bytes read and written per
-  second (``memory_efficiency`` 1);
+* memory: an elementwise update of 64 MB a device on a CPU (a working set like a step's:
+  a smaller one runs from the caches), 1 GiB on a GPU or TPU; ``hbm_bw`` = bytes read
+  and written per second (``memory_efficiency`` 1);
 * saved activations: the gradient of a scan of cheap layers with each layer's activations
   saved for the backward pass and with them recomputed: ``saved_bw``, saved bytes over the
   time difference (on XLA:CPU storing and reloading them costs far more than streaming);
@@ -47,7 +49,11 @@ MATMUL_GRID = ((16, 256, 256), (64, 64, 128), (128, 64, 128), (128, 256, 256),
                (128, 256, 1024), (128, 1024, 256), (256, 256, 4096), (512, 512, 512),
                (1024, 256, 1024), (512, 1024, 512))
 QUICK_GRID = ((16, 256, 256), (128, 64, 128), (128, 256, 1024), (512, 512, 512))
-LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak
+# A GPU or TPU reaches its peak only on large matmuls: these join the grid there.
+ACCELERATOR_GRID = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+                    (4096, 8192, 4096), (8192, 4096, 14336))
+LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak (CPU)
+ACCELERATOR_LARGE_FLOPS = 2 * 4096 ** 3  # and on a GPU or TPU
 TILES = (1, 8, 16, 32, 64, 128)
 
 
@@ -270,14 +276,15 @@ def fit_collectives(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
     return float(max(lat, 1e-9)), float(1 / max(inv_bw, 1e-15))
 
 
-def fit_matmuls(rows: Sequence[dict[str, Any]], hbm_bw: float) -> dict[str, Any]:
+def fit_matmuls(rows: Sequence[dict[str, Any]], hbm_bw: float,
+                large_flops: float = LARGE_FLOPS) -> dict[str, Any]:
     """``f32_flops``, ``peak_flops`` (bf16), ``matmul_tile`` and ``op_overhead_s`` so
     that :func:`~jaxpar.planner.roofline.matmul_time` (efficiency 1) fits ``rows`` best
     in log time; the peaks are the median rates of the large shapes."""
     peaks = {}
     for dtype in ("float32", "bfloat16"):
         mine = [r for r in rows if r["dtype"] == dtype]
-        large = [r for r in mine if 2 * r["m"] * r["k"] * r["n"] >= LARGE_FLOPS] or mine
+        large = [r for r in mine if 2 * r["m"] * r["k"] * r["n"] >= large_flops] or mine
         peaks[dtype] = float(np.median([r["flops_per_s"] for r in large])) if large else 0.0
     f32 = peaks["float32"] or peaks["bfloat16"]
     bf16 = peaks["bfloat16"] or f32
@@ -337,12 +344,16 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     start = time.perf_counter()
     # A working set like a training step's (weights, gradients, optimizer state: tens of
     # MB a device): on a CPU a smaller one runs from the caches, several times faster.
-    memory = measure_memory(devices, (1 << 22) if quick else (1 << 24), target, 2 * repeats)
+    # (On a GPU or TPU: 1 GiB a device, past any cache, and the large matmuls too.)
+    accelerator = devices[0].platform != "cpu"
+    elements = (1 << 22) if quick else (1 << 28) if accelerator else (1 << 24)
+    memory = measure_memory(devices, elements, target, 2 * repeats)
     hbm_bw = memory["bytes_per_s"]
     saved = measure_saved(devices, (1 << 18) if quick else (1 << 20))
-    grid = QUICK_GRID if quick else MATMUL_GRID
+    grid = QUICK_GRID if quick else MATMUL_GRID + (ACCELERATOR_GRID if accelerator else ())
     matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats)
-    fit = fit_matmuls(matmuls, hbm_bw)
+    fit = fit_matmuls(matmuls, hbm_bw,
+                      ACCELERATOR_LARGE_FLOPS if accelerator and not quick else LARGE_FLOPS)
     colls: list[dict[str, Any]] = []
     lat, bw = 2e-5, 5e9
     if n > 1:
