@@ -1,9 +1,11 @@
 """Quantized training on this machine: what can be measured without int8/fp8 units.
 
 For the reference decoder on 8 simulated CPU devices (fsdp 8, bf16 compute), per setting
-of ``plan.quantize`` (none, int8, fp8) and ``plan.quantize_gather`` (none, int8): the
-matmuls of the step as handed to XLA by operand type (count and FLOPs, the layer loop's
-body counted once), the all-gather bytes per device of the compiled step, and the step
+of ``plan.quantize`` (none, int8, fp8), ``plan.quantize_gather`` and
+``plan.quantize_reduce`` (none, int8: ZeRO++ qwZ and qgZ): the matmuls of the step as
+handed to XLA by operand type (count and FLOPs, the layer loop's body counted once), the
+all-gather and the gradient-reduction (all-reduce, reduce-scatter, all-to-all) bytes per
+device of the compiled step, and the step
 time (median of alternated rounds; XLA:CPU widens 8-bit products, so this shows the
 quantization passes' cost, not a speed-up: ``benchmarks/mfu.py`` runs on a GPU when one
 is lent).
@@ -35,8 +37,10 @@ from jaxpar.sharding.precision import Policy  # noqa: E402
 
 CFG = TransformerConfig(vocab_size=2048, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
                         d_ff=1024, max_seq_len=128)
-SETTINGS = [("none", "none"), ("int8", "none"), ("fp8", "none"), ("none", "int8"),
-            ("int8", "int8")]
+SETTINGS = [("none", "none", "none"), ("int8", "none", "none"), ("fp8", "none", "none"),
+            ("none", "int8", "none"), ("none", "none", "int8"), ("none", "int8", "int8"),
+            ("int8", "int8", "int8")]
+REDUCTIONS = ("all-reduce", "reduce-scatter", "all-to-all")
 _DOT = re.compile(r"stablehlo\.dot_general .*?contracting_dims = \[([\d, ]*)\] x .*?: "
                   r"\(tensor<((?:\d+x)*)(\w+)>, tensor<(?:\d+x)*(\w+)>\) -> "
                   r"tensor<((?:\d+x)*)\w+>")
@@ -55,9 +59,10 @@ def dots_by_type(text: str) -> dict[str, tuple[int, float]]:
     return {key: (c, f) for key, (c, f) in out.items()}
 
 
-def build(quantize: str, gather: str) -> jaxpar.Trainer:
+def build(quantize: str, gather: str, reduce: str) -> jaxpar.Trainer:
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 8}), "fsdp", zero_stage=0,
                                    quantize=quantize, quantize_gather=gather,
+                                   quantize_reduce=reduce,
                                    precision=Policy.parse("p=f32,c=bf16,o=f32"))
     model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
     return jaxpar.Trainer(model, optax.adam(1e-3), plan)
@@ -70,14 +75,15 @@ def main() -> None:
     args = parser.parse_args()
     batch = np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 129)).astype(np.int32)
     trainers = {s: build(*s) for s in SETTINGS}
-    print(f"{'quantize':8} {'gather':6} {'dots by operand types (count, GFLOP)':58} "
-          f"{'all-gather B/dev':>16}")
-    for (q, g), tr in trainers.items():
+    print(f"{'quantize':8} {'gather':6} {'reduce':6} {'dots by operand types (count, GFLOP)':58}"
+          f" {'all-gather B/dev':>16} {'reductions B/dev':>16}")
+    for (q, g, r), tr in trainers.items():
         dots = dots_by_type(tr.lower(batch).as_text())
         text = ", ".join(f"{k} {c} ({f / 1e9:.2f})" for k, (c, f) in sorted(dots.items()))
         rows = collective_table(tr.lower(batch).compile().as_text(), tr.plan.mesh)
-        gathered = sum(r["bytes_per_device"] for r in rows if r["kind"] == "all-gather")
-        print(f"{q:8} {g:6} {text:58} {gathered:16,}")
+        gathered = sum(x["bytes_per_device"] for x in rows if x["kind"] == "all-gather")
+        reduced = sum(x["bytes_per_device"] for x in rows if x["kind"] in REDUCTIONS)
+        print(f"{q:8} {g:6} {r:6} {text:58} {gathered:16,} {reduced:16,}")
     times: dict[tuple, list[float]] = {s: [] for s in SETTINGS}
     for tr in trainers.values():
         tr.step(batch)  # compile
@@ -88,11 +94,11 @@ def main() -> None:
                 out = tr.step_async(batch)
             jax.block_until_ready(out)
             times[s].append((time.perf_counter() - start) / args.steps)
-    base = statistics.median(times[("none", "none")])
-    print(f"\n{'quantize':8} {'gather':6} {'ms/step':>8} {'ratio':>6}")
+    base = statistics.median(times[SETTINGS[0]])
+    print(f"\n{'quantize':8} {'gather':6} {'reduce':6} {'ms/step':>8} {'ratio':>6}")
     for s, ts in times.items():
         ms = statistics.median(ts)
-        print(f"{s[0]:8} {s[1]:6} {1e3 * ms:8.1f} {ms / base:6.2f}")
+        print(f"{s[0]:8} {s[1]:6} {s[2]:6} {1e3 * ms:8.1f} {ms / base:6.2f}")
 
 
 if __name__ == "__main__":

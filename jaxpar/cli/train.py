@@ -44,6 +44,12 @@ def command(args: argparse.Namespace) -> int:
               f"mesh {describe(mesh)}, rules {config.plan.rules}{model}", flush=True)
     if mesh.shape["stage"] > 1 and writer:
         print(pipeline_for(config, mesh.shape["stage"]).describe())
+    dl = config.diloco
+    if dl.sync_every and writer:
+        print(f"diloco: {mesh.shape['data']} replicas over data, each fragment meets every "
+              f"{dl.sync_every} steps ({dl.fragments} fragment{'s' * (dl.fragments > 1)}, "
+              f"staleness {dl.staleness}), outer SGD lr {dl.outer_lr} momentum "
+              f"{dl.outer_momentum}{' nesterov' * dl.nesterov}")
     _, history = train(config, args.out, resume=args.resume)
     if writer and history:
         s = summarize(history)

@@ -30,6 +30,7 @@ from jaxpar.sharding.mesh import make_mesh
 from jaxpar.sharding.partitioning import init_sharded
 from jaxpar.sharding.plan import Plan, knobs
 from jaxpar.sharding.rules import preset
+from jaxpar.training.diloco import DiLoCo
 from jaxpar.training.optimizer import make_optimizer
 from jaxpar.training.trainer import LossFn, Trainer, lm_loss
 
@@ -125,7 +126,7 @@ def loss_function(config: Config) -> LossFn:
 class Assembly:
     """Everything a config assembles to: the trainer and the pieces it was built from."""
 
-    trainer: Trainer
+    trainer: Trainer | DiLoCo
     plan: Plan
     schedule: pipeline_lib.Schedule | None
     config: Config
@@ -159,9 +160,15 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     trainable = lora_lib.select_trainable(model, config.train.trainable)
     trainer = Trainer(model, make_optimizer(config.train), plan, loss_fn=loss_fn,
                       trainable=trainable)
+    dl = config.diloco
+    if dl.sync_every:
+        trainer = DiLoCo(trainer, sync_every=dl.sync_every, outer_lr=dl.outer_lr,
+                         outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
+                         fragments=dl.fragments, staleness=dl.staleness)
     return Assembly(trainer, plan, schedule, config)
 
 
-def build_trainer(config: Config, devices: Any = None) -> Trainer:
-    """The :class:`Trainer` of :func:`assemble`."""
+def build_trainer(config: Config, devices: Any = None) -> Trainer | DiLoCo:
+    """The :class:`Trainer` of :func:`assemble` (wrapped in :class:`DiLoCo` when
+    ``diloco.sync_every`` is set)."""
     return assemble(config, devices).trainer

@@ -185,6 +185,22 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiLoCoConfig:
+    """DiLoCo across the ``data`` axis (see :mod:`jaxpar.training.diloco`): each data
+    index a replica that meets the others every ``sync_every`` steps (0: off, synchronous
+    data parallelism); the outer optimizer is SGD at ``outer_lr`` with (Nesterov)
+    momentum; ``fragments`` > 1 is streaming DiLoCo; ``staleness`` applies each outer
+    gradient that many meetings late."""
+
+    sync_every: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+    staleness: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -196,6 +212,7 @@ class Config:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
     init_from: str = ""
     """Checkpoint folder (``RUN/checkpoints``) whose model weights initialise this run's
     (base) model, or ``hf:PATH``, a Hugging Face model folder (whose ``config.json`` then

@@ -67,6 +67,11 @@ _RANGES: dict[str, _Check] = {
     "checkpoint.every": (lambda v: v >= 0, "must be 0 (only at the end) or more"),
     "checkpoint.keep": _AT_LEAST_1,
     "lora.alpha": _POSITIVE,
+    "diloco.sync_every": (lambda v: v >= 0, "must be 0 (off) or more"),
+    "diloco.outer_lr": _POSITIVE,
+    "diloco.outer_momentum": (lambda v: 0 <= v < 1, "must be a fraction in [0, 1)"),
+    "diloco.fragments": _AT_LEAST_1,
+    "diloco.staleness": _AT_LEAST_0,
 }
 
 
@@ -167,6 +172,14 @@ def _check_relations(config: Config) -> None:
                           "data.tokenizer, which is not set: set data.tokenizer (without "
                           "one, the file's raw bytes are the tokens)")
     _check_unused_model_knobs(config)
+    dl = config.diloco
+    if dl.sync_every and dl.sync_every % dl.fragments:
+        raise _bad("diloco.fragments", dl.fragments, f"must divide diloco.sync_every="
+                   f"{dl.sync_every} (each fragment meets once every sync_every steps)")
+    if dl.sync_every and config.mesh.data * config.mesh.dcn_data < 2:
+        raise JaxparError("diloco.sync_every runs one replica per index of the data axis: "
+                          "give the mesh data >= 2 (on a multislice machine, mesh.dcn_data "
+                          "= the slices)")
     hf = hf_folder(config.init_from)
     if hf is not None and not (hf / "config.json").is_file():
         raise _bad("init_from", config.init_from, "is not a Hugging Face model folder (no "

@@ -5,17 +5,19 @@ Under plain data parallelism every device all-reduces its full-precision gradien
 the ``data`` axis. Here each device computes its local gradient (a ``shard_map`` manual
 over ``data``, the batch split, the weights replicated), adds the error it kept from the
 last step, and sends only the sign of each value (packed eight to a byte) and one scale
-per tensor, the mean absolute value: ``c = g + e``, ``q = mean|c| * sign(c)``,
-``e <- c - q``. The signs and scales are all-gathered over ``data`` and averaged. What
-the compression drops is not lost but fed back into the next step's gradient (error
-feedback), so the sum of the applied updates tracks the true one. The error buffers (one
-float32 copy of the gradients on each device) are part of the training state, so
-checkpoints carry them and a resumed run continues exactly. The first ``warmup`` steps
-average exactly (a ``pmean``), as 1-bit Adam warms up before compressing.
+per block of :data:`BLOCK` consecutive values, their mean absolute value: ``c = g + e``,
+``q = mean|c| * sign(c)``, ``e <- c - q``. The signs and scales are all-gathered over
+``data`` and averaged. What the compression drops is not lost but fed back into the next
+step's gradient (error feedback), so the sum of the applied updates tracks the true one.
+The error buffers (one float32 copy of the gradients on each device) are part of the
+training state, so checkpoints carry them and a resumed run continues exactly. The first
+``warmup`` steps average exactly (a ``pmean``), as 1-bit Adam warms up before
+compressing.
 
 Chosen over PowerSGD because it needs no per-tensor matrix shapes or orthogonalisation
-and its wire format (a bit a value) is the same for every tensor; the price is that
-the scale is per tensor.
+and its wire format (a bit a value plus a float a block) is the same for every tensor.
+Per-block rather than per-tensor scales: with one scale a tensor, 200 steps of
+``configs/tiny.yaml`` ended 18% above the uncompressed loss.
 """
 
 from __future__ import annotations
@@ -52,17 +54,44 @@ def unpack_signs(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return (2.0 * flat.astype(jnp.float32) - 1.0).reshape(*packed.shape[:-1], *shape)
 
 
+BLOCK = 256
+"""Values that share one scale (consecutive in the flattened tensor)."""
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+    """``x`` flattened, zero-padded and cut into rows of :data:`BLOCK`."""
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, -flat.size % BLOCK)).reshape(-1, BLOCK)
+
+
+def _unblocks(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    size = 1
+    for d in shape:
+        size *= d
+    return rows.reshape(-1)[:size].reshape(shape)
+
+
+def block_means(x: jax.Array) -> jax.Array:
+    """Each value replaced by the mean absolute value of its block (the padding of the
+    last block not counted)."""
+    rows = _blocks(jnp.abs(x))
+    count = _blocks(jnp.ones_like(x)).sum(axis=1, keepdims=True)
+    means = rows.sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0)
+    return _unblocks(jnp.broadcast_to(means, rows.shape), x.shape)
+
+
 def sign_mean(grads: Any, errors: Any, axis: str) -> tuple[Any, Any]:
     """The mean over ``axis`` of the one-bit compressed ``grads + errors``, and the new
     errors (what this device's compression dropped)."""
     def one(g, e):
         c = g.astype(jnp.float32) + e
-        scale = jnp.mean(jnp.abs(c))
+        scale = block_means(c)
         new_e = c - scale * jnp.where(c >= 0, 1.0, -1.0)
         signs = unpack_signs(jax.lax.all_gather(pack_signs(c), axis), g.shape)
-        scales = jax.lax.all_gather(scale, axis)
-        mean = jnp.tensordot(scales, signs, axes=1) / scales.shape[0]
-        return mean.astype(g.dtype), new_e
+        scales = jax.lax.all_gather(_blocks(scale)[:, :1], axis)  # one float a block
+        whole = jax.vmap(lambda b: _unblocks(jnp.broadcast_to(b, (b.shape[0], BLOCK)),
+                                             g.shape))(scales)
+        return jnp.mean(whole * signs, axis=0).astype(g.dtype), new_e
 
     out = jax.tree.map(one, grads, errors)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2  # noqa: E731
@@ -118,8 +147,9 @@ def data_parallel(gradients: Callable[..., tuple], plan: Any) -> Callable[..., t
         loss, grads, frozen, extra = gradients(state, batch)
         errors = jax.tree.map(lambda e: e[0], errors)
 
-        def exact(_):
-            return jax.tree.map(lambda g: jax.lax.pmean(g, axis), grads), errors
+        def exact(_):  # in float32: XLA:CPU fails on a bf16 all-reduce in a shard_map
+            return jax.tree.map(lambda g: jax.lax.pmean(g.astype(jnp.float32), axis)
+                                .astype(g.dtype), grads), errors
 
         def compressed(_):
             return sign_mean(grads, errors, axis)

@@ -300,7 +300,8 @@ def _checked_trainer(config: Config, loader: TokenLoader) -> Trainer:
     ``model.vocab_size`` (the corpus was checked against that when it was loaded)."""
     trainer = build_trainer(config)
     if config.model.factory:  # the banner could only describe the built-in model
-        n = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
+        weights = trainer.state.get("anchor", trainer.state.get("params"))  # DiLoCo: anchor
+        n = sum(x.size for x in jax.tree.leaves(weights))
         _say(f"model {config.model.factory}: {n / 1e6:.3g}M params")
         if trainer.check_ids:  # the default loss: ids index the model's logits
             vocab = trainer.vocabulary(trainer.global_batch(loader.batch(0)))

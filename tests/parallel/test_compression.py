@@ -56,8 +56,9 @@ def test_warm_up_steps_are_exact(devices):
 
 
 def test_the_step_sends_signs_not_gradients(devices):
-    """The compressed reduction all-gathers uint8 signs over data: under a quarter of the
-    bytes the plain step all-reduces over the data axes for its gradients."""
+    """The compressed reduction all-gathers uint8 signs (and a float per 256 values) over
+    data: under 30% of the bytes the plain step all-reduces over the data axes for its
+    gradients (which it reduces over fsdp first)."""
     plain, packed = trainer(), trainer("sign")
     batch = batches(1)[0]
     text = packed.lower(batch).compile().as_text()
@@ -68,7 +69,7 @@ def test_the_step_sends_signs_not_gradients(devices):
     plain_rows = collective_table(plain.lower(batch).compile().as_text(), plain.plan.mesh)
     reduced = sum(r["bytes_per_device"] for r in plain_rows
                   if r["kind"] == "all-reduce" and "data" in r["axes"])
-    assert rows[("all-gather", ("data",))] < reduced / 4
+    assert rows[("all-gather", ("data",))] < 0.3 * reduced
 
 
 def test_compressed_training_learns_and_keeps_its_error(devices):
@@ -81,6 +82,16 @@ def test_compressed_training_learns_and_keeps_its_error(devices):
     assert got[0] - got[-1] > 0.6 * (want[0] - want[-1]) > 0
     error = packed.state["grad_error"]["blocks"]["mlp"]["w_up"]["kernel"].get_value()
     assert error.shape[0] == 2 and float(np.abs(np.asarray(error)).max()) > 0
+
+
+def test_bf16_compute_runs_both_branches(devices):
+    """With bf16 compute (the exact warm-up's average taken in float32: XLA:CPU aborts on
+    a bf16 all-reduce inside the shard_map), a warm-up step and a compressed step run."""
+    from jaxpar.sharding.precision import Policy
+
+    step = trainer("sign", warmup=1, precision=Policy.parse("p=f32,c=bf16,o=f32"))
+    losses = [float(step.step(b)["loss"]) for b in batches(2)]
+    assert all(np.isfinite(losses))
 
 
 def test_resume_with_the_error_buffers_is_exact(devices, tmp_path):

@@ -1,0 +1,151 @@
+"""DiLoCo across the data axis: against synchronous data parallelism, read from the
+compiled programs, resumed from a checkpoint, and refused in one line where it cannot run."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.analysis.hlo import collective_table
+from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.config.validate import check_config
+from jaxpar.models import Transformer, TransformerConfig
+from jaxpar.training.diloco import DiLoCo, fragments_of
+
+CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=32)
+MESH = {"data": 2, "fsdp": 4}  # two replicas (slices), FSDP over four devices in each
+
+
+def batches(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, CFG.vocab_size, (16, 17)).astype(np.int32) for _ in range(n)]
+
+
+def inner(optimizer=None, **knobs) -> jaxpar.Trainer:
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", **knobs)
+    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    return jaxpar.Trainer(model, optimizer or optax.adam(1e-2), plan)
+
+
+def sgd() -> optax.GradientTransformation:
+    return optax.sgd(0.1, momentum=0.9)
+
+
+@functools.cache
+def synchronous() -> tuple[list[float], list[np.ndarray]]:
+    step = inner(sgd())
+    losses = [float(step.step(b)["loss"]) for b in batches(5)]
+    return losses, [np.asarray(x) for x in jax.tree.leaves(step.state["params"])]
+
+
+def test_every_step_meeting_with_plain_outer_sgd_is_synchronous_data_parallelism(devices):
+    """H = 1, outer SGD at learning rate 1 without momentum, inner SGD with momentum: the
+    replicas' mean update is the synchronous step's, so losses and weights agree."""
+    run = DiLoCo(inner(sgd()), sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                 nesterov=False)
+    got = [float(run.step(b)["loss"]) for b in batches(5)]
+    want, weights = synchronous()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    anchor = jax.tree.leaves(run.state["anchor"])
+    for a, w in zip(anchor, weights, strict=True):
+        np.testing.assert_allclose(np.asarray(a), w, rtol=1e-5, atol=1e-6)
+
+
+def _data_bytes(compiled_text: str, mesh) -> int:
+    return sum(r["bytes_per_device"] for r in collective_table(compiled_text, mesh)
+               if "data" in r["axes"])
+
+
+def test_only_meetings_cross_the_data_axis(devices):
+    """The inner step sends nothing over data but the metrics' mean (a few bytes); a
+    meeting all-reduces the weights (float32) once; each of two streaming fragments
+    about half of that; the synchronous step all-reduces gradients every step."""
+    batch = batches(1)[0]
+    plain = inner()
+    params = sum(x.size for x in jax.tree.leaves(plain.state["params"]))
+    per_step = _data_bytes(plain.lower(batch).compile().as_text(), plain.plan.mesh)
+    run = DiLoCo(inner(), sync_every=4)
+    mesh = run.plan.mesh
+    assert _data_bytes(run.lower(batch).compile().as_text(), mesh) <= 64
+    whole = collective_table(run.lower(batch, fragment=0).compile().as_text(), mesh)
+    kinds = {(r["kind"], tuple(r["axes"])) for r in whole if "data" in r["axes"]}
+    assert kinds == {("all-reduce", ("data",))}
+    meeting = _data_bytes(run.lower(batch, fragment=0).compile().as_text(), mesh)
+    # every weight once in float32, divided over the four fsdp devices of a replica
+    assert 0.9 * 4 * params / 4 <= meeting <= 1.1 * 4 * params / 4
+    assert meeting < 1.1 * per_step
+    streaming = DiLoCo(inner(), sync_every=4, fragments=2)
+    halves = [_data_bytes(streaming.lower(batch, fragment=f).compile().as_text(), mesh)
+              for f in (0, 1)]
+    for half in halves:
+        assert 0.4 * meeting <= half <= 0.6 * meeting
+    assert [streaming.meeting(t) for t in range(1, 9)] == [None, 0, None, 1] * 2
+
+
+def test_fragments_cut_stacked_layers_by_range(devices):
+    """Two fragments: every weight element in exactly one, the stacked layers cut by
+    layer ranges, the two within a few percent of each other in size."""
+    params = inner().state["params"]
+    leaves = jax.tree.leaves(params)
+    parts = fragments_of(params, 2)
+    sizes = [sum(leaves[i].size if rows is None else leaves[i][rows].size
+                 for i, rows in part) for part in parts]
+    assert sum(sizes) == sum(x.size for x in leaves)
+    assert abs(sizes[0] - sizes[1]) < 0.1 * sum(sizes)
+    assert any(rows is not None for i, rows in parts[0])
+
+
+def test_long_syncs_learn_and_stale_updates_resume_exactly(devices, tmp_path):
+    """H = 2 with Nesterov outer momentum and a one-meeting delay: the loss falls; a run
+    saved after 3 steps (mid-way between meetings, a gradient pending) and restored into
+    a new DiLoCo continues exactly as the run that never stopped."""
+    data = batches(1) * 6
+
+    def run():
+        return DiLoCo(inner(), sync_every=2, staleness=1)
+
+    whole = run()
+    want = [float(whole.step(b)["loss"]) for b in data]
+    assert want[-1] < want[0]
+    assert float(np.abs(np.asarray(jax.tree.leaves(whole.state["pending"])[0])).max()) > 0
+    first = run()
+    for b in data[:3]:
+        first.step(b)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(first, force=True)
+    resumed = run()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.restore(resumed)
+    assert resumed.step_count == 3
+    got = [float(resumed.step(b)["loss"]) for b in data[3:]]
+    assert got == want[3:]
+    assert np.isfinite(resumed.eval_loss(data[0]))
+
+
+@pytest.mark.parametrize("mesh,knobs,kwargs,message", [
+    ({"fsdp": 8}, {}, {}, "give the mesh data >= 2"),
+    (MESH, {"zero_stage": 1}, {}, "needs plan.zero_stage=0"),
+    (MESH, {}, {"fragments": 3}, "must divide diloco.sync_every=4"),
+])
+def test_runs_it_cannot_take_get_one_line(devices, mesh, knobs, kwargs, message):
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(mesh), "fsdp_tp", **knobs)
+    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        DiLoCo(jaxpar.Trainer(model, optax.adam(1e-2), plan), sync_every=4, **kwargs)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["diloco.sync_every=4", "diloco.fragments=3"], "diloco.fragments"),
+    (["diloco.sync_every=4", "mesh.data=1"], "give the mesh data >= 2"),
+    (["diloco.outer_momentum=1.5"], "diloco.outer_momentum"),
+])
+def test_config_refusals_name_the_knob(overrides, message):
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        check_config(jaxpar.load_config("configs/tiny.yaml", overrides), devices=8)
