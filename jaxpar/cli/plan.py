@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from jaxpar.errors import JaxparError
+from jaxpar.planner import slices
 from jaxpar.planner.api import plan, resolve_model, run_config, to_dict
 from jaxpar.planner.catalog import parse_chips
 
@@ -138,6 +139,8 @@ def command(args: argparse.Namespace) -> int:
                   f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
                   f"f32 master + Adam")
         print(table(rows, header))
+        if plans and machine.slices > 1:
+            print("\n" + slices.report(plans[0], machine, spec.n_params))
     if not plans or not plans[0].fits:
         best = (f"the smallest needs {_gib(rows[0]['memory_per_device_bytes'])} of "
                 f"{_gib(rows[0]['hbm_bytes'])} GiB per device" if rows else "no layout works")

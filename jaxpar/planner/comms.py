@@ -344,13 +344,42 @@ def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
             bw = chip.axis_bandwidth(n_ici, machine.per_slice)
             bw, lat = (bw / 2 if chip.torus_dims else bw), chip.ici_latency_s
         return tr.runs * (lat + tr.nbytes / (bw * eff))
-    factor = (lambda n: 2 * (n - 1) / n) if tr.kind == "all-reduce" else (lambda n: (n - 1) / n)
     payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
     t = 0.0
     if n_ici > 1:
         bw = chip.axis_bandwidth(n_ici, machine.per_slice) * eff
-        t += steps(n_ici) * chip.ici_latency_s + factor(n_ici) * payload / bw
+        t += steps(n_ici) * chip.ici_latency_s + _wire(tr.kind, n_ici) * payload / bw
     if n_dcn > 1:
-        share = payload if tr.kind == "all-to-all" else payload / n_ici
-        t += steps(n_dcn) * chip.dcn_latency_s + factor(n_dcn) * share / (chip.dcn_bw * eff)
+        wire = _wire(tr.kind, n_dcn) * _dcn_share(tr.kind, payload, n_ici)
+        t += steps(n_dcn) * chip.dcn_latency_s + wire / (chip.dcn_bw * eff)
     return tr.runs * t
+
+
+def _wire(kind: str, n: int) -> float:
+    """Bytes on the wire per device per byte of payload over ``n`` devices."""
+    return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+
+
+def _dcn_share(kind: str, payload: float, n_ici: int) -> float:
+    """The payload a device carries across slices: after the in-slice phase each device
+    holds ``1 / n_ici`` of it (an all-to-all sends its share for other slices itself)."""
+    return payload if kind == "all-to-all" else payload / n_ici
+
+
+def dcn_traffic(tr: Transfer, cand: Candidate, machine: Machine) -> tuple[float, float]:
+    """(bytes a device sends across slices in a step, seconds that takes) for one
+    transfer: the DCN phase of :func:`transfer_time` alone; (0, 0) inside a slice."""
+    dcn, ici = dict(cand.dcn), dict(cand.ici)
+    n_dcn = math.prod(dcn.get(a, 1) for a in tr.axes)
+    if n_dcn == 1:
+        return 0.0, 0.0
+    n_ici = math.prod(ici[a] for a in tr.axes)
+    chip = machine.chip
+    if tr.kind == "collective-permute":
+        return tr.runs * tr.nbytes, tr.runs * (chip.dcn_latency_s + tr.nbytes / (
+            chip.dcn_bw * chip.collective_efficiency))
+    payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
+    wire = _wire(tr.kind, n_dcn) * _dcn_share(tr.kind, payload, n_ici)
+    steps = _STEPS.get(tr.kind, lambda n: n - 1)(n_dcn)
+    return tr.runs * wire, tr.runs * (steps * chip.dcn_latency_s + wire / (
+        chip.dcn_bw * chip.collective_efficiency))
