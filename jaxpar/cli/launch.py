@@ -1,6 +1,8 @@
 """``jaxpar launch``: run ``jaxpar train ...`` as several local processes joined by
 ``jax.distributed`` (see :mod:`jaxpar.runs.distributed`); each process runs this module's
-:func:`jaxpar.cli.child.child_main` (``python -m jaxpar.cli.child``)."""
+:func:`jaxpar.cli.child.child_main` (``python -m jaxpar.cli.child``). With ``--replicas``
+the processes are independent DiLoCo replicas and the launcher is their parameter server
+(:mod:`jaxpar.cli.replicas`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxpar.cli.parser import parse_args
+from jaxpar.cli.replicas import replicas_command
 from jaxpar.cli.train import checked_train_config
 from jaxpar.config.validate import check_config
 from jaxpar.errors import JaxparError
@@ -77,6 +80,8 @@ def command(args: argparse.Namespace) -> int:
     if cmd[0] != "train":
         raise JaxparError(f"jaxpar launch runs 'train' (the multi-process command), "
                           f"not {cmd[0]!r}")
+    if args.replicas is not None:
+        return replicas_command(args, cmd)
     if args.processes < 1 or args.devices_per_process < 1:
         raise JaxparError("--processes and --devices-per-process must be at least 1")
     cmd = _check_child(cmd, args)

@@ -124,7 +124,15 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     launch = sub.add_parser("launch", help="run a jaxpar command as several local processes")
-    launch.add_argument("--processes", type=int, required=True, help="processes to start")
+    procs = launch.add_mutually_exclusive_group(required=True)
+    procs.add_argument("--processes", type=int, help="processes of one jax.distributed job")
+    procs.add_argument("--replicas", type=int,
+                       help="DiLoCo replicas as independent processes meeting every "
+                            "diloco.sync_every steps through a parameter server (a replica "
+                            "that dies is dropped; see --restart)")
+    launch.add_argument("--restart", type=int, default=0,
+                        help="with --replicas: restarts allowed for replicas that die (a "
+                             "restarted replica rejoins from the latest anchor)")
     launch.add_argument("--devices-per-process", type=int, default=1,
                         help="simulated CPU devices in each process")
     launch.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")

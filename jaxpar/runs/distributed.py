@@ -122,7 +122,7 @@ def _is_error(line: str) -> bool:
     return line.startswith("jaxpar: error:") or bool(_EXCEPTION.match(line))
 
 
-def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock,
+def pump_lines(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock,
           errors: list[str], said: list[float]) -> None:
     """Copy ``stream`` to ``out`` line by line with ``prefix``; the newest line that looks
     like an error (:func:`_is_error`) is kept as ``errors[0]``, and the time of the first
@@ -138,7 +138,8 @@ def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock,
             out.flush()
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM the processes still running, SIGKILL those alive ``grace_s`` later."""
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         p.send_signal(signal.SIGTERM)
@@ -151,7 +152,8 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def _exit_status(code: int) -> int:
+def exit_status(code: int) -> int:
+    """A process's exit status as a shell reports it."""
     return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as shells say
 
 
@@ -195,7 +197,7 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", bufsize=1)
         procs.append(proc)
-        for target, args in ((_pump, (proc.stdout, prefixes[i], out, lock, errors[i],
+        for target, args in ((pump_lines, (proc.stdout, prefixes[i], out, lock, errors[i],
                                      said[i])),
                              (wait, (i, proc))):
             thread = threading.Thread(target=target, args=args, daemon=True)
@@ -206,7 +208,7 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
         while True:
             culprit = first_failure(dict(exits), {i: t[0] for i, t in enumerate(said) if t})
             if culprit is not None:
-                status = _exit_status(exits[culprit][1])
+                status = exit_status(exits[culprit][1])
                 break
             if len(exits) == len(procs):
                 break
@@ -214,7 +216,7 @@ def run_all(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]]
     except KeyboardInterrupt:
         status = 130
     finally:
-        _stop(procs, grace_s)
+        stop_processes(procs, grace_s)
         for t in threads:
             t.join(timeout=5)
     if culprit is not None and len(procs) > 1:

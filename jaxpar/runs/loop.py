@@ -37,6 +37,7 @@ from jaxpar.data.tokenizer import load_tokenizer, vocab_size
 from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
+from jaxpar.runs.replicas import ReplicaClient
 from jaxpar.runs.runlog import RunLog
 from jaxpar.storage.folders import LOCK_NAME, FolderLock
 from jaxpar.training.prefetch import Prefetcher
@@ -361,6 +362,11 @@ def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
                                 out / "profile" if out is not None else "profile")
         cleanup.callback(profile.close)
         resumed_at = _restore(trainer, ckpt, config) if resume else None
+        replica = ReplicaClient.from_env()  # one of jaxpar launch --replicas
+        if replica is not None:
+            joined = replica.join(trainer)
+            if joined:
+                _say(f"replica {replica.replica}: joined the others at step {joined}")
         if out is not None and is_writer:
             out.mkdir(parents=True, exist_ok=True)
             config.save(out / "config.yaml")
@@ -382,6 +388,8 @@ def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
             profile.after_step(index, trainer.state)
             bar.update(1)
             step = trainer.step_count
+            if replica is not None and replica.due(step):
+                replica.meet(trainer, step)
             due = _due(step, end, config, ckpt, stop, log)
             if not (due.any or window.full):
                 continue

@@ -63,7 +63,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def _launch_args(*cmd: str) -> argparse.Namespace:
-    return argparse.Namespace(processes=2, devices_per_process=4, port=0,
+    return argparse.Namespace(processes=2, devices_per_process=4, port=0, replicas=None, restart=0,
                               command_args=list(cmd))
 
 
@@ -111,7 +111,8 @@ def test_launch_names_the_process_that_failed_first(monkeypatch, capsys):
 
     monkeypatch.setattr(launch, "child_processes", child_processes)
     monkeypatch.setattr(launch, "run_all", functools.partial(run_all, grace_s=1))
-    args = argparse.Namespace(processes=2, devices_per_process=1, port=0, command_args=[
+    args = argparse.Namespace(processes=2, devices_per_process=1, port=0, replicas=None,
+                              restart=0, command_args=[
         "--", "train", "--config", "configs/tiny.yaml", "model.d_model=32",
         "model.n_layers=1", "model.d_ff=64", "train.seq_len=16", "train.global_batch=8",
         "train.steps=2", "data.max_bytes=100000"])
@@ -152,7 +153,7 @@ def test_the_command_starts_the_checked_child_with_its_devices(monkeypatch):
 
     monkeypatch.setattr(launch, "run_all", fake_run_all)
     monkeypatch.setattr(launch, "free_port", lambda: 4321)
-    args = argparse.Namespace(processes=2, devices_per_process=4, port=0,
+    args = argparse.Namespace(processes=2, devices_per_process=4, port=0, replicas=None, restart=0,
                               command_args=["--", *CHILD])
     assert command(args) == 5
     (commands, envs), = started

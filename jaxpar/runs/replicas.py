@@ -1,0 +1,232 @@
+"""DiLoCo replicas as separate processes that meet through a parameter server, so that
+a replica that dies does not stop the others.
+
+``jaxpar launch --replicas N -- train ... diloco.sync_every=H`` starts ``N`` independent
+``jaxpar train`` processes (no ``jax.distributed`` job: nothing any process waits for
+can hang on a dead peer). Each is one replica: it trains alone on its own data order
+(``train.seed + replica``) and, every ``H`` steps, meets the others through a folder
+(the launcher's ``meetings/``) in the parameter server's way:
+
+* the replica writes its weights as ``round_K/replica_R.npz`` (written to a temporary
+  name, then renamed: a reader never sees half a file) and waits for
+  ``round_K/anchor.npz``;
+* the server (:class:`ParameterServer`, run by the launcher, which also sees which
+  processes have exited) completes round ``K`` as soon as every live member has written:
+  the outer gradient is ``anchor - mean(weights)`` over the replicas that wrote, the
+  outer optimizer (SGD with Nesterov momentum, as :mod:`jaxpar.training.diloco`) moves
+  the anchor, and the new anchor is written for everyone to load;
+* a replica that dies is dropped from the members at once, so the others' round
+  completes without it. A replica started later (the launcher's ``--restart``) *joins*:
+  it writes ``join_R_T.npz`` and gets a ``welcome_R_T.json`` naming the last completed
+  round ``K``; it loads that anchor, continues from step ``K H`` (its data position; its
+  inner optimizer starts afresh) and is a member from round ``K + 1`` on.
+
+Round 0 is the start: the first replica to join sets the anchor. The server keeps its
+anchor, momentum and round in ``server.npz`` after every round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import JaxparError
+
+ENV_FOLDER = "JAXPAR_MEETINGS"
+ENV_REPLICA = "JAXPAR_REPLICA"
+ENV_EVERY = "JAXPAR_MEET_EVERY"
+WAIT_S = 600.0
+"""How long a replica waits for the server before giving up."""
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _names(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+class ReplicaClient:
+    """The replica's side: :meth:`join` at the start, :meth:`meet` every ``H`` steps."""
+
+    def __init__(self, folder: str | Path, replica: int, sync_every: int):
+        self.folder, self.replica, self.sync_every = Path(folder), replica, sync_every
+
+    @classmethod
+    def from_env(cls) -> ReplicaClient | None:
+        """The client the launcher asked for through the environment, or None."""
+        folder = os.environ.get(ENV_FOLDER)
+        if not folder:
+            return None
+        return cls(folder, int(os.environ[ENV_REPLICA]), int(os.environ[ENV_EVERY]))
+
+    # --- weights in and out of the trainer ----------------------------------------------------
+    @staticmethod
+    def _key(trainer: Any) -> str:
+        return "master" if trainer.policy.mixed else "params"
+
+    def weights(self, trainer: Any) -> dict[str, np.ndarray]:
+        """The trainer's (master) weights as float32 arrays by path."""
+        tree = trainer.state[self._key(trainer)]
+        return {n: np.asarray(jax.device_get(x), np.float32)
+                for n, x in zip(_names(tree), jax.tree.leaves(tree), strict=True)}
+
+    def load(self, trainer: Any, arrays: dict[str, np.ndarray], step: int | None = None
+             ) -> None:
+        """Set the trainer's weights (and, with ``step``, its step count) to these."""
+        key = self._key(trainer)
+        tree = trainer.state[key]
+        leaves = [jnp.asarray(arrays[n], x.dtype)
+                  for n, x in zip(_names(tree), jax.tree.leaves(tree), strict=True)]
+        state = dict(trainer.state)
+        state[key] = jax.device_put(jax.tree.unflatten(jax.tree.structure(tree), leaves),
+                                    trainer.state_shardings[key])
+        if key == "master":
+            state["params"] = jax.device_put(trainer.policy.cast_to_compute(state["master"]),
+                                             trainer.state_shardings["params"])
+        if step is not None:
+            state["step"] = jax.device_put(jnp.asarray(step, state["step"].dtype),
+                                           trainer.state_shardings["step"])
+        trainer.state = state
+
+    def _wait(self, path: Path, what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise JaxparError(f"replica {self.replica}: no {what} from the parameter "
+                                  f"server in {WAIT_S:.0f} s ({path} missing)")
+            time.sleep(0.02)
+
+    # --- the protocol -------------------------------------------------------------------------
+    def join(self, trainer: Any) -> int:
+        """Send this replica's weights, load the anchor of the last completed round and
+        set the step count to where that round left the run; returns that step."""
+        token = uuid.uuid4().hex[:8]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write(self.folder / f"join_{self.replica}_{token}.npz", self.weights(trainer))
+        welcome = self.folder / f"welcome_{self.replica}_{token}.json"
+        self._wait(welcome, "welcome")
+        k = json.loads(welcome.read_text())["round"]
+        step = k * self.sync_every
+        self.load(trainer, _read(self.folder / f"round_{k}" / "anchor.npz"), step)
+        return step
+
+    def due(self, step: int) -> bool:
+        """Whether a meeting follows step ``step``."""
+        return step > 0 and step % self.sync_every == 0
+
+    def meet(self, trainer: Any, step: int) -> None:
+        """Send the weights after ``step``, wait for the new anchor, load it."""
+        folder = self.folder / f"round_{step // self.sync_every}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _write(folder / f"replica_{self.replica}.npz", self.weights(trainer))
+        anchor = folder / "anchor.npz"
+        self._wait(anchor, f"anchor of round {step // self.sync_every}")
+        self.load(trainer, _read(anchor))
+
+
+class ParameterServer:
+    """The launcher's side: answers joins and completes rounds (see the module
+    docstring). :meth:`poll` does what is due and returns lines to print."""
+
+    def __init__(self, folder: str | Path, *, outer_lr: float, outer_momentum: float,
+                 nesterov: bool):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.anchor: dict[str, np.ndarray] | None = None
+        self.momentum: dict[str, np.ndarray] = {}
+        self.round = 0  # the last completed round
+        self.members: set[int] = set()
+        self.joined: set[int] = set()
+        self.joining: dict[int, int] = {}  # replica -> round it becomes a member after
+        self._answered: set[str] = set()
+
+    def drop(self, replica: int) -> list[str]:
+        """Replica ``replica``'s process died: the round in progress goes on without it
+        (a process started in its place joins afresh)."""
+        if replica not in self.members and replica not in self.joining:
+            return []
+        self.members.discard(replica)
+        self.joining.pop(replica, None)
+        return [f"replica {replica} is gone; round {self.round + 1} goes on with "
+                f"{sorted(self.members) or 'none'}"]
+
+    def poll(self, alive: set[int], finished: set[int] = frozenset()) -> list[str]:
+        """Drop members not ``alive`` (quietly those ``finished``), answer joins, complete
+        the next round if every live member has written to it; returns what happened,
+        one line each."""
+        said = []
+        for r in sorted(self.members - alive - set(finished)):
+            said.append(f"replica {r} is gone; round {self.round + 1} goes on with "
+                        f"{sorted(self.members & alive) or 'none'}")
+        self.members &= alive
+        self.joining = {r: k for r, k in self.joining.items() if r in alive}
+        for path in sorted(self.folder.glob("join_*.npz")):
+            if path.name in self._answered:
+                continue
+            _, r, token = path.stem.split("_")
+            weights = _read(path)
+            if self.anchor is None:
+                self.anchor = weights
+                self.momentum = {k: np.zeros_like(v) for k, v in weights.items()}
+                (self.folder / "round_0").mkdir(exist_ok=True)
+                _write(self.folder / "round_0" / "anchor.npz", self.anchor)
+            self.joining[int(r)] = self.round
+            self.joined.add(int(r))
+            _write_json(self.folder / f"welcome_{r}_{token}.json", {"round": self.round})
+            self._answered.add(path.name)
+            if self.round:
+                said.append(f"replica {r} rejoined: it loads round {self.round}'s anchor "
+                            f"and meets from round {self.round + 1}")
+        for r, k in list(self.joining.items()):
+            if k <= self.round:
+                self.members.add(r)
+                del self.joining[r]
+        said += self._complete(alive)
+        return said
+
+    def _complete(self, alive: set[int]) -> list[str]:
+        k = self.round + 1
+        folder = self.folder / f"round_{k}"
+        expected = sorted(self.members & alive)
+        if not expected or self.anchor is None or (k == 1 and alive - self.joined):
+            return []  # (the first round waits for every replica started to join)
+        files = [folder / f"replica_{r}.npz" for r in expected]
+        if not all(f.exists() for f in files):
+            return []
+        weights = [_read(f) for f in files]
+        for name, a in self.anchor.items():
+            g = a - np.mean([w[name] for w in weights], axis=0)
+            m = self.mu * self.momentum[name] + g
+            self.momentum[name] = m
+            self.anchor[name] = a - self.lr * (g + self.mu * m if self.nesterov else m)
+        _write(folder / "anchor.npz", self.anchor)
+        self.round = k
+        _write(self.folder / "server.npz", {
+            "round": np.asarray(k), **{f"anchor/{n}": v for n, v in self.anchor.items()},
+            **{f"momentum/{n}": v for n, v in self.momentum.items()}})
+        return [f"round {k}: replicas {expected} met"]

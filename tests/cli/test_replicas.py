@@ -1,0 +1,65 @@
+"""``jaxpar launch --replicas``: three real replica processes, one killed with SIGKILL
+mid-run; the others finish without waiting for it and a restarted one rejoins."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+TRAIN = ["train", "--config", "configs/tiny.yaml", "model.d_model=32", "model.n_layers=1",
+         "model.d_ff=64", "train.seq_len=16", "train.global_batch=8", "train.steps=1200",
+         "data.max_bytes=200000", "diloco.sync_every=40", "checkpoint.every=0"]
+
+
+def _rows(folder) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_killed_replica_is_dropped_then_rejoins(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.cli", "launch", "--replicas", "3",
+         "--devices-per-process", "1", "--restart", "1", "--", *TRAIN, "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "meetings" / "round_2" / "anchor.npz").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        pid = json.loads((out / "replicas.json").read_text())["2"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text
+    assert "jaxpar launch: replica 2 exited with status 137; restarting it" in text
+    gone = [line for line in text.splitlines() if "replica 2 is gone; round" in line]
+    assert len(gone) == 1 and gone[0].endswith("goes on with [0, 1]")
+    k = int(gone[0].split("round ")[1].split()[0])
+    assert f"round {k}: replicas [0, 1] met" in text
+    assert "jaxpar launch: replica 2 rejoined: it loads round" in text
+    assert "3 of 3 replicas trained to the end after 30 meetings" in text
+    for r in (0, 1):
+        assert [row["step"] for row in _rows(out / f"replica_{r}")] == list(range(1, 1201))
+    again = _rows(out / "replica_2.1")
+    assert again[-1]["step"] == 1200 and again[0]["step"] > 80  # it joined later, from an anchor
+    final = [float(line.split("final loss ")[1].split(",")[0]) for line in text.splitlines()
+             if "done: " in line and "final loss" in line]
+    assert len(final) == 3 and max(final) < 5.0  # ln(256) = 5.5 at the start
+    assert (out / "meetings" / "round_30" / "anchor.npz").exists()
+
+
+def test_replica_runs_it_cannot_start_get_one_line(tmp_path):
+    base = [sys.executable, "-m", "jaxpar.cli", "launch", "--replicas", "2", "--",
+            "train", "--config", "configs/tiny.yaml", "--out", str(tmp_path / "r")]
+    for extra, message in (
+            ([], "jaxpar launch --replicas needs diloco.sync_every >= 1"),
+            (["diloco.sync_every=5", "--resume"], "replicas rejoin from the parameter "
+                                                   "server's anchor; drop --resume")):
+        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,83 @@
+"""The parameter server of jaxpar launch --replicas, driven through its folder as the
+replica processes drive it: joins, rounds, the outer update, members that die."""
+
+import json
+
+import numpy as np
+
+from jaxpar.runs.replicas import ParameterServer, _read, _write
+
+
+def _server(tmp_path, **kw) -> ParameterServer:
+    return ParameterServer(tmp_path, outer_lr=kw.get("lr", 0.7),
+                           outer_momentum=kw.get("mu", 0.9), nesterov=kw.get("nesterov", True))
+
+
+def _join(folder, r: int, w: np.ndarray) -> None:
+    _write(folder / f"join_{r}_t{r}.npz", {"w": w})
+
+
+def _send(folder, k: int, r: int, w: np.ndarray) -> None:
+    (folder / f"round_{k}").mkdir(exist_ok=True)
+    _write(folder / f"round_{k}" / f"replica_{r}.npz", {"w": w})
+
+
+def test_rounds_apply_outer_nesterov_sgd_to_the_mean_delta(tmp_path):
+    server = _server(tmp_path)
+    start = np.ones(3, np.float32)
+    for r in (0, 1):
+        _join(tmp_path, r, start)
+    assert server.poll({0, 1}) == []
+    assert json.loads((tmp_path / "welcome_0_t0.json").read_text()) == {"round": 0}
+    np.testing.assert_array_equal(_read(tmp_path / "round_0" / "anchor.npz")["w"], start)
+    _send(tmp_path, 1, 0, start - 0.1)
+    assert server.poll({0, 1}) == []  # replica 1 has not written yet
+    _send(tmp_path, 1, 1, start - 0.3)
+    assert server.poll({0, 1}) == ["round 1: replicas [0, 1] met"]
+    g = 0.2  # anchor - mean(weights)
+    m = g
+    want = start - 0.7 * (g + 0.9 * m)
+    np.testing.assert_allclose(_read(tmp_path / "round_1" / "anchor.npz")["w"], want,
+                               rtol=1e-6)
+
+
+def test_a_dead_member_is_dropped_and_a_restarted_one_rejoins(tmp_path):
+    server = _server(tmp_path, lr=1.0, mu=0.0, nesterov=False)
+    w = np.zeros(2, np.float32)
+    for r in (0, 1, 2):
+        _join(tmp_path, r, w)
+    server.poll({0, 1, 2})
+    _send(tmp_path, 1, 0, w + 1)
+    _send(tmp_path, 1, 1, w + 3)
+    said = server.poll({0, 1})  # replica 2 died before writing round 1
+    assert said[0] == "replica 2 is gone; round 1 goes on with [0, 1]"
+    assert said[-1] == "round 1: replicas [0, 1] met"
+    np.testing.assert_allclose(_read(tmp_path / "round_1" / "anchor.npz")["w"], w + 2)
+    _write(tmp_path / "join_2_again.npz", {"w": w})
+    assert server.poll({0, 1, 2}) == [
+        "replica 2 rejoined: it loads round 1's anchor and meets from round 2"]
+    assert json.loads((tmp_path / "welcome_2_again.json").read_text()) == {"round": 1}
+    for r in (0, 1):
+        _send(tmp_path, 2, r, w)
+    assert server.poll({0, 1, 2}) == []  # round 2 waits for the rejoined replica
+    _send(tmp_path, 2, 2, w)
+    assert server.poll({0, 1, 2}) == ["round 2: replicas [0, 1, 2] met"]
+
+
+def test_the_first_round_waits_for_every_replica_to_join(tmp_path):
+    server = _server(tmp_path)
+    _join(tmp_path, 0, np.zeros(1, np.float32))
+    server.poll({0, 1})
+    _send(tmp_path, 1, 0, np.zeros(1, np.float32))
+    assert server.poll({0, 1}) == []
+    assert not (tmp_path / "round_1" / "anchor.npz").exists()
+
+
+def test_server_state_is_saved_each_round(tmp_path):
+    server = _server(tmp_path)
+    _join(tmp_path, 0, np.zeros(1, np.float32))
+    server.poll({0})
+    _send(tmp_path, 1, 0, np.ones(1, np.float32))
+    server.poll({0})
+    saved = _read(tmp_path / "server.npz")
+    assert int(saved["round"]) == 1 and {"anchor/w", "momentum/w"} <= set(saved)
