@@ -80,10 +80,13 @@ def block_means(x: jax.Array) -> jax.Array:
     return _unblocks(jnp.broadcast_to(means, rows.shape), x.shape)
 
 
-def sign_mean(grads: Any, errors: Any, axis: str) -> tuple[Any, Any]:
+def sign_mean(grads: Any, errors: Any, axis: str, specs: Any = None) -> tuple[Any, Any]:
     """The mean over ``axis`` of the one-bit compressed ``grads + errors``, and the new
-    errors (what this device's compression dropped)."""
-    def one(g, e):
+    errors (what this device's compression dropped). ``specs`` (a ``PartitionSpec`` per
+    leaf, over the other mesh axes) says how each gradient is split besides: each device
+    then compresses and sends only its own block (a nested ``shard_map`` manual over
+    those axes; left to GSPMD, packing a split gradient's signs gathers it whole)."""
+    def block(g, e):
         c = g.astype(jnp.float32) + e
         scale = block_means(c)
         new_e = c - scale * jnp.where(c >= 0, 1.0, -1.0)
@@ -93,7 +96,20 @@ def sign_mean(grads: Any, errors: Any, axis: str) -> tuple[Any, Any]:
                                              g.shape))(scales)
         return jnp.mean(whole * signs, axis=0).astype(g.dtype), new_e
 
-    out = jax.tree.map(one, grads, errors)
+    def one(g, e, spec=None):
+        names = {a for entry in (spec or ()) if entry is not None
+                 for a in ((entry,) if isinstance(entry, str) else entry)}
+        if not names:
+            return block(g, e)
+        return jax.shard_map(block, mesh=jax.sharding.get_abstract_mesh(),
+                             in_specs=(spec, spec), out_specs=(spec, spec),
+                             axis_names=names, check_vma=False)(g, e)
+
+    if specs is None:
+        out = jax.tree.map(one, grads, errors)
+    else:
+        out = jax.tree.map(one, grads, errors, specs,
+                           is_leaf=lambda x: isinstance(x, P))
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2  # noqa: E731
     return (jax.tree.map(lambda p: p[0], out, is_leaf=is_pair),
             jax.tree.map(lambda p: p[1], out, is_leaf=is_pair))
@@ -134,14 +150,19 @@ def zero_errors(params: Any, plan: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params)
 
 
-def data_parallel(gradients: Callable[..., tuple], plan: Any) -> Callable[..., tuple]:
+def data_parallel(gradients: Callable[..., tuple], plan: Any, error_shardings: Any = None
+                  ) -> Callable[..., tuple]:
     """``gradients(state, batch) -> (loss, grads, frozen, extra)`` on each device's share
     of the batch, reduced over ``axis``: exactly for the first ``warmup`` steps, then
     one bit a value with error feedback. The returned function takes ``(state, batch,
     errors)`` (``errors`` leaves lead with the ``data`` size, split over it) and returns
     ``(loss, grads, frozen, extra, errors)``. ``plan`` gives the mesh and
-    ``compress_warmup``."""
+    ``compress_warmup``; ``error_shardings`` (:func:`error_shardings`) how each gradient
+    is split over the other axes, so that each device sends signs of its block only."""
     mesh, axis, warmup = plan.mesh, AXIS, plan.compress_warmup
+    specs = None if error_shardings is None else jax.tree.map(
+        lambda sh: P(*sh.spec[1:]), error_shardings,
+        is_leaf=lambda x: isinstance(x, NamedSharding))
 
     def local(state, batch, errors):
         loss, grads, frozen, extra = gradients(state, batch)
@@ -152,7 +173,7 @@ def data_parallel(gradients: Callable[..., tuple], plan: Any) -> Callable[..., t
                                 .astype(g.dtype), grads), errors
 
         def compressed(_):
-            return sign_mean(grads, errors, axis)
+            return sign_mean(grads, errors, axis, specs)
 
         grads, errors = jax.lax.cond(state["step"] >= warmup, compressed, exact, None)
         mean = lambda t: jax.tree.map(lambda v: jax.lax.pmean(v, axis), t)  # noqa: E731

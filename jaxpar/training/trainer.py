@@ -385,7 +385,8 @@ class Trainer:
     def _step_impl(self, state: dict[str, Any], batch: Batch):
         errors = None
         if "grad_error" in state:  # one-bit averaging over data (parallel/compression.py)
-            reduce = compression.data_parallel(self._gradients, self.plan)
+            reduce = compression.data_parallel(self._gradients, self.plan,
+                                               self.state_shardings["grad_error"])
             view = {k: v for k, v in state.items() if k != "grad_error"}
             loss, grads, frozen, extra, errors = reduce(view, batch, state["grad_error"])
         elif self.plan.quantize_reduce == "int8":  # ZeRO++ qgZ (parallel/zeropp.py)
