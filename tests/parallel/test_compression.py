@@ -57,7 +57,7 @@ def test_warm_up_steps_are_exact(devices):
 
 def test_the_step_sends_signs_not_gradients(devices):
     """The compressed reduction all-gathers uint8 signs (and a float per 256 values) over
-    data: under 30% of the bytes the plain step all-reduces over the data axes for its
+    data: under 20% of the bytes the plain step all-reduces over the data axes for its
     gradients (which it reduces over fsdp first)."""
     plain, packed = trainer(), trainer("sign")
     batch = batches(1)[0]
@@ -69,7 +69,7 @@ def test_the_step_sends_signs_not_gradients(devices):
     plain_rows = collective_table(plain.lower(batch).compile().as_text(), plain.plan.mesh)
     reduced = sum(r["bytes_per_device"] for r in plain_rows
                   if r["kind"] == "all-reduce" and "data" in r["axes"])
-    assert rows[("all-gather", ("data",))] < 0.3 * reduced
+    assert rows[("all-gather", ("data",))] < 0.2 * reduced
 
 
 def test_compressed_training_learns_and_keeps_its_error(devices):
