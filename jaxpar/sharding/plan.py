@@ -122,6 +122,12 @@ def check_knob_pairs(knob_values: Any) -> None:
         raise JaxparError("plan.quantize_gather quantizes weights on the device before "
                           "gathering them; it does not combine with plan.offload_params "
                           "(weights streamed from host memory)")
+    if knob_values.hpz and (knob_values.quantize_gather != "none"
+                            or knob_values.quantize_reduce != "none"
+                            or knob_values.offload_params):
+        raise JaxparError("plan.hpz gathers the weights' cross-slice part once a step in "
+                          "the compute dtype: it does not combine with plan.quantize_gather, "
+                          "plan.quantize_reduce or plan.offload_params")
     if knob_values.quantize_reduce != "none" and (
             knob_values.compress_gradients != "none" or knob_values.microbatches > 1
             or knob_values.offload_params):
@@ -181,6 +187,10 @@ class Plan:
       quantize_reduce: ``int8``: gradients split over the data-parallel axes (FSDP,
         ZeRO-2/3) are reduce-scattered by int8 all-to-alls, innermost axis first
         (ZeRO++'s qgZ), see :func:`jaxpar.parallel.zeropp.reduce_int8`.
+      hpz: ZeRO++'s hierarchical partitioning: weights split over ``data`` (the axis
+        that spans the slices) as well as inside the slice are gathered over ``data`` once
+        a step into a copy split only over the other axes, so the layers' gathers, forward
+        and backward, stay inside the slice (see :func:`jaxpar.parallel.zeropp.slice_copy`).
       compress_gradients: ``sign``: the gradients are averaged over the ``data`` axis one
         bit a value with error feedback, after ``compress_warmup`` exact steps (see
         :mod:`jaxpar.parallel.compression`).
@@ -211,6 +221,7 @@ class Plan:
                                  valid="must be a valid regular expression")
     quantize_gather: str = knob("none", choices=("none", "int8"))
     quantize_reduce: str = knob("none", choices=("none", "int8"))
+    hpz: bool = knob(False)
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
 

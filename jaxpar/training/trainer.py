@@ -176,6 +176,8 @@ class Trainer:
             shardings["grad_error"] = compression.error_shardings(plan, base)
         if plan.quantize_reduce != "none":
             zeropp.check(plan, zero if stage >= 2 else base)
+        if plan.hpz:
+            zeropp.check_hpz(plan, zero if stage >= 3 else base)
         return self._offloaded(shardings, params, frozen), zero if stage >= 2 else base, \
             left_whole
 
@@ -272,6 +274,9 @@ class Trainer:
         if self.plan.quantize_gather == "int8" and not manual:
             parts = {k: zeropp.gather_int8(v, self.state_shardings[k], self.plan.mesh,
                                     self.plan.data_parallel_axes) for k, v in parts.items()}
+        if self.plan.hpz and not manual:  # ZeRO++ hpZ: one gather across slices a step
+            parts = {k: zeropp.slice_copy(v, self.state_shardings[k], self.plan.mesh)
+                     for k, v in parts.items()}
         return nnx.merge(self._graphdef, parts["params"], parts["frozen"])
 
     def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:

@@ -4,6 +4,7 @@ from the compiled step and checked against the unquantized run and exact sums.""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.analysis.hlo import collective_table
+from jaxpar.analysis.hlo import collective_table, group_axes, parse_collectives
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.parallel.zeropp import _all_reduce_int8, _reduce_scatter_block
 from jaxpar.sharding.precision import Policy
@@ -157,3 +158,59 @@ def test_int8_reductions_refuse_what_they_cannot_run(devices, axes, knobs, messa
                                        quantize_reduce="int8", **knobs)
         jaxpar.Trainer(jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)),
                                            plan), optax.adam(1e-2), plan)
+
+
+# --- hpZ ------------------------------------------------------------------------------------
+def _loop_bodies(hlo_text: str) -> set[str]:
+    """Names of the computations that run as while-loop bodies (the layer scans)."""
+    return set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo_text))
+
+
+def _collectives_by_place(hlo_text: str, mesh) -> dict[str, set[tuple[str, tuple[str, ...]]]]:
+    """(kind, mesh axes) of the collectives inside loop bodies and outside them."""
+    bodies = _loop_bodies(hlo_text)
+    out: dict[str, set] = {"loop": set(), "outside": set()}
+    current = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            current = head[1]
+            continue
+        for c in parse_collectives(line):
+            axes = group_axes(c.groups, mesh)
+            out["loop" if current in bodies else "outside"].add((c.kind, axes))
+    return out
+
+
+def _hpz_trainer(hpz: bool) -> jaxpar.Trainer:
+    mesh = jaxpar.make_mesh({"fsdp": 4}, dcn={"data": 2})  # two slices of four devices
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", zero_stage=3, hpz=hpz)
+    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    return jaxpar.Trainer(model, optax.adam(1e-2), plan)
+
+
+def test_hpz_keeps_the_layers_gathers_inside_the_slice(devices):
+    """ZeRO-3 over two slices x fsdp 4: without hpZ the layer loops gather weights over
+    data and fsdp (across slices, every layer, forward and backward); with hpZ every
+    gather inside a loop is over fsdp alone and the cross-slice gathers run once, outside;
+    the losses are the same."""
+    batch = np.random.default_rng(0).integers(0, CFG.vocab_size, (16, 17)).astype(np.int32)
+    plain, hpz = _hpz_trainer(False), _hpz_trainer(True)
+    mesh = plain.plan.mesh
+    before = _collectives_by_place(plain.lower(batch).compile().as_text(), mesh)
+    after = _collectives_by_place(hpz.lower(batch).compile().as_text(), mesh)
+    assert ("all-gather", ("data", "fsdp")) in before["loop"]
+    gathers = {axes for kind, axes in after["loop"] if kind == "all-gather"}
+    assert gathers == {("fsdp",)}
+    assert any(kind == "all-gather" and "data" in axes for kind, axes in after["outside"])
+    want = [float(plain.step(batch)["loss"]) for _ in range(3)]
+    got = [float(hpz.step(batch)["loss"]) for _ in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_hpz_needs_weights_split_across_slices(devices):
+    mesh = jaxpar.make_mesh({"fsdp": 4}, dcn={"data": 2})
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", hpz=True)
+    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    with pytest.raises(jaxpar.JaxparError, match="no weight is split over the data axis"):
+        jaxpar.Trainer(model, optax.adam(1e-2), plan)
