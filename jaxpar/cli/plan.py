@@ -7,12 +7,13 @@ host memory and how much, and the winner's reason says what moved and what it co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from jaxpar.errors import JaxparError
 from jaxpar.planner import slices
-from jaxpar.planner.api import plan, resolve_model, run_config, to_dict
+from jaxpar.planner.api import estimate, plan, resolve_model, run_config, to_dict
 from jaxpar.planner.catalog import parse_chips
 
 
@@ -140,7 +141,13 @@ def command(args: argparse.Namespace) -> int:
                   f"f32 master + Adam")
         print(table(rows, header))
         if plans and machine.slices > 1:
-            print("\n" + slices.report(plans[0], machine, spec.n_params))
+            best = plans[0]
+            hpz = None
+            if best.collectives and any("data" in r["axes"] and r["kind"] == "all-gather"
+                                        for r in best.collectives):
+                hpz = estimate(resolved.config, dataclasses.replace(best.candidate, hpz=True),
+                               chips=machine, global_batch=args.global_batch, seq=args.seq)
+            print("\n" + slices.report(best, machine, spec.n_params, hpz=hpz))
     if not plans or not plans[0].fits:
         best = (f"the smallest needs {_gib(rows[0]['memory_per_device_bytes'])} of "
                 f"{_gib(rows[0]['hbm_bytes'])} GiB per device" if rows else "no layout works")

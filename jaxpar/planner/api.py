@@ -182,6 +182,7 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "quantize": c.quantize,
         "quantize_gather": c.quantize_gather,
         "quantize_reduce": c.quantize_reduce,
+        "hpz": c.hpz,
         "sequence_parallel": c.sequence_parallel and c.sizes["tensor"] > 1,
         "context_attention": c.context_attention if c.context > 1 else None,
         "memory_per_device_bytes": int(est.memory_per_device_bytes),
@@ -223,7 +224,7 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                     "sequence_parallel": c.sequence_parallel and ici["tensor"] > 1,
                     "context_attention": c.context_attention, "quantize": c.quantize,
                     "quantize_gather": c.quantize_gather,
-                    "quantize_reduce": c.quantize_reduce}
+                    "quantize_reduce": c.quantize_reduce, "hpz": c.hpz}
     if c.offloads_state:
         data["plan"].update(offload_optimizer=c.offload_optimizer, host_update=c.host_update,
                             offload_params=c.offload_params)

@@ -45,7 +45,10 @@ class Candidate:
     8-bit operands (:mod:`jaxpar.sharding.quantization`), at the chip's 8-bit matmul rate
     plus the quantization passes; ``quantize_gather`` ``int8``: FSDP/ZeRO-3 weights are
     gathered in int8 once a step and held dequantized (ZeRO++ qwZ); ``quantize_reduce``
-    ``int8``: their gradients reduced by int8 all-to-alls once a step (ZeRO++ qgZ).
+    ``int8``: their gradients reduced by int8 all-to-alls once a step (ZeRO++ qgZ);
+    ``hpz``: weights stored split over ``data`` are gathered over it once a step into an
+    in-slice copy (held for the step) and the layers gather that copy over the other
+    axes (ZeRO++ hpZ).
 
     Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
     and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
@@ -73,6 +76,7 @@ class Candidate:
     quantize: str = "none"
     quantize_gather: str = "none"
     quantize_reduce: str = "none"
+    hpz: bool = False
     offload_optimizer: float = 0.0
     host_update: bool = False
     offload_params: bool = False

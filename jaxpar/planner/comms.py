@@ -10,6 +10,9 @@ Collectives are listed as XLA emits them for the reference transformer:
   over it;
 * all-gathers of weights stored split over data-parallel axes (FSDP, ZeRO-3) to their
   compute layout, in the forward and again in the backward pass;
+* ZeRO++ hpZ: weights stored split over ``data`` are all-gathered over it once a step
+  (exposed: the first layer waits for it), and the per-layer gathers run over the other
+  axes alone;
 * ZeRO 1-2: one all-gather of the updated parameters from the sharded master weights;
 * ZeRO++ (:mod:`jaxpar.parallel.zeropp`): qwZ gathers each weight once a step in int8
   (a byte an element and an f32 scale a row); qgZ replaces the gradient reduction by
@@ -152,9 +155,15 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             rows.add("all-gather", p.store_dp_axes, compute * per * width, 1, micro,
                      phase="forward")
         elif p.store_dp_axes:
+            axes = p.store_dp_axes
+            if cand.hpz and "data" in axes:  # ZeRO++ hpZ: across slices once a step
+                axes = tuple(a for a in axes if a != "data")
+                inner = math.prod(lay.sizes[a] for a in axes)
+                rows.add("all-gather", ("data",), compute * per * wire / inner, 1, 1,
+                         phase="exposed")
             nbytes = compute * wire
-            rows.add("all-gather", p.store_dp_axes, nbytes, 1, per * micro, phase="forward")
-            rows.add("all-gather", p.store_dp_axes, nbytes, 1 if p.tensor.per_layer else 0,
+            rows.add("all-gather", axes, nbytes, 1, per * micro, phase="forward")
+            rows.add("all-gather", axes, nbytes, 1 if p.tensor.per_layer else 0,
                      per * micro, phase="backward")
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
@@ -181,7 +190,18 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
                 rows.add("all-gather", (axis,), left, 1, 1, phase="exposed")
             rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
             continue
-        if grad_split:
+        if grad_split and cand.hpz and "data" in grad_split and p.store_dp_axes:
+            # hpZ: the in-slice copy's gradient is reduced inside the slice first, then
+            # its shard across slices (the DCN carries 1 / n_inner of it)
+            inner_axes = tuple(a for a in grad_split if a != "data")
+            inner = math.prod(lay.sizes[a] for a in inner_axes)
+            if backend == "cpu":
+                rows.add("all-reduce", inner_axes, full, 1, per, phase="gradient")
+                rows.add("all-reduce", ("data",), full / inner, 1, per, phase="gradient")
+            else:
+                rows.add("reduce-scatter", inner_axes, full / inner, 1, per, phase="gradient")
+                rows.add("reduce-scatter", ("data",), full / n, 1, per, phase="gradient")
+        elif grad_split:
             if backend == "cpu":
                 rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")
             else:

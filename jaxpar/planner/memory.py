@@ -326,6 +326,11 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
                 if "int8" in (cand.quantize_gather, cand.quantize_reduce) else 0.0)
     if cand.quantize_reduce == "int8":  # qgZ quantizes from a float32 copy of them
         gathered += sum(p.compute for p in lay.placed if p.store_dp_axes) * 4
+    if cand.hpz:  # hpZ: the in-slice copy (the stored shard times the data axis), and
+        # its float32 gradient, held until it is reduced across slices
+        copy = sum((p.zero if cand.zero_stage >= 3 else p.base) * lay.sizes["data"]
+                   for p in lay.placed if "data" in p.store_dp_axes)
+        gathered += copy * (c + 4)
     temp = (grads + saved + gathered
             + max(layer_work + stream + staging + update_device, loss_work))
     argument = params + master + opt + batch - off.optimizer - off.params

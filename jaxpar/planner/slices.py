@@ -9,6 +9,10 @@ slices joined by the data-centre network. For the plan the cost model chose
   carries ``1 / n_ici`` of the payload across, ``2 (s - 1) / s`` of it on the wire for an
   all-reduce over ``s`` slices, ``(s - 1) / s`` for the others). The cost model already
   counts the gradient reductions among them as exposed;
+* **hpZ** (``plan.hpz``, when the plan keeps weights split over ``data``): the same
+  synchronous step with the weights gathered across slices once a step and the
+  gradients reduced inside the slice first, as the cost model prices it, and the
+  in-slice copy's memory;
 * **DiLoCo** (:mod:`jaxpar.training.diloco`) every ``H`` steps: the inner steps send
   nothing over ``data``; a meeting all-reduces the outer gradient in float32 over the
   slices, ``4 P / w`` bytes a device (``P`` parameters split over the ``w`` devices of a
@@ -77,20 +81,34 @@ def replica_params(est: Estimate, n_params: float) -> float:
     return n_params / max(math.prod(s for a, s in ici.items() if a != "data"), 1)
 
 
-def options(est: Estimate, machine: Machine, n_params: float,
-            sync_every: tuple[int, ...] = SYNC_EVERY) -> list[SliceOption]:
-    """Synchronous training and DiLoCo at each ``sync_every`` for the plan of ``est``
-    on ``machine`` (a model of ``n_params`` parameters)."""
+def _synchronous(est: Estimate, machine: Machine, method: str, base: Estimate | None = None
+                 ) -> SliceOption:
+    """Synchronous training as ``est`` prices it (``base``: the plan it adds memory to)."""
     cand = est.candidate
-    slices = dict(cand.dcn).get("data", 1)
     sync_bytes = sync_s = 0.0
     for tr in _transfers(est):
         b, t = dcn_traffic(tr, cand, machine)
         sync_bytes, sync_s = sync_bytes + b, sync_s + t
+    waits = sum(t for k, t in est.breakdown.items()
+                if k.startswith("exposed") and k.endswith("(DCN)"))
+    extra = est.memory_per_device_bytes - base.memory_per_device_bytes if base else 0.0
+    return SliceOption(method, 1, sync_bytes, sync_s, waits, est.step_time_s, extra)
+
+
+def options(est: Estimate, machine: Machine, n_params: float,
+            sync_every: tuple[int, ...] = SYNC_EVERY, hpz: Estimate | None = None
+            ) -> list[SliceOption]:
+    """Synchronous training, with hpZ when ``hpz`` (the same plan estimated with
+    ``hpz=True``) is given, and DiLoCo at each ``sync_every``, for the plan of ``est`` on
+    ``machine`` (a model of ``n_params`` parameters)."""
+    cand = est.candidate
+    slices = dict(cand.dcn).get("data", 1)
+    out = [_synchronous(est, machine, "synchronous")]
+    sync_bytes, sync_s = out[0].dcn_bytes, out[0].dcn_s
     waits = {k: t for k, t in est.breakdown.items()
              if k.startswith("exposed") and k.endswith("(DCN)")}
-    out = [SliceOption("synchronous", 1, sync_bytes, sync_s, sum(waits.values()),
-                       est.step_time_s, 0.0)]
+    if hpz is not None:
+        out.append(_synchronous(hpz, machine, "hpz", est))
     if slices < 2:
         return out
     data_rows = [t for t in _transfers(est) if "data" in t.axes]
@@ -109,34 +127,43 @@ def options(est: Estimate, machine: Machine, n_params: float,
 
 
 def recommend(opts: list[SliceOption]) -> tuple[SliceOption, str]:
-    """The option to use and why (see the module docstring)."""
+    """The option to use and why (see the module docstring; hpZ, when priced, is the
+    synchronous choice when its step is faster and it fits)."""
     sync = opts[0]
     share = sync.dcn_share
-    if share <= SYNC_SHARE or len(opts) == 1:
+    hpz = next((o for o in opts if o.method == "hpz"), None)
+    diloco = [o for o in opts if o.method == "diloco"]
+    if share <= SYNC_SHARE or not diloco:
+        if hpz is not None and hpz.step_time_s < sync.step_time_s:
+            return hpz, (f"synchronous with hpZ: its step waits {hpz.dcn_share:.1%} for "
+                         f"the DCN ({share:.1%} without), for "
+                         f"{hpz.extra_bytes / 2**30:.2f} GiB more a device")
         return sync, (f"synchronous: its step waits {share:.1%} of the time for the DCN "
                       f"(at most {SYNC_SHARE:.0%}), so DiLoCo would save little and change "
                       "the optimisation")
-    for o in opts[1:]:
+    for o in diloco:
         if o.dcn_share <= DILOCO_SHARE:
             return o, (f"DiLoCo H={o.sync_every}: synchronous waits {share:.1%} of its "
                        f"step for the DCN; meeting every {o.sync_every} steps costs "
                        f"{o.dcn_share:.1%}, a step {sync.step_time_s / o.step_time_s:.2f}x "
                        "faster")
-    o = opts[-1]
+    o = diloco[-1]
     return o, (f"DiLoCo H={o.sync_every}: synchronous waits {share:.1%} of its step for the "
                f"DCN; even H={o.sync_every} leaves {o.dcn_share:.1%}")
 
 
-def report(est: Estimate, machine: Machine, n_params: float) -> str:
+def report(est: Estimate, machine: Machine, n_params: float,
+           hpz: Estimate | None = None) -> str:
     """The table ``jaxpar plan`` prints for a multislice machine."""
-    opts = options(est, machine, n_params)
+    opts = options(est, machine, n_params, hpz=hpz)
     best, why = recommend(opts)
     lines = [f"across {dict(est.candidate.dcn).get('data', 1)} slices (data over DCN), "
              "per device and step:",
              f"  {'method':16} {'DCN bytes':>12} {'DCN s':>9} {'waited s':>9} {'step s':>9} "
              f"{'share':>6} {'extra GiB':>9}"]
     for o in opts:
-        name = "synchronous" if o.method == "synchronous" else f"DiLoCo H={o.sync_every}"
+        name = {"synchronous": "synchronous", "hpz": "sync + hpZ"}.get(
+            o.method, f"DiLoCo H={o.sync_every}")
         lines.append(f"  {name:16} {o.dcn_bytes:12.4g} {o.dcn_s:9.4f} {o.exposed_s:9.4f} "
                      f"{o.step_time_s:9.4f} {o.dcn_share:6.1%} {o.extra_bytes / 2**30:9.2f}")
     lines.append(f"  recommended: {why}")

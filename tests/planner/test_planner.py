@@ -34,6 +34,7 @@ PLANS = {
     "B_fsdp_int8_gathers_and_reductions": (
         "B", f"mesh.data=2 mesh.fsdp=4 plan.rules=fsdp {MIXED} plan.quantize_gather=int8 "
              "plan.quantize_reduce=int8"),
+    "B_zero3_hpz": ("B", f"mesh.data=2 mesh.fsdp=4 plan.zero_stage=3 {MIXED} plan.hpz=true"),
 }
 
 

@@ -76,3 +76,22 @@ def test_jaxpar_plan_reports_across_slices():
     assert proc.returncode == 0, proc.stderr
     assert "across 2 slices (data over DCN), per device and step:" in proc.stdout
     assert "DiLoCo H=10" in proc.stdout and "recommended:" in proc.stdout
+
+
+def test_hpz_row_gathers_across_slices_once_a_step():
+    """ZeRO-3 over four slices gathers every layer's weights across the DCN forward and
+    backward; hpZ gathers them once a step and reduces the gradients inside the slice
+    first: fewer DCN bytes, for the in-slice copy's memory."""
+    machine = Machine(BUILTIN["tpu-v5e"], 256, 4)
+
+    def zero3(hpz: bool):
+        cand = Candidate.make(ICI, {"data": 4}, zero_stage=3, remat="full", hpz=hpz)
+        return estimate(MODEL, cand, chips=machine, global_batch=256, seq=2048)
+
+    plain, hpz = zero3(False), zero3(True)
+    opts = options(plain, machine, MODEL.param_count(), hpz=hpz)
+    sync, with_hpz = opts[0], opts[1]
+    assert with_hpz.method == "hpz"
+    assert with_hpz.dcn_bytes < 0.8 * sync.dcn_bytes and with_hpz.dcn_s < sync.dcn_s
+    assert with_hpz.extra_bytes > 0
+    assert "sync + hpZ" in report(plain, machine, MODEL.param_count(), hpz=hpz)
