@@ -164,7 +164,8 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     if dl.sync_every:
         trainer = DiLoCo(trainer, sync_every=dl.sync_every, outer_lr=dl.outer_lr,
                          outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
-                         fragments=dl.fragments, staleness=dl.staleness)
+                         fragments=dl.fragments, staleness=dl.staleness,
+                         outer_bits=dl.outer_bits)
     return Assembly(trainer, plan, schedule, config)
 
 

@@ -190,7 +190,7 @@ class DiLoCoConfig:
     index a replica that meets the others every ``sync_every`` steps (0: off, synchronous
     data parallelism); the outer optimizer is SGD at ``outer_lr`` with (Nesterov)
     momentum; ``fragments`` > 1 is streaming DiLoCo; ``staleness`` applies each outer
-    gradient that many meetings late."""
+    gradient that many meetings late; ``outer_bits`` 8 sends outer gradients as int8."""
 
     sync_every: int = 0
     outer_lr: float = 0.7
@@ -198,6 +198,7 @@ class DiLoCoConfig:
     nesterov: bool = True
     fragments: int = 1
     staleness: int = 0
+    outer_bits: int = 32
 
 
 @dataclasses.dataclass(frozen=True)

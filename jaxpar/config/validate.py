@@ -72,6 +72,7 @@ _RANGES: dict[str, _Check] = {
     "diloco.outer_momentum": (lambda v: 0 <= v < 1, "must be a fraction in [0, 1)"),
     "diloco.fragments": _AT_LEAST_1,
     "diloco.staleness": _AT_LEAST_0,
+    "diloco.outer_bits": (lambda v: v in (8, 32), "must be 32 (float32) or 8 (int8)"),
 }
 
 

@@ -16,6 +16,11 @@ stacked layers by layer ranges and other weights by size, and fragment ``f`` mee
 steps ``t`` with ``t mod H = (f + 1) H / F mod H``: each meeting all-reduces a fragment,
 ``1 / F`` of the bytes.
 
+Low-bit outer gradients (``outer_bits = 8``): each replica's outer gradient is
+quantized to int8 with a float32 scale per row and all-gathered over ``data``, then
+dequantized and averaged on every device: for two replicas (slices) half the bytes of
+the float32 all-reduce.
+
 Bounded staleness (``staleness = tau``, the parameter server's bounded-delay model): an
 outer gradient is applied ``tau`` meetings after it was computed, so its all-reduce is a
 program of its own whose result nothing waits for until then; ``tau = 0`` is DiLoCo.
@@ -86,11 +91,14 @@ class DiLoCo:
       outer_lr, outer_momentum, nesterov: the outer optimizer (SGD).
       fragments: streaming DiLoCo's ``F`` (``H`` must divide by it).
       staleness: ``tau``, meetings an outer gradient waits before it is applied.
+      outer_bits: 8 sends each replica's outer gradient as int8 with a float32 scale per
+        row (its last dimension), gathered over ``data`` and averaged after
+        dequantizing; 32 all-reduces it in float32.
     """
 
     def __init__(self, trainer: Trainer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 staleness: int = 0):
+                 staleness: int = 0, outer_bits: int = 32):
         plan = trainer.plan
         self.replicas = plan.mesh.shape.get(AXIS, 1)
         check(plan, trainer.state_shardings, sync_every, fragments, staleness)
@@ -98,6 +106,10 @@ class DiLoCo:
         self.sync_every, self.outer_lr = sync_every, outer_lr
         self.outer_momentum, self.nesterov = outer_momentum, nesterov
         self.fragments, self.staleness = fragments, staleness
+        if outer_bits not in (8, 32):
+            raise JaxparError(f"diloco.outer_bits={outer_bits}: choose 32 (float32 outer "
+                              "gradients) or 8 (int8 with a scale per row)")
+        self.outer_bits = outer_bits
         self.pipeline_schedule = trainer.pipeline_schedule
         self._key = "master" if trainer.policy.mixed else "params"
         self._parts = fragments_of(trainer.state["params"], fragments)
@@ -202,6 +214,10 @@ class DiLoCo:
         lr, mu, nesterov, tau = (self.outer_lr, self.outer_momentum, self.nesterov,
                                  self.staleness)
 
+        specs = [sh.spec for sh in jax.tree.leaves(
+            self.state_shardings["replicas"][self._key],
+            is_leaf=lambda x: isinstance(x, NamedSharding))]
+
         def meet(state):
             anchor, tdef = jax.tree_util.tree_flatten(state["anchor"])
             momentum = _leaves(state["momentum"])
@@ -212,7 +228,10 @@ class DiLoCo:
             for i, rows in parts:
                 at = (slice(None),) if rows is None else (rows,)
                 a = anchor[i][at]
-                g = jnp.mean(a[None] - own[i][(slice(None), *at)].astype(jnp.float32), axis=0)
+                deltas = a[None] - own[i][(slice(None), *at)].astype(jnp.float32)
+                if self.outer_bits == 8:
+                    deltas = _int8_exchange(deltas, specs[i], self.plan.mesh)
+                g = jnp.mean(deltas, axis=0)
                 if tau:
                     queue = pending[i][(slice(None), *at)]
                     g, queue = queue[0], jnp.concatenate([queue[1:], g[None]])
@@ -299,6 +318,28 @@ class DiLoCo:
         """The model with the anchor's weights."""
         self.trainer.state = self.anchor_state()
         return self.trainer.model
+
+
+def _int8_exchange(deltas: jax.Array, spec: P, mesh: Any) -> jax.Array:
+    """Every replica's ``deltas`` (leading replica dimension, split over ``data``, the
+    rest as ``spec`` says) on every device, sent as int8 with a float32 scale per row of
+    each device's block: each device quantizes its block and all-gathers the int8
+    values over ``data`` in a ``shard_map`` manual over every axis ``spec`` names (left
+    to GSPMD, XLA would widen them before the gather, or gather them whole), then
+    dequantizes."""
+    def local(d):
+        scale = jnp.max(jnp.abs(d), axis=-1, keepdims=True) / 127.0
+        scale = jnp.where(scale > 0, scale, 1.0)
+        q = jnp.clip(jnp.round(d / scale), -127, 127).astype(jnp.int8)
+        q = jax.lax.all_gather(q, AXIS, tiled=True)
+        scale = jax.lax.all_gather(scale, AXIS, tiled=True)
+        return q.astype(jnp.float32) * scale
+
+    rest = tuple(spec)[1:]
+    names = {AXIS} | {a for e in rest if e is not None
+                      for a in ((e,) if isinstance(e, str) else e)}
+    return jax.shard_map(local, mesh=mesh, in_specs=P(AXIS, *rest), out_specs=P(None, *rest),
+                         axis_names=names, check_vma=False)(deltas)
 
 
 def check(plan: Any, shardings: dict[str, Any], sync_every: int, fragments: int,

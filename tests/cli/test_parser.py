@@ -26,7 +26,7 @@ COMMANDS = {"train", "plan", "inspect", "calibrate", "launch", "sample", "conver
      "jaxpar plan: error: the following arguments are required: --chips, --global-batch, "
      "--seq"),
     (["launch", "--", "train"],
-     "jaxpar launch: error: the following arguments are required: --processes"),
+     "jaxpar launch: error: one of the arguments --processes --replicas is required"),
     (["sample", "--run", "r", "--prompt", "p", "--top-k", "many"],
      "jaxpar sample: error: argument --top-k: invalid int value: 'many'"),
 ])

@@ -75,14 +75,19 @@ def test_with_nothing_pending_the_third_signal_stops_now(no_exit):
 
 
 def test_the_previous_handlers_come_back():
-    before = {sig: signal.getsignal(sig) for sig in SIGNAL_STATUS}
-    with StopOnSignal(print) as stop:
-        for sig in SIGNAL_STATUS:
-            assert signal.getsignal(sig) == stop._handle
-    assert {sig: signal.getsignal(sig) for sig in SIGNAL_STATUS} == before
-    # Outside, Ctrl-C is Python's own again.
-    with pytest.raises(KeyboardInterrupt):
-        signal.raise_signal(signal.SIGINT)
+    # Python's own Ctrl-C handler first (a test worker may have replaced it).
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = {sig: signal.getsignal(sig) for sig in SIGNAL_STATUS}
+        with StopOnSignal(print) as stop:
+            for sig in SIGNAL_STATUS:
+                assert signal.getsignal(sig) == stop._handle
+        assert {sig: signal.getsignal(sig) for sig in SIGNAL_STATUS} == before
+        # Outside, Ctrl-C is Python's own again.
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, original)
 
 
 def test_outside_the_main_thread_nothing_is_installed():
