@@ -92,7 +92,8 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
     out = Path(child.out)
     dl = config.diloco
     server = ParameterServer(out / "meetings", outer_lr=dl.outer_lr,
-                             outer_momentum=dl.outer_momentum, nesterov=dl.nesterov)
+                             outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
+                             staleness=dl.staleness)
     lock = threading.Lock()
     procs: dict[int, subprocess.Popen] = {}
     attempts = dict.fromkeys(range(args.replicas), 0)

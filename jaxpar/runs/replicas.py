@@ -21,6 +21,12 @@ can hang on a dead peer). Each is one replica: it trains alone on its own data o
   round ``K``; it loads that anchor, continues from step ``K H`` (its data position; its
   inner optimizer starts afresh) and is a member from round ``K + 1`` on.
 
+With ``diloco.staleness = tau`` (the parameter server's bounded delay) a round does not
+wait for a member that has written round ``K - tau`` or later: it completes with those
+present, and a late replica's weights, when they come, join the next round's average as
+``the anchor it started from - its weights``, at most ``tau`` rounds late; a replica more
+than ``tau`` rounds behind is waited for. ``tau = 0`` waits for every live member.
+
 Round 0 is the start: the first replica to join sets the anchor. The server keeps its
 anchor, momentum and round in ``server.npz`` after every round.
 """
@@ -43,6 +49,8 @@ from jaxpar.errors import JaxparError
 ENV_FOLDER = "JAXPAR_MEETINGS"
 ENV_REPLICA = "JAXPAR_REPLICA"
 ENV_EVERY = "JAXPAR_MEET_EVERY"
+START = "__start_round__"
+"""The key of a meeting file's start round (the anchor its weights trained from)."""
 WAIT_S = 600.0
 """How long a replica waits for the server before giving up."""
 
@@ -74,6 +82,7 @@ class ReplicaClient:
 
     def __init__(self, folder: str | Path, replica: int, sync_every: int):
         self.folder, self.replica, self.sync_every = Path(folder), replica, sync_every
+        self.start = 0  # the round whose anchor this replica's weights started from
 
     @classmethod
     def from_env(cls) -> ReplicaClient | None:
@@ -132,6 +141,7 @@ class ReplicaClient:
         k = json.loads(welcome.read_text())["round"]
         step = k * self.sync_every
         self.load(trainer, _read(self.folder / f"round_{k}" / "anchor.npz"), step)
+        self.start = k
         return step
 
     def due(self, step: int) -> bool:
@@ -140,12 +150,15 @@ class ReplicaClient:
 
     def meet(self, trainer: Any, step: int) -> None:
         """Send the weights after ``step``, wait for the new anchor, load it."""
-        folder = self.folder / f"round_{step // self.sync_every}"
+        k = step // self.sync_every
+        folder = self.folder / f"round_{k}"
         folder.mkdir(parents=True, exist_ok=True)
-        _write(folder / f"replica_{self.replica}.npz", self.weights(trainer))
+        _write(folder / f"replica_{self.replica}.npz",
+               {**self.weights(trainer), START: np.asarray(self.start)})
         anchor = folder / "anchor.npz"
-        self._wait(anchor, f"anchor of round {step // self.sync_every}")
+        self._wait(anchor, f"anchor of round {k}")
         self.load(trainer, _read(anchor))
+        self.start = k
 
 
 class ParameterServer:
@@ -153,8 +166,11 @@ class ParameterServer:
     docstring). :meth:`poll` does what is due and returns lines to print."""
 
     def __init__(self, folder: str | Path, *, outer_lr: float, outer_momentum: float,
-                 nesterov: bool):
+                 nesterov: bool, staleness: int = 0):
         self.folder = Path(folder)
+        self.tau = staleness
+        self.written: dict[int, int] = {}  # replica -> the last round it wrote (or joined)
+        self._used: set[Path] = set()  # meeting files already averaged
         self.folder.mkdir(parents=True, exist_ok=True)
         self.lr, self.mu, self.nesterov = outer_lr, outer_momentum, nesterov
         self.anchor: dict[str, np.ndarray] | None = None
@@ -197,6 +213,7 @@ class ParameterServer:
                 _write(self.folder / "round_0" / "anchor.npz", self.anchor)
             self.joining[int(r)] = self.round
             self.joined.add(int(r))
+            self.written[int(r)] = self.round
             _write_json(self.folder / f"welcome_{r}_{token}.json", {"round": self.round})
             self._answered.add(path.name)
             if self.round:
@@ -210,17 +227,30 @@ class ParameterServer:
         return said
 
     def _complete(self, alive: set[int]) -> list[str]:
+        """Complete round ``K = round + 1`` once every live member has written to it, or,
+        with staleness ``tau``, once one has and every other has written round ``K - tau``
+        or later; contributions that arrive after their round completed join the next
+        one (each as ``its start anchor - weights``)."""
         k = self.round + 1
         folder = self.folder / f"round_{k}"
         expected = sorted(self.members & alive)
         if not expected or self.anchor is None or (k == 1 and alive - self.joined):
             return []  # (the first round waits for every replica started to join)
-        files = [folder / f"replica_{r}.npz" for r in expected]
-        if not all(f.exists() for f in files):
+        files = sorted(self.folder.glob("round_*/replica_*.npz"))
+        for f in files:
+            r, j = int(f.stem.split("_")[1]), int(f.parent.name.split("_")[1])
+            self.written[r] = max(self.written.get(r, 0), j)
+        fresh = [r for r in expected if (folder / f"replica_{r}.npz").exists()]
+        if not fresh or any(self.written.get(r, 0) < k - self.tau
+                            for r in expected if r not in fresh):
             return []
-        weights = [_read(f) for f in files]
+        late = [f for f in files if f not in self._used
+                and int(f.parent.name.split("_")[1]) < k]
+        used = [folder / f"replica_{r}.npz" for r in fresh] + late
+        deltas = [self._delta(f) for f in used]
+        self._used.update(used)
         for name, a in self.anchor.items():
-            g = a - np.mean([w[name] for w in weights], axis=0)
+            g = np.mean([d[name] for d in deltas], axis=0)
             m = self.mu * self.momentum[name] + g
             self.momentum[name] = m
             self.anchor[name] = a - self.lr * (g + self.mu * m if self.nesterov else m)
@@ -229,4 +259,14 @@ class ParameterServer:
         _write(self.folder / "server.npz", {
             "round": np.asarray(k), **{f"anchor/{n}": v for n, v in self.anchor.items()},
             **{f"momentum/{n}": v for n, v in self.momentum.items()}})
-        return [f"round {k}: replicas {expected} met"]
+        stale = sorted(int(f.stem.split("_")[1]) for f in late)
+        return [f"round {k}: replicas {fresh} met"
+                + (f" (late from earlier rounds: {stale})" if stale else "")]
+
+    def _delta(self, path: Path) -> dict[str, np.ndarray]:
+        """A meeting file's outer gradient: its start anchor minus its weights."""
+        weights = _read(path)
+        start = int(weights.pop(START, int(path.parent.name.split("_")[1]) - 1))
+        anchor = (self.anchor if start == self.round
+                  else _read(self.folder / f"round_{start}" / "anchor.npz"))
+        return {n: anchor[n] - weights[n] for n in self.anchor}

@@ -5,12 +5,13 @@ import json
 
 import numpy as np
 
-from jaxpar.runs.replicas import ParameterServer, _read, _write
+from jaxpar.runs.replicas import START, ParameterServer, _read, _write
 
 
 def _server(tmp_path, **kw) -> ParameterServer:
     return ParameterServer(tmp_path, outer_lr=kw.get("lr", 0.7),
-                           outer_momentum=kw.get("mu", 0.9), nesterov=kw.get("nesterov", True))
+                           outer_momentum=kw.get("mu", 0.9), nesterov=kw.get("nesterov", True),
+                           staleness=kw.get("tau", 0))
 
 
 def _join(folder, r: int, w: np.ndarray) -> None:
@@ -81,3 +82,28 @@ def test_server_state_is_saved_each_round(tmp_path):
     server.poll({0})
     saved = _read(tmp_path / "server.npz")
     assert int(saved["round"]) == 1 and {"anchor/w", "momentum/w"} <= set(saved)
+
+
+def test_bounded_staleness_goes_on_without_a_slow_replica_and_applies_it_late(tmp_path):
+    """tau = 1: round 2 completes with replica 0 alone (replica 1 wrote round 1); replica
+    1's round-2 weights, trained from round 1's anchor, join round 3's average; a replica
+    two rounds behind is waited for."""
+    server = _server(tmp_path, lr=1.0, mu=0.0, nesterov=False, tau=1)
+    w = np.zeros(1, np.float32)
+    for r in (0, 1):
+        _join(tmp_path, r, w)
+    server.poll({0, 1})
+    _send(tmp_path, 1, 0, w + 2)
+    _send(tmp_path, 1, 1, w + 4)
+    assert server.poll({0, 1}) == ["round 1: replicas [0, 1] met"]  # anchor 3
+    _send(tmp_path, 2, 0, w + 5)
+    assert server.poll({0, 1}) == ["round 2: replicas [0] met"]  # anchor 5
+    np.testing.assert_allclose(_read(tmp_path / "round_2" / "anchor.npz")["w"], w + 5)
+    _write(tmp_path / "round_2" / "replica_1.npz", {"w": w + 4, START: np.asarray(1)})
+    _send(tmp_path, 3, 0, w + 6)
+    assert server.poll({0, 1}) == ["round 3: replicas [0] met (late from earlier rounds: [1])"]
+    # outer gradients: replica 0 from anchor 5 to 6 (-1), replica 1 from anchor 3 to 4 (-1)
+    np.testing.assert_allclose(_read(tmp_path / "round_3" / "anchor.npz")["w"], w + 6)
+    _send(tmp_path, 4, 0, w + 7)
+    assert server.poll({0, 1}) == []  # replica 1's last round, 2, is two behind round 4
+    assert server.round == 3
