@@ -56,7 +56,7 @@ def _entries(spec: PartitionSpec, ndim: int) -> list[Any]:
     return list(spec) + [None] * (ndim - len(spec))
 
 
-def _quantize(x: jax.Array, axis: int | tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def quantize_int8(x: jax.Array, axis: int | tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """``x`` as int8 and float32 scales (absolute maximum over ``axis`` / 127)."""
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
@@ -75,7 +75,7 @@ def _gather_block(shard: jax.Array, spec: PartitionSpec, dp_axes: tuple[str, ...
         for dim, names in split:
             shard = jax.lax.all_gather(shard, names, axis=dim, tiled=True)
         return shard
-    q, scale = _quantize(shard, _reduced_axes(spec, shard.ndim, dp_axes))
+    q, scale = quantize_int8(shard, _reduced_axes(spec, shard.ndim, dp_axes))
     for dim, names in split:
         q = jax.lax.all_gather(q, names, axis=dim, tiled=True)
         scale = jax.lax.all_gather(scale, names, axis=dim, tiled=True)
@@ -178,7 +178,7 @@ def _reduce_scatter_block(g: jax.Array, spec: PartitionSpec, mesh: Mesh,
     hops.sort(key=lambda hop: -order.index(hop[0]))  # inside a slice first
     x = g.astype(jnp.float32).reshape(shape)
     for axis, dim in hops:
-        q, scale = _quantize(x, x.ndim - 1)
+        q, scale = quantize_int8(x, x.ndim - 1)
         q = jax.lax.all_to_all(q, axis, dim, dim, tiled=True)
         scale = jax.lax.all_to_all(scale, axis, dim, dim, tiled=True)
         x = jnp.sum(q.astype(jnp.float32) * scale, axis=dim, keepdims=True)
@@ -202,10 +202,10 @@ def _all_reduce_int8(x: jax.Array, axis: str, n: int) -> jax.Array:
     flat = x.reshape(-1)
     pad = -flat.size % (n * _ROW)
     rows = jnp.pad(flat, (0, pad)).reshape(n, -1, _ROW)
-    q, scale = _quantize(rows, 2)
+    q, scale = quantize_int8(rows, 2)
     q = jax.lax.all_to_all(q, axis, 0, 0, tiled=True)
     scale = jax.lax.all_to_all(scale, axis, 0, 0, tiled=True)
-    q, scale = _quantize(jnp.sum(q.astype(jnp.float32) * scale, axis=0, keepdims=True), 2)
+    q, scale = quantize_int8(jnp.sum(q.astype(jnp.float32) * scale, axis=0, keepdims=True), 2)
     whole = (jax.lax.all_gather(q, axis, axis=0, tiled=True).astype(jnp.float32)
              * jax.lax.all_gather(scale, axis, axis=0, tiled=True))
     return whole.reshape(-1)[:flat.size].reshape(x.shape)

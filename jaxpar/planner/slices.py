@@ -104,18 +104,16 @@ def options(est: Estimate, machine: Machine, n_params: float,
     cand = est.candidate
     slices = dict(cand.dcn).get("data", 1)
     out = [_synchronous(est, machine, "synchronous")]
-    sync_bytes, sync_s = out[0].dcn_bytes, out[0].dcn_s
-    waits = {k: t for k, t in est.breakdown.items()
-             if k.startswith("exposed") and k.endswith("(DCN)")}
     if hpz is not None:
         out.append(_synchronous(hpz, machine, "hpz", est))
     if slices < 2:
         return out
-    data_rows = [t for t in _transfers(est) if "data" in t.axes]
-    kept_bytes = sync_bytes - sum(dcn_traffic(t, cand, machine)[0] for t in data_rows)
-    kept_s = sync_s - sum(dcn_traffic(t, cand, machine)[1] for t in data_rows)
-    exposed = sum(t for k, t in waits.items() if "data" in k)
-    kept_waits = sum(waits.values()) - exposed
+    # DiLoCo keeps the traffic over other axes than data (and the waits for it)
+    kept = [dcn_traffic(t, cand, machine) for t in _transfers(est) if "data" not in t.axes]
+    kept_bytes, kept_s = sum(b for b, _ in kept), sum(t for _, t in kept)
+    exposed = sum(t for k, t in est.breakdown.items() if k.startswith("exposed")
+                  and k.endswith("(DCN)") and "data" in k)
+    kept_waits = out[0].exposed_s - exposed
     local = replica_params(est, n_params)
     meeting = Transfer("all-reduce", ("data",), 4 * local, 1, "exposed")
     m_bytes, m_s = dcn_traffic(meeting, cand, machine)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.training.diloco import outer_sgd
 
 ENV_FOLDER = "JAXPAR_MEETINGS"
 ENV_REPLICA = "JAXPAR_REPLICA"
@@ -251,9 +252,8 @@ class ParameterServer:
         self._used.update(used)
         for name, a in self.anchor.items():
             g = np.mean([d[name] for d in deltas], axis=0)
-            m = self.mu * self.momentum[name] + g
-            self.momentum[name] = m
-            self.anchor[name] = a - self.lr * (g + self.mu * m if self.nesterov else m)
+            self.anchor[name], self.momentum[name] = outer_sgd(
+                a, self.momentum[name], g, self.lr, self.mu, self.nesterov)
         _write(folder / "anchor.npz", self.anchor)
         self.round = k
         _write(self.folder / "server.npz", {

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.offload import streamed_mask
+from jaxpar.parallel.zeropp import quantize_int8
 from jaxpar.training.trainer import Trainer
 
 AXIS = "data"
@@ -236,8 +237,7 @@ class DiLoCo:
                     queue = pending[i][(slice(None), *at)]
                     g, queue = queue[0], jnp.concatenate([queue[1:], g[None]])
                     pending[i] = pending[i].at[(slice(None), *at)].set(queue)
-                m = mu * momentum[i][at] + g
-                a = a - lr * (g + mu * m if nesterov else m)
+                a, m = outer_sgd(a, momentum[i][at], g, lr, mu, nesterov)
                 anchor[i] = anchor[i].at[at].set(a)
                 momentum[i] = momentum[i].at[at].set(m)
                 whole = jnp.broadcast_to(a, (self.replicas, *a.shape))
@@ -320,6 +320,15 @@ class DiLoCo:
         return self.trainer.model
 
 
+def outer_sgd(anchor: Any, momentum: Any, g: Any, lr: float, mu: float, nesterov: bool
+              ) -> tuple[Any, Any]:
+    """One step of the outer optimizer on arrays (jax or numpy): SGD at ``lr`` with
+    momentum ``mu`` (Nesterov's when ``nesterov``) on the outer gradient ``g``; returns
+    the new anchor and momentum."""
+    m = mu * momentum + g
+    return anchor - lr * (g + mu * m if nesterov else m), m
+
+
 def _int8_exchange(deltas: jax.Array, spec: P, mesh: Any) -> jax.Array:
     """Every replica's ``deltas`` (leading replica dimension, split over ``data``, the
     rest as ``spec`` says) on every device, sent as int8 with a float32 scale per row of
@@ -328,9 +337,7 @@ def _int8_exchange(deltas: jax.Array, spec: P, mesh: Any) -> jax.Array:
     to GSPMD, XLA would widen them before the gather, or gather them whole), then
     dequantizes."""
     def local(d):
-        scale = jnp.max(jnp.abs(d), axis=-1, keepdims=True) / 127.0
-        scale = jnp.where(scale > 0, scale, 1.0)
-        q = jnp.clip(jnp.round(d / scale), -127, 127).astype(jnp.int8)
+        q, scale = quantize_int8(d, d.ndim - 1)
         q = jax.lax.all_gather(q, AXIS, tiled=True)
         scale = jax.lax.all_gather(scale, AXIS, tiled=True)
         return q.astype(jnp.float32) * scale
