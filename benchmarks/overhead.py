@@ -51,8 +51,9 @@ LR, WARMUP, TOTAL_STEPS, WEIGHT_DECAY, EPS, THETA = 3e-3, 10, 200, 0.01, 1e-5, 1
 # PartitionSpecs per layout, as jaxpar's presets resolve them (checked against jaxpar's
 # state shardings at run time). Weights: embed (V,d), lm_head (d,V), wq (L,d,n,h), wk/wv
 # (L,d,k,h), wo (L,n,h,d), gate/up (L,d,f), down (L,f,d); norms replicated. Activations:
-# resid (b,s,d), heads (b,s,n,h), mlp (b,s,f), logits (b,s,V), table: the embedding
-# table as gathered from (jaxpar constrains it to its ("vocab", "embed") activation spec).
+# resid (b,s,d), heads (b,s,n,h), mlp (b,s,f), logits (b,s,V); the embedding lookup as
+# jaxpar.parallel.embedding runs it: table (in its weight layout), ids (the token ids
+# gathered over the axes splitting its columns), rows (the looked-up rows, still split).
 HAND_LAYOUTS = {
     "fsdp": dict(
         mesh=((8,), ("fsdp",)),
@@ -61,7 +62,8 @@ HAND_LAYOUTS = {
                     up=P(None, "fsdp", None), down=P(None, None, "fsdp")),
         acts=dict(batch=P("fsdp", None), resid=P("fsdp", None, None),
                   heads=P("fsdp", None, None, None), mlp=P("fsdp", None, None),
-                  logits=P("fsdp", None, None), table=P(None, None))),
+                  logits=P("fsdp", None, None), table=P(None, "fsdp"), ids=P(None, None),
+                  rows=P(None, None, "fsdp"))),
     "tp": dict(
         mesh=((2, 4), ("data", "tensor")),
         params=dict(embed=P("tensor", None), lm_head=P(None, "tensor"),
@@ -69,7 +71,8 @@ HAND_LAYOUTS = {
                     up=P(None, None, "tensor"), down=P(None, "tensor", None)),
         acts=dict(batch=P("data", None), resid=P("data", None, None),
                   heads=P("data", None, "tensor", None), mlp=P("data", None, "tensor"),
-                  logits=P("data", None, "tensor"), table=P("tensor", None))),
+                  logits=P("data", None, "tensor"), table=P("tensor", None),
+                  ids=P("data", None), rows=P("data", None, None))),
     "fsdp_tp": dict(
         mesh=((4, 2), ("fsdp", "tensor")),
         params=dict(embed=P("tensor", "fsdp"), lm_head=P("fsdp", "tensor"),
@@ -77,7 +80,8 @@ HAND_LAYOUTS = {
                     up=P(None, "fsdp", "tensor"), down=P(None, "tensor", "fsdp")),
         acts=dict(batch=P("fsdp", None), resid=P("fsdp", None, None),
                   heads=P("fsdp", None, "tensor", None), mlp=P("fsdp", None, "tensor"),
-                  logits=P("fsdp", None, "tensor"), table=P("tensor", None))),
+                  logits=P("fsdp", None, "tensor"), table=P("tensor", "fsdp"),
+                  ids=P(None, None), rows=P(None, None, "fsdp"))),
 }
 
 
@@ -108,8 +112,10 @@ def rope(x, sin, cos):
 def hand_loss(params, tokens, acts):
     pin = jax.lax.with_sharding_constraint
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # The lookup where the table lies: ids gathered to its columns, rows moved back.
     table = pin(params["embed"], acts["table"])
-    x = pin(jnp.take(table, inputs, axis=0), acts["resid"])
+    rows = pin(jnp.take(table, pin(inputs, acts["ids"]), axis=0), acts["rows"])
+    x = pin(rows, acts["resid"])
     freqs = 1.0 / THETA ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
     angles = jnp.arange(inputs.shape[1], dtype=jnp.float32)[:, None] * freqs[None, :]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
@@ -158,6 +164,74 @@ def hand_trainer(layout: str, host_params: dict):
 
     jitted = jax.jit(step, out_shardings=((param_sh, opt_sh), rep, rep), donate_argnums=0)
     return jitted, (params, opt_state), acts["batch"]
+
+
+# --- Part 1b: the same model written the simplest way ---------------------------------------
+# No activation constraints at all: weights placed with one spec each (the model dimension
+# over fsdp, Megatron's split over tensor), the batch split over the data axes, and GSPMD
+# left to work out the rest. Q, K and V are one fused projection (L, d, 3, n, h). AdamW at
+# a constant learning rate, no clipping, no schedule, no weight-decay mask and no gradient
+# norm: what jaxpar's step adds on top of this is what it buys the user.
+PLAIN_LAYOUTS = {
+    "fsdp": dict(embed=P(None, "fsdp"), lm_head=P("fsdp", None), qkv=P(None, "fsdp"),
+                 wo=P(None, None, None, "fsdp"), up=P(None, "fsdp", None),
+                 down=P(None, None, "fsdp"), batch=P("fsdp")),
+    "tp": dict(embed=P("tensor", None), lm_head=P(None, "tensor"),
+               qkv=P(None, None, None, "tensor"), wo=P(None, "tensor"),
+               up=P(None, None, "tensor"), down=P(None, "tensor", None), batch=P("data")),
+    "fsdp_tp": dict(embed=P("tensor", "fsdp"), lm_head=P("fsdp", "tensor"),
+                    qkv=P(None, "fsdp", None, "tensor"), wo=P(None, "tensor", None, "fsdp"),
+                    up=P(None, "fsdp", "tensor"), down=P(None, "tensor", "fsdp"),
+                    batch=P("fsdp")),
+}
+
+
+def plain_loss(params, tokens):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x = params["embed"][inputs]
+    freqs = 1.0 / THETA ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angles = jnp.arange(inputs.shape[1], dtype=jnp.float32)[:, None] * freqs[None, :]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+
+    def layer(x, w):
+        q, k, v = jnp.einsum("bse,etnh->tbsnh", rms_norm(x, w["attn_norm"]), w["wqkv"])
+        o = jax.nn.dot_product_attention(rope(q, sin, cos), rope(k, sin, cos), v,
+                                         is_causal=True)
+        x = x + jnp.einsum("bsnh,nhe->bse", o, w["wo"])
+        h = rms_norm(x, w["mlp_norm"])
+        return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"], None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    logits = rms_norm(x, params["final_norm"]) @ params["lm_head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def plain_trainer(layout: str, host_params: dict):
+    """(jitted step, initial state, batch sharding) of the simplest step, from the
+    hand-written tree's weights (Q, K and V fused)."""
+    shape, names = HAND_LAYOUTS[layout]["mesh"]
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+    spec = PLAIN_LAYOUTS[layout]
+    ns = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    layers = dict(host_params["layers"])
+    layers["wqkv"] = np.stack([layers.pop("wq"), layers.pop("wk"), layers.pop("wv")], axis=2)
+    params = {**host_params, "layers": layers}
+    rep = ns(P())
+    param_sh = {"embed": ns(spec["embed"]), "final_norm": rep, "lm_head": ns(spec["lm_head"]),
+                "layers": {"attn_norm": rep, "mlp_norm": rep, "wqkv": ns(spec["qkv"]),
+                           "wo": ns(spec["wo"]), "w_gate": ns(spec["up"]),
+                           "w_up": ns(spec["up"]), "w_down": ns(spec["down"])}}
+    params = jax.device_put(params, param_sh)
+    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    opt_state = jax.jit(opt.init)(params)
+
+    def step(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(plain_loss)(params, tokens)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(step, donate_argnums=0), (params, opt_state), ns(spec["batch"])
 
 
 # --- Part 2: jaxpar through its public API --------------------------------------------------
@@ -230,6 +304,7 @@ def run_layout(layout: str, args) -> dict:
     trainer = jaxpar_trainer(layout)
     host, jp_specs = copy_params(trainer)
     step, state, batch_sh = hand_trainer(layout, host)
+    plain_step, plain_state, plain_sh = plain_trainer(layout, host)
     mine = jax.tree_util.tree_map_with_path(
         lambda p, a: a.sharding.spec, state[0])
     for where, spec in jp_specs.items():
@@ -243,6 +318,12 @@ def run_layout(layout: str, args) -> dict:
     tokens = np.random.default_rng(0).integers(0, V, (B, S + 1), dtype=np.int32)
     jp_batch = jax.device_put(tokens, trainer.plan.batch_sharding(2))
     hand_batch = jax.device_put(tokens, batch_sh)
+    plain_batch = jax.device_put(tokens, plain_sh)
+
+    def run_plain():
+        nonlocal plain_state
+        plain_state, loss = plain_step(plain_state, plain_batch)
+        return jax.device_get(loss)
 
     def run_hand():
         nonlocal state
@@ -255,12 +336,15 @@ def run_layout(layout: str, args) -> dict:
 
     hlo_hand = step.lower(state, hand_batch).compile().as_text()
     hlo_jp = trainer.lower(jp_batch).compile().as_text()
-    first = (run_hand(), run_jaxpar())
-    loss_diff = abs(float(first[0][0]) - float(first[1][0]))
+    hlo_plain = plain_step.lower(plain_state, plain_batch).compile().as_text()
+    first = (run_hand(), run_jaxpar(), run_plain())
+    loss_diff = max(abs(float(first[0][0]) - float(first[1][0])),
+                    abs(float(first[2]) - float(first[1][0])))
     gnorm_diff = abs(float(first[0][1]) - float(first[1][1]))
     for _ in range(args.warmup):
         run_hand()
         run_jaxpar()
+        run_plain()
 
     def timed(fn) -> float:
         times = []
@@ -270,24 +354,30 @@ def run_layout(layout: str, args) -> dict:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    hand_ms, jp_ms, ratios = [], [], []
+    hand_ms, jp_ms, plain_ms, ratios, plain_ratios = [], [], [], [], []
     for r in range(args.rounds):
-        order = (run_hand, run_jaxpar) if r % 2 == 0 else (run_jaxpar, run_hand)
-        got = {fn: timed(fn) for fn in order}
+        order = (run_hand, run_jaxpar, run_plain)
+        got = {fn: timed(fn) for fn in (order if r % 2 == 0 else order[::-1])}
         hand_ms.append(got[run_hand] * 1e3)
         jp_ms.append(got[run_jaxpar] * 1e3)
+        plain_ms.append(got[run_plain] * 1e3)
         ratios.append(got[run_jaxpar] / got[run_hand])
+        plain_ratios.append(got[run_jaxpar] / got[run_plain])
         print(f"  {layout} round {r}: hand {hand_ms[-1]:.2f} ms, jaxpar {jp_ms[-1]:.2f} ms, "
-              f"ratio {ratios[-1]:.3f}", flush=True)
+              f"plain {plain_ms[-1]:.2f} ms; jaxpar/hand {ratios[-1]:.3f}, jaxpar/plain "
+              f"{plain_ratios[-1]:.3f}", flush=True)
     if args.dump:
-        for side, text in (("hand", hlo_hand), ("jaxpar", hlo_jp)):
+        for side, text in (("hand", hlo_hand), ("jaxpar", hlo_jp), ("plain", hlo_plain)):
             with open(os.path.join(args.dump, f"{layout}.{side}.hlo.txt"), "w") as f:
                 f.write(text)
     return {"layout": layout, "first_loss": float(first[1][0]), "loss_diff": loss_diff,
             "gnorm_diff": gnorm_diff, "hand_ms": statistics.median(hand_ms),
             "jaxpar_ms": statistics.median(jp_ms), "ratio": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "coll_hand": collectives(hlo_hand), "coll_jaxpar": collectives(hlo_jp)}
+            "plain_ms": statistics.median(plain_ms), "plain_ratio": statistics.median(plain_ratios),
+            "plain_min": min(plain_ratios), "plain_max": max(plain_ratios),
+            "coll_hand": collectives(hlo_hand), "coll_jaxpar": collectives(hlo_jp),
+            "coll_plain": collectives(hlo_plain)}
 
 
 MESHES = {"fsdp": "fsdp=8", "tp": "data=2 x tensor=4", "fsdp_tp": "fsdp=4 x tensor=2"}
@@ -320,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['layout']:8} {MESHES[r['layout']]:18} {r['hand_ms']:8.2f} "
               f"{r['jaxpar_ms']:9.2f} {r['ratio']:6.3f} "
               f"[{r['ratio_min']:.3f}-{r['ratio_max']:.3f}]  {counts(h)} | {counts(j)}{flag}")
+    print(f"\n{'layout':8} {'mesh':18} {'plain ms':>8} {'jaxpar ms':>9} {'ratio':>6} "
+          f"{'[min-max]':>13}  collectives plain | jaxpar (AR AG RS A2A CP)")
+    for r in rows:
+        print(f"{r['layout']:8} {MESHES[r['layout']]:18} {r['plain_ms']:8.2f} "
+              f"{r['jaxpar_ms']:9.2f} {r['plain_ratio']:6.3f} "
+              f"[{r['plain_min']:.3f}-{r['plain_max']:.3f}]  {counts(r['coll_plain'])} | "
+              f"{counts(r['coll_jaxpar'])}")
     return 0
 
 

@@ -98,6 +98,7 @@ def planner_choice(chip) -> tuple[list[str], str]:
         f"plan.microbatches={c.microbatches}",
         f"plan.sequence_parallel={str(c.sequence_parallel and sizes['tensor'] > 1).lower()}",
         f"plan.context_attention={c.context_attention}",
+        f"plan.vocab_over_fsdp={str(c.vocab_over_fsdp and sizes['fsdp'] > 1).lower()}",
         f"pipeline.microbatches={c.pipeline_microbatches}"]
     return overrides, (f"{c.describe()} zero{c.zero_stage} remat={c.remat} "
                        f"mb={c.microbatches} ({best.step_time_s:.3f} s predicted)")

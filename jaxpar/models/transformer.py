@@ -32,6 +32,7 @@ from jaxpar.models import moe as moe_lib
 from jaxpar.models.config import MLP_ACTIVATIONS, TransformerConfig
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import context as context_lib
+from jaxpar.parallel import embedding as embedding_lib
 from jaxpar.parallel import loss as loss_lib
 from jaxpar.parallel import offload
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -288,12 +289,11 @@ class Transformer(nnx.Module):
 
         Computation runs in ``dtype``, by default the dtype the weights are given in (a
         precision policy casts them before the call)."""
-        # Gather from the table in its compute layout (vocab-parallel, embed whole), so that
-        # GSPMD lowers the lookup to a masked local gather plus one all-reduce (Megatron's
-        # vocab-parallel embedding) instead of rematerialising a doubly sharded table.
+        # Looked up in the table's own layout (see jaxpar.parallel.embedding): under FSDP
+        # the ids travel to the table's columns, not the table to the ids.
         table = self.embed[...]
-        table = constrain(table.astype(dtype or table.dtype), ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0)
+        x = embedding_lib.lookup(table.astype(dtype or table.dtype), tokens, current_plan(),
+                                 RESIDUAL, in_place=not self.config.tie_embeddings)
         if self.config.embed_scale:  # scaled in the compute dtype, as Gemma does
             x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
         return constrain(x, RESIDUAL)

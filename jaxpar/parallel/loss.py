@@ -53,7 +53,16 @@ def cross_entropy(logits: jax.Array, targets: jax.Array,
         if mask is not None:
             mask = constrain(jnp.asarray(mask), ("batch", "seq"))
     logits = logits.astype(out_dtype)
-    if jax.sharding.get_abstract_mesh().manual_axes:
+    if plan is not None and plan.vocab_over_fsdp and not plan.explicit:
+        # The vocabulary is split over axes that also split the batch elsewhere: bring
+        # the targets (not the logits) to the logits' batch layout and pick by a mask.
+        spec = plan.act_spec(("batch", "seq", "vocab"), shape=logits.shape)
+        targets = plan.place(targets, plan.sharding(jax.sharding.PartitionSpec(*spec[:2])))
+        if mask is not None:
+            mask = plan.place(jnp.asarray(mask),
+                              plan.sharding(jax.sharding.PartitionSpec(*spec[:2])))
+        nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets)
+    elif jax.sharding.get_abstract_mesh().manual_axes:
         # Inside shard_map (a pipeline stage) XLA cannot partition the label gather over
         # the automatic axes: pick the target logit by a mask instead.
         nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets)

@@ -184,6 +184,7 @@ def to_dict(est: Estimate, global_batch: int, seq: int) -> dict[str, Any]:
         "quantize_reduce": c.quantize_reduce,
         "hpz": c.hpz,
         "sequence_parallel": c.sequence_parallel and c.sizes["tensor"] > 1,
+        "vocab_over_fsdp": c.vocab_over_fsdp and c.sizes["fsdp"] > 1,
         "context_attention": c.context_attention if c.context > 1 else None,
         "memory_per_device_bytes": int(est.memory_per_device_bytes),
         "memory": {k: int(v) for k, v in est.memory.items()},
@@ -206,7 +207,8 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                global_batch: int, seq: int) -> Config:
     """The run config that trains with this plan (``jaxpar train --config`` accepts it):
     every mesh axis (``expert`` and ``context`` included), and the plan's ZeRO stage,
-    remat, microbatches, sequence parallelism and context attention kind, and its host
+    remat, microbatches, sequence parallelism, vocabulary split and context attention
+    kind, and its host
     offload knobs when it offloads."""
     c = est.candidate
     ici, dcn = dict(c.ici), dict(c.dcn)
@@ -224,7 +226,8 @@ def run_config(est: Estimate, base: Config | None, model_cfg: TransformerConfig 
                     "sequence_parallel": c.sequence_parallel and ici["tensor"] > 1,
                     "context_attention": c.context_attention, "quantize": c.quantize,
                     "quantize_gather": c.quantize_gather,
-                    "quantize_reduce": c.quantize_reduce, "hpz": c.hpz}
+                    "quantize_reduce": c.quantize_reduce, "hpz": c.hpz,
+                    "vocab_over_fsdp": c.vocab_over_fsdp and c.sizes["fsdp"] > 1}
     if c.offloads_state:
         data["plan"].update(offload_optimizer=c.offload_optimizer, host_update=c.host_update,
                             offload_params=c.offload_params)

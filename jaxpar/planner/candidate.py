@@ -48,7 +48,9 @@ class Candidate:
     ``int8``: their gradients reduced by int8 all-to-alls once a step (ZeRO++ qgZ);
     ``hpz``: weights stored split over ``data`` are gathered over it once a step into an
     in-slice copy (held for the step) and the layers gather that copy over the other
-    axes (ZeRO++ hpZ).
+    axes (ZeRO++ hpZ). ``vocab_over_fsdp``: the embedding table, output head and logits
+    split their vocabulary over ``fsdp`` too (:func:`jaxpar.sharding.rules.
+    split_vocab_over_fsdp`): those weights stay where they lie, activations move.
 
     Host offload (the Plan knobs of the same names, see :mod:`jaxpar.parallel.offload`
     and :mod:`jaxpar.planner.offload`): ``offload_optimizer`` is the fraction (0 to 1)
@@ -77,6 +79,7 @@ class Candidate:
     quantize_gather: str = "none"
     quantize_reduce: str = "none"
     hpz: bool = False
+    vocab_over_fsdp: bool = False
     offload_optimizer: float = 0.0
     host_update: bool = False
     offload_params: bool = False
@@ -151,6 +154,7 @@ class Candidate:
         parts = [f"{a}={s}" for a, s in self.ici if s > 1] or ["single"]
         slow = [f"{a}={s}" for a, s in dcn.items() if s > 1]
         extra = (" +sp" if self.sequence_parallel and self.sizes["tensor"] > 1 else "") + (
+            " +vocab/fsdp" if self.vocab_over_fsdp and self.sizes["fsdp"] > 1 else "") + (
             f" ({self.context_attention})" if self.context > 1 else "")
         if self.offloads_state:
             extra += f" +offload {'+'.join(self._state_parts())}"

@@ -64,7 +64,7 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Machine
-from jaxpar.planner.layout import Layout
+from jaxpar.planner.layout import Layout, Placed
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
 from jaxpar.sharding.mesh import MESH_AXES
@@ -138,11 +138,70 @@ class _Rows:
         return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
 
 
+def _lookup(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, int],
+            micro: int, wire: int) -> Placed:
+    """The embedding lookup of :mod:`jaxpar.parallel.embedding` on a table whose ``embed``
+    dimension is split over data-parallel axes (FSDP): the token ids are all-gathered over
+    those axes and the rows moved to the batch-split layout by an all-to-all (another in
+    the backward pass), instead of gathering the table and reducing its gradient over
+    them. Returns the table as the rest of the step sees it: its compute layout keeps
+    those axes, and its gradient is reduced over the others only."""
+    loc, d_model, n_pipe = lookup
+    axes = p.base_dp_axes
+    split = math.prod(lay.sizes[a] for a in axes)
+    runs = micro * n_pipe
+    rows.add("all-gather", axes, loc.tokens * split * 4, 1, runs, exposed=True)
+    rows.add("all-to-all", axes, loc.tokens * d_model * wire, 2, 2 * runs, exposed=True)
+    return dataclasses.replace(p, compute=p.compute // split,
+                               store_dp_axes=tuple(a for a in p.store_dp_axes
+                                                   if a not in axes),
+                               base_dp_axes=(), owned_axes=(*p.owned_axes, *axes))
+
+
+def _vocab_split(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, int],
+                 micro: int, wire: int, backend: str, tied: bool) -> None:
+    """The activations that move when the vocabulary is split over data-parallel axes
+    (``plan.vocab_over_fsdp``; the table and head themselves stay): for the embedding
+    table, the token ids all-gathered over those axes and the looked-up rows summed over
+    them; for the output head, the final hidden states all-gathered (forward, and again
+    for the head's gradient), their gradient reduced back, the targets gathered and two
+    ``(tokens,)`` reductions of the softmax (maximum and sum)."""
+    loc, d_model, n_pipe = lookup
+    axes = tuple(a for a in p.owned_axes if a in lay.dp_axes)
+    split = math.prod(lay.sizes[a] for a in axes)
+    runs = micro * n_pipe
+    rows_b = loc.tokens * split * d_model * wire
+    ids_b = loc.tokens * split * 4
+
+    def reduce(nbytes: float) -> None:
+        if backend == "cpu":
+            rows.add("all-reduce", axes, nbytes, 1, runs, exposed=True)
+        else:
+            rows.add("reduce-scatter", axes, nbytes / split, 1, runs, exposed=True)
+
+    if p.tensor.path == "embed":
+        rows.add("all-gather", axes, ids_b, 1, runs, exposed=True)
+        reduce(rows_b)
+    if p.tensor.path != "embed" or tied:
+        rows.add("all-gather", axes, rows_b, 2, 2 * runs, exposed=True)
+        rows.add("all-gather", axes, ids_b, 1, runs, exposed=True)
+        rows.add("all-reduce", axes, ids_b, 2, 2 * runs, exposed=True)
+        reduce(rows_b)
+
+
 def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
-             backend: str) -> None:
-    """Weight gathers and gradient reductions."""
+             backend: str, lookup: tuple[Local, int, int, bool] | None = None) -> None:
+    """Weight gathers and gradient reductions (``lookup``: a transformer's per-device
+    sizes, model width, pipeline microbatches and whether its head is the embedding
+    table, for the activations its embedding lookup and head move: see :func:`_lookup`
+    and :func:`_vocab_split`)."""
     micro = cand.microbatches
     for p in lay.placed:
+        if lookup and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
+            _vocab_split(rows, lay, p, lookup[:3], micro, wire, backend, tied=lookup[3])
+        elif (lookup and p.tensor.path == "embed" and p.base_dp_axes and not lookup[3]
+                and "int8" not in (cand.quantize_gather, cand.quantize_reduce)):
+            p = _lookup(rows, lay, p, lookup[:3], micro, wire)
         # A stacked layer weight: the loop body moves one layer's slice, ``per`` times.
         per = layers if p.tensor.per_layer else 1
         compute, base = p.compute / per, p.base / per
@@ -312,11 +371,13 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
     layers = spec.n_layers // stages if spec.n_layers else 1
     micro = cand.microbatches
     rows = _Rows(lay)
-    _weights(rows, lay, cand, layers, wire, backend)
     if not spec.is_transformer:
+        _weights(rows, lay, cand, layers, wire, backend)
         return rows
     loc = local_sizes(spec, lay, cand, global_batch, seq)
     n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
+    _weights(rows, lay, cand, layers, wire, backend,
+             lookup=(loc, spec.d_model, n_pipe, spec.tie_embeddings))
     runs_layer = layers * micro * n_pipe
     if lay.tp_axes:
         _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)

@@ -250,7 +250,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
       JaxparError: when a dimension does not divide over its mesh axes.
     """
     backend = backend or chip_backend(machine.chip)
-    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
     mem = memory(spec, lay, cand, global_batch, seq, backend)
     rows, moves = transfers(spec, lay, cand, global_batch, seq, backend)
     n = cand.n_devices
@@ -398,7 +398,7 @@ def check_divisible(spec: ModelSpec, cand: Candidate, global_batch: int, seq: in
         if not spec.capacity_factor:
             return "dropless experts (expert_capacity=0) run without an expert axis"
     try:
-        lay = layout(spec, sizes, cand.rules, cand.zero_stage)
+        lay = layout(spec, sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
     except JaxparError as err:
         return str(err)
     micro = cand.microbatches * (pipe_microbatches(cand, stages) if stages > 1 else 1)

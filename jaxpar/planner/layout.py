@@ -18,7 +18,9 @@ axis splits the batch (it is a data-parallel axis) and also the experts' leading
 dimension, and a device computes only with the experts it holds, the tokens coming to it
 by all-to-all (see :mod:`jaxpar.models.moe`). So an axis that splits a tensor's ``expert``
 dimension stays in its compute layout, is never gathered, and its gradient is not reduced
-over it (:attr:`Placed.owned_axes`).
+over it (:attr:`Placed.owned_axes`). The same holds for a vocabulary split over a
+data-parallel axis (``plan.vocab_over_fsdp``): the embedding table and the output head
+are used where they lie, the tokens' activations move instead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from jaxpar.parallel.zero import zero_spec
 from jaxpar.planner.model import ModelSpec, Tensor
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.mesh import MESH_AXES
+
+OWNING_NAMES = ("expert", "vocab")
+"""Logical names whose data-parallel split stays in the compute layout (see the module
+docstring)."""
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -94,10 +100,11 @@ class Layout:
 
 @lru_cache(maxsize=4096)
 def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], rules: str,
-                   zero_stage: int) -> Layout:
+                   zero_stage: int, vocab_over_fsdp: bool = False) -> Layout:
     sizes = dict(sizes_items)
     mesh = SimpleNamespace(shape=sizes)
-    param_rules, act_rules = rules_lib.preset(rules)
+    param_rules, act_rules = rules_lib.split_vocab_over_fsdp(*rules_lib.preset(rules),
+                                                             vocab_over_fsdp)
     batch = act_rules.spec(("batch",), mesh)[0]
     dp_axes = _axes(batch)
     dp = math.prod(sizes[a] for a in dp_axes)
@@ -108,8 +115,8 @@ def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], ru
     for t in spec.tensors:
         base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
         entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
-        owned = tuple(a for name, e in zip(t.names, entries, strict=True) if name == "expert"
-                      for a in _axes(e) if a in dp_axes)
+        owned = tuple(a for name, e in zip(t.names, entries, strict=True)
+                      if name in OWNING_NAMES for a in _axes(e) if a in dp_axes)
         zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
         store = zspec if zero_stage >= 3 else base_spec
         store_dp = tuple(a for e in store for a in _axes(e) if a in dp_axes and a not in owned)
@@ -125,8 +132,10 @@ def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], ru
     return Layout(sizes, dp_axes, dp, tp_axes, tuple(placed), zero_stage, cp_axes)
 
 
-def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: int) -> Layout:
-    """Place ``spec``'s tensors on a mesh of total axis ``sizes`` (ICI x DCN per axis).
+def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: int,
+           vocab_over_fsdp: bool = False) -> Layout:
+    """Place ``spec``'s tensors on a mesh of total axis ``sizes`` (ICI x DCN per axis);
+    ``vocab_over_fsdp``: with :func:`jaxpar.sharding.rules.split_vocab_over_fsdp`'s rules.
 
     Raises:
       JaxparError: when a sharded dimension does not divide (the message names it).
@@ -134,4 +143,4 @@ def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: in
     full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
     if any(v < 1 for v in full.values()):
         raise JaxparError(f"mesh sizes must be positive, got {full}")
-    return _layout_cached(spec, tuple(full.items()), rules, zero_stage)
+    return _layout_cached(spec, tuple(full.items()), rules, zero_stage, vocab_over_fsdp)

@@ -191,6 +191,11 @@ class Plan:
         that spans the slices) as well as inside the slice are gathered over ``data`` once
         a step into a copy split only over the other axes, so the layers' gathers, forward
         and backward, stay inside the slice (see :func:`jaxpar.parallel.zeropp.slice_copy`).
+      vocab_over_fsdp: split the vocabulary of the embedding table, the output head and
+        the logits over the ``fsdp`` axis as well as ``tensor``, so the head is never
+        gathered: the final hidden states are, which moves less when a step's tokens in
+        an FSDP group are fewer than the vocabulary (see
+        :func:`jaxpar.sharding.rules.split_vocab_over_fsdp`).
       compress_gradients: ``sign``: the gradients are averaged over the ``data`` axis one
         bit a value with error feedback, after ``compress_warmup`` exact steps (see
         :mod:`jaxpar.parallel.compression`).
@@ -222,6 +227,7 @@ class Plan:
     quantize_gather: str = knob("none", choices=("none", "int8"))
     quantize_reduce: str = knob("none", choices=("none", "int8"))
     hpz: bool = knob(False)
+    vocab_over_fsdp: bool = knob(False)
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
 
@@ -236,6 +242,10 @@ class Plan:
         elif not self.sequence_parallel and rule in self.act_rules.rules:  # replace(...=False)
             kept = [r for r in self.act_rules.rules if r != rule]
             object.__setattr__(self, "act_rules", Rules(kept, strict=self.act_rules.strict))
+        params, acts = rules_lib.split_vocab_over_fsdp(self.param_rules, self.act_rules,
+                                                       self.vocab_over_fsdp)
+        object.__setattr__(self, "param_rules", params)
+        object.__setattr__(self, "act_rules", acts)
         object.__setattr__(self, "annotations", pairs(self.annotations, "plan.annotations"))
         if self.layouts != "auto":
             object.__setattr__(self, "layouts", pairs(self.layouts, "plan.layouts"))

@@ -302,3 +302,33 @@ def preset(name: str, *, strict: bool = False) -> tuple[Rules, Rules]:
         raise JaxparError(f"unknown rules preset {name!r}; choose one of {PRESETS}")
     return (Rules(_PARAMS[name] + _UNSHARDED, strict=strict),
             Rules(_ACTIVATIONS[name] + _UNSHARDED, strict=strict))
+
+
+VOCAB_OVER_FSDP = ("vocab", ("tensor", "fsdp"))
+"""The rule :func:`split_vocab_over_fsdp` puts first: the vocabulary over ``tensor`` and
+``fsdp`` together."""
+_BATCH_WITHOUT_FSDP = [("batch", ("data", "expert")), ("batch", "data")]
+
+
+def split_vocab_over_fsdp(params: Rules, acts: Rules, on: bool = True) -> tuple[Rules, Rules]:
+    """Rules that split the vocabulary (embedding table, output head, logits) over the
+    ``fsdp`` axis as well as ``tensor`` (``on``; without it, those rules removed again).
+
+    Under FSDP the output head is otherwise stored split on its ``embed`` dimension and
+    all-gathered whole for the logits, forward and backward, and its whole gradient
+    reduced: ``vocab x d_model`` values a device, twice. Split on the vocabulary over the
+    same axes, the head stays where it lies: the step all-gathers the final hidden states
+    over ``fsdp`` instead (``tokens x d_model``), each device computes its vocabulary slice
+    of every token's logits, and the hidden states' gradient is reduced back. That moves
+    less whenever the tokens of a step in one FSDP group are fewer than the vocabulary
+    (the planner compares both). Activations whose vocabulary takes ``fsdp`` (the logits)
+    fall back to a batch split over the other axes."""
+    rule = Rules([VOCAB_OVER_FSDP]).rules[0]
+    extra = Rules(_BATCH_WITHOUT_FSDP).rules
+    if (params.rules[:1] == (rule,)) == on:
+        return params, acts
+    if on:
+        return (Rules((rule, *params.rules), strict=params.strict),
+                Rules((rule, *acts.rules, *extra), strict=acts.strict))
+    return (Rules(params.rules[1:], strict=params.strict),
+            Rules(acts.rules[1:len(acts.rules) - len(extra)], strict=acts.strict))

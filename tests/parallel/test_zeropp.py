@@ -19,8 +19,11 @@ from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.parallel.zeropp import _all_reduce_int8, _reduce_scatter_block
 from jaxpar.sharding.precision import Policy
 
+# Tied embeddings: the table is gathered for the output head in every variant, so the
+# byte ratios compare like with like (an untied table is looked up in place without
+# ZeRO++, see jaxpar.parallel.embedding, and gathered like every weight with it).
 CFG = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                        d_ff=256, max_seq_len=32)
+                        d_ff=256, max_seq_len=32, tie_embeddings=True)
 LAYOUTS = {"fsdp8": ({"fsdp": 8}, "fsdp", 0),
            "zero3-data2-fsdp2-tensor2": ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", 3)}
 
@@ -55,7 +58,8 @@ def test_int8_weight_gathers_move_a_quarter_of_the_bytes(devices, layout):
     per-row scales. XLA:CPU runs bf16 matmuls in f32 and gathers the weights widened, so
     the bytes fall to under 30% of that, under 60% of a bf16 gather;
     no other collective appears, the gradient reductions are unchanged, and three steps'
-    losses stay within 1e-4 of the unquantized run's."""
+    losses stay within 5e-4 of the unquantized run's (the tied table, rows of N(0, 1)
+    values, is the head too: its int8 rounding reaches the logits)."""
     plain, plain_losses = _step(layout, "none", "none")
     quant, quant_losses = _step(layout, "int8", "none")
     gathered = lambda t: _bytes(t, ("all-gather",))  # noqa: E731
@@ -64,7 +68,7 @@ def test_int8_weight_gathers_move_a_quarter_of_the_bytes(devices, layout):
     assert set(quant) <= set(plain)
     assert {k: v for k, v in quant.items() if k[0] != "all-gather"} == {
         k: v for k, v in plain.items() if k[0] not in ("all-gather", "collective-permute")}
-    assert max(abs(a - b) / b for a, b in zip(quant_losses, plain_losses, strict=True)) < 1e-4
+    assert max(abs(a - b) / b for a, b in zip(quant_losses, plain_losses, strict=True)) < 5e-4
 
 
 def test_int8_gathers_refuse_streamed_weights():

@@ -35,6 +35,7 @@ PLANS = {
         "B", f"mesh.data=2 mesh.fsdp=4 plan.rules=fsdp {MIXED} plan.quantize_gather=int8 "
              "plan.quantize_reduce=int8"),
     "B_zero3_hpz": ("B", f"mesh.data=2 mesh.fsdp=4 plan.zero_stage=3 {MIXED} plan.hpz=true"),
+    "B_fsdp_vocab_over_fsdp": ("B", "mesh.data=2 mesh.fsdp=4 plan.vocab_over_fsdp=true"),
 }
 
 

@@ -80,7 +80,9 @@ def test_only_meetings_cross_the_data_axis(devices):
     meeting = _data_bytes(run.lower(batch, fragment=0).compile().as_text(), mesh)
     # every weight once in float32, divided over the four fsdp devices of a replica
     assert 0.9 * 4 * params / 4 <= meeting <= 1.1 * 4 * params / 4
-    assert meeting < 1.1 * per_step
+    # the synchronous step moves gradients of the same order every step (the embedding
+    # table's only over data, it being looked up where it lies)
+    assert 0.5 * meeting < per_step < 1.1 * meeting
     streaming = DiLoCo(inner(), sync_every=4, fragments=2)
     halves = [_data_bytes(streaming.lower(batch, fragment=f).compile().as_text(), mesh)
               for f in (0, 1)]

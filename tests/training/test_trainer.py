@@ -7,7 +7,7 @@ import pytest
 
 import jaxpar
 from jaxpar.analysis.hlo import collective_table, count_collectives
-from tests.helpers import block_forward_hlo, loader, make_trainer, one_device
+from tests.helpers import BATCH, SEQ, SMALL, block_forward_hlo, loader, make_trainer, one_device
 
 STEPS = 5
 STRATEGIES = {
@@ -76,7 +76,16 @@ def test_compiled_collectives_match_strategy(capfd, name, fresh_compile):
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     table = collective_table(hlo, trainer.plan.mesh)
     kinds = {(r["kind"], tuple(r["axes"])) for r in table}
-    assert ("collective-permute", ()) not in kinds and "all-to-all" not in hlo
+    assert ("collective-permute", ()) not in kinds
+    # The only all-to-alls: the embedding rows into and out of the batch-split layout,
+    # where the table's columns are split over fsdp (jaxpar.parallel.embedding).
+    moved = [r for r in table if r["kind"] == "all-to-all"]
+    if "fsdp" in axes and rules != "tp":
+        tokens = BATCH * SEQ // trainer.plan.data_parallel_size
+        assert [(tuple(r["axes"]), r["count"], r["bytes_per_device"]) for r in moved] == [
+            (("fsdp",), 2, 2 * tokens * SMALL.d_model * 4)]
+    else:
+        assert not moved
     if name == "dp":
         # Gradients (and the loss) are all-reduced over data; nothing else moves.
         assert kinds == {("all-reduce", ("data",))}
@@ -85,10 +94,13 @@ def test_compiled_collectives_match_strategy(capfd, name, fresh_compile):
         # (a reduce-scatter, or on CPU an all-reduce whose result each device slices).
         assert ("all-gather", ("fsdp",)) in kinds
         assert kinds <= {("all-gather", ("fsdp",)), ("all-reduce", ("fsdp",)),
-                         ("reduce-scatter", ("fsdp",))}
+                         ("reduce-scatter", ("fsdp",)), ("all-to-all", ("fsdp",))}
         gathered = sum(r["bytes_per_device"] for r in table if r["kind"] == "all-gather")
         weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(trainer.state["params"]))
-        assert gathered >= weight_bytes * 0.9  # every sharded weight is gathered
+        table_bytes = trainer.state["params"]["embed"].size * 4
+        # every sharded weight is gathered, but the embedding table (looked up in place)
+        assert gathered >= (weight_bytes - table_bytes) * 0.9
+        assert gathered < weight_bytes - table_bytes + table_bytes / 8
     elif name == "tp":
         # Megatron: activations all-reduced over tensor; gradients over data; no weight
         # is ever all-gathered.
