@@ -304,9 +304,9 @@ def preset(name: str, *, strict: bool = False) -> tuple[Rules, Rules]:
             Rules(_ACTIVATIONS[name] + _UNSHARDED, strict=strict))
 
 
-VOCAB_OVER_FSDP = ("vocab", ("tensor", "fsdp"))
-"""The rule :func:`split_vocab_over_fsdp` puts first: the vocabulary over ``tensor`` and
-``fsdp`` together."""
+VOCAB_OVER_FSDP = ("vocab", ("tensor", "fsdp", "stage"))
+"""The rule :func:`split_vocab_over_fsdp` puts first: the vocabulary over ``tensor``,
+``fsdp`` and ``stage`` together."""
 _BATCH_WITHOUT_FSDP = [("batch", ("data", "expert")), ("batch", "data")]
 
 
@@ -322,7 +322,9 @@ def split_vocab_over_fsdp(params: Rules, acts: Rules, on: bool = True) -> tuple[
     of every token's logits, and the hidden states' gradient is reduced back. That moves
     less whenever the tokens of a step in one FSDP group are fewer than the vocabulary
     (the planner compares both). Activations whose vocabulary takes ``fsdp`` (the logits)
-    fall back to a batch split over the other axes."""
+    fall back to a batch split over the other axes. Under pipeline parallelism the
+    vocabulary is split over ``stage`` too: the embedding, head and loss run outside the
+    pipeline, where every stage would otherwise compute the same logits."""
     rule = Rules([VOCAB_OVER_FSDP]).rules[0]
     extra = Rules(_BATCH_WITHOUT_FSDP).rules
     if (params.rules[:1] == (rule,)) == on:

@@ -63,7 +63,7 @@ def test_split_vocab_rules_put_fsdp_on_the_vocabulary(devices):
     params, acts = split_vocab_over_fsdp(*preset("fsdp_tp"))
     assert params.rules[0] == acts.rules[0] == (VOCAB_OVER_FSDP[0], VOCAB_OVER_FSDP[1])
     assert params.spec(("embed", "vocab"), mesh) == jax.sharding.PartitionSpec(
-        None, ("fsdp", "tensor")[::-1])
+        None, ("tensor", "fsdp"))
     # the logits: the vocabulary takes fsdp, the batch falls back to data
     assert acts.spec(("batch", "seq", "vocab"), mesh) == jax.sharding.PartitionSpec(
         "data", None, ("tensor", "fsdp"))
