@@ -61,14 +61,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array,
         if mask is not None:
             mask = plan.place(jnp.asarray(mask),
                               plan.sharding(jax.sharding.PartitionSpec(*spec[:2])))
-        nll = token_nll(logits, targets)
-    elif plan is not None and plan.explicit:
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets)
+    elif jax.sharding.get_abstract_mesh().manual_axes:
+        # Inside shard_map (a pipeline stage) XLA cannot partition the label gather over
+        # the automatic axes: pick the target logit by a mask instead.
+        nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets)
     else:
-        # The target logit picked by a mask (inside shard_map, a pipeline stage, XLA
-        # cannot partition a label gather over the automatic axes), the gradient formed
-        # in one pass over the logits.
-        nll = token_nll(logits, targets)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mask is None:
         return nll.mean()
     mask = jnp.asarray(mask).astype(nll.dtype)
@@ -87,30 +86,6 @@ def _picked(logits: jax.Array, targets: jax.Array) -> jax.Array:
     no gather (each shard contributes its own part to the sum)."""
     vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
     return jnp.sum(jnp.where(vocab == targets[..., None], logits, 0), axis=-1)
-
-
-@jax.custom_vjp
-def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-position ``logsumexp(logits) - logits[target]`` ``(batch, seq)``, the target
-    picked by a mask over the (possibly split) vocabulary; its gradient ``softmax -
-    one_hot`` is formed in one pass over the logits, where differentiating the
-    log-softmax would read and write them several times."""
-    return _token_nll_fwd(logits, targets)[0]
-
-
-def _token_nll_fwd(logits, targets):
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - _picked(logits, targets), (logits, targets, lse)
-
-
-def _token_nll_bwd(residuals, g):
-    logits, targets, lse = residuals
-    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
-    grad = jnp.exp(logits - lse[..., None]) - (vocab == targets[..., None])
-    return (grad * g[..., None]).astype(logits.dtype), None
-
-
-token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
 
 
 @jax.custom_vjp
