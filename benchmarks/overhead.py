@@ -143,8 +143,18 @@ def hand_optimizer() -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, TOTAL_STEPS, LR * 0.1)
     decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
         lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
-    clip = [optax.clip_by_global_norm(CLIP[0])] if CLIP[0] > 0 else []
+    clip = [clip_by_global_norm(CLIP[0])] if CLIP[0] > 0 else []
     return optax.chain(*clip, optax.adamw(schedule, weight_decay=WEIGHT_DECAY, mask=decay))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping as one scalar factor, as jaxpar clips (optax's per-element
+    select costs XLA:CPU a pass over every gradient)."""
+    def update(updates, state, params=None):
+        factor = jnp.minimum(1.0, max_norm / jnp.maximum(optax.tree.norm(updates), 1e-30))
+        return jax.tree.map(lambda g: g * factor, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def hand_trainer(layout: str, host_params: dict):

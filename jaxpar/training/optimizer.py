@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxpar.errors import JaxparError
@@ -50,6 +51,21 @@ def _decays(path: tuple, param: Any) -> bool:
             and not any("norm" in n for n in names))
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Gradients scaled by ``min(1, max_norm / global norm)``: ``optax.clip_by_global_norm``'s
+    result (to rounding), as one scalar factor the optimizer's update multiplies in, where
+    optax selects between the gradient and a divided copy per element, a pass over every
+    gradient that XLA:CPU does not fuse into the update (``benchmarks/overhead.py --clip``
+    measures the difference)."""
+    def update(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(cfg: OptimizerSettings) -> optax.GradientTransformation:
     """Optimizer from the config: warmup + cosine schedule, global-norm clipping."""
     schedule = learning_rate(cfg)
@@ -65,5 +81,5 @@ def make_optimizer(cfg: OptimizerSettings) -> optax.GradientTransformation:
         raise JaxparError(
             f"unknown train.optimizer {cfg.optimizer!r}; choose from {list(OPTIMIZERS)}"
         )
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*parts, makers[cfg.optimizer]())
