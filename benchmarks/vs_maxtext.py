@@ -7,7 +7,10 @@
 Both sides train the decoder of the issue that asked for this comparison (d_model 256,
 4 layers, 4 heads of 64, 4 KV heads, SwiGLU d_ff 1024, vocab 32000, 20.6M parameters),
 global batch 8 x sequence 128, float32 weights and compute, AdamW, on 8 simulated CPU
-devices. MaxText (0.2.4, an optional dependency in its own virtual environment: see
+devices, both with MaxText's default remat policy (``full``: every layer recomputed in
+the backward pass) and jaxpar with the vocabulary split over fsdp under FSDP (the
+``plan.vocab_over_fsdp`` its planner picks for this model). MaxText (0.2.4, an optional
+dependency in its own virtual environment: see
 the README's Performance section for the install steps) is found through
 ``MAXTEXT_PYTHON`` or ``../maxtext-venv/bin/python``; without it the benchmark says so
 and exits 0.
@@ -21,7 +24,9 @@ other (the order flips every round). The table gives each side's median step tim
 median over rounds of the per-round median) and the median of the per-round ratios.
 MaxText's step is timed as its train loop runs it (``p_train_step`` on a batch of its
 synthetic dataset); jaxpar's as ``Trainer.step_async`` + ``block_until_ready`` on a
-fixed batch.
+fixed batch. FLOPs are XLA's cost analysis of each program, which counts a loop body
+(the layer scan, the pipeline's iterations) once: comparable between the two programs
+of a layout, not a count of the step's work.
 """
 
 from __future__ import annotations
@@ -73,38 +78,22 @@ JAXPAR_ARGS = [
 ]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(", re.M)
-_SHAPE = re.compile(r"(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        n = 1
-        for d in dims.split(","):
-            if d:
-                n *= int(d)
-        total += n * _BYTES[dtype]
-    return total
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+([\w\-]+)\(", re.M)
 
 
 def program_summary(hlo: str) -> dict:
-    """Collectives (count and result bytes a device, by kind; the ``-start`` half of an
-    async pair counted once) and instruction counts by opcode of a compiled program's HLO
-    text (every computation, fusion bodies included)."""
-    ops: Counter = Counter()
+    """Collectives (count and result bytes a device, by kind, read by
+    :func:`jaxpar.analysis.hlo.parse_collectives`) and instruction counts by opcode of a
+    compiled program's HLO text (every computation, fusion bodies included; a loop body
+    once)."""
+    sys.path.insert(0, str(ROOT))
+    from jaxpar.analysis.hlo import parse_collectives
+
     coll = {k: {"count": 0, "bytes": 0} for k in KINDS}
-    for result, opcode in _OP.findall(hlo):
-        ops[opcode] += 1
-        kind = opcode.removesuffix("-start")
-        if kind in coll and not opcode.endswith("-done"):
-            coll[kind]["count"] += 1
-            shape = result.split("{")[0] if kind != "all-gather" else result
-            coll[kind]["bytes"] += _shape_bytes(shape if "(" not in shape else
-                                                shape.split(")")[0].split(",")[-1])
-    return {"collectives": coll, "ops": dict(ops)}
+    for c in parse_collectives(hlo):
+        coll[c.kind]["count"] += 1
+        coll[c.kind]["bytes"] += c.bytes
+    return {"collectives": coll, "ops": dict(Counter(_OP.findall(hlo)))}
 
 
 # --- workers --------------------------------------------------------------------------------
@@ -132,7 +121,7 @@ def _compiled_report(compiled, dump: str | None, name: str) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     mem = compiled.memory_analysis()
-    return {"flops": float(cost.get("flops", 0.0)), **program_summary(hlo),
+    return {"flops": float(cost.get("flops", 0.0)), "hlo": hlo,
             "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0))}
 
 
@@ -213,6 +202,7 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
         self.report = json.loads(self._read("READY"))
+        self.report.update(program_summary(self.report.pop("hlo")))
 
     def _read(self, tag: str) -> str:
         for line in self.proc.stdout:
