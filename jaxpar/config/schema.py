@@ -105,7 +105,9 @@ _PLAN_DOC = """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), Ze
     to the next rule. ``sequence_parallel``: split the residual stream's sequence over the
     tensor axis (Megatron sequence parallelism). ``context_attention``: ``allgather`` or
     ``ring``, how attention spans a sequence split over the ``context`` mesh axis;
-    ``context_balance``: reorder sequence chunks so causal work is even across it."""
+    ``context_balance``: reorder sequence chunks so causal work is even across it.
+    ``vocab_over_fsdp``: split the vocabulary (embedding table, output head, logits) over
+    ``fsdp`` (and ``stage``) as well as ``tensor``, so the head is never gathered."""
 PlanConfig = _plan_section()
 
 

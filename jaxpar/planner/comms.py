@@ -9,7 +9,14 @@ Collectives are listed as XLA emits them for the reference transformer:
   a ``context`` axis compute partial gradients of the same weights: one more all-reduce
   over it;
 * all-gathers of weights stored split over data-parallel axes (FSDP, ZeRO-3) to their
-  compute layout, in the forward and again in the backward pass;
+  compute layout, in the forward and again in the backward pass; but the embedding table,
+  looked up where it lies (:mod:`jaxpar.parallel.embedding`): under FSDP the token ids
+  are all-gathered over the axes splitting its columns and the rows moved by two
+  all-to-alls (forward and backward), and its gradient is not reduced over those axes;
+  with ``plan.vocab_over_fsdp`` the ids are gathered and the looked-up rows summed over
+  the axes splitting the vocabulary, and the output head is never gathered: the final
+  hidden states are (twice), their gradient is reduced, the targets gathered and the
+  softmax's maximum and sum reduced per token;
 * ZeRO++ hpZ: weights stored split over ``data`` are all-gathered over it once a step
   (exposed: the first layer waits for it), and the per-layer gathers run over the other
   axes alone;

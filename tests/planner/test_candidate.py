@@ -45,6 +45,9 @@ def test_describe_names_the_split_axes_and_knobs():
     assert Candidate.make({"data": 8}, sequence_parallel=True).describe() == "data=8"
     ring = Candidate.make({"data": 2, "context": 4}, context_attention="ring")
     assert ring.describe() == "data=2 x context=4 (ring)"
+    vocab = Candidate.make({"fsdp": 8}, vocab_over_fsdp=True)
+    assert vocab.describe() == "fsdp=8 +vocab/fsdp"
+    assert Candidate.make({"data": 8}, vocab_over_fsdp=True).describe() == "data=8"
 
 
 @pytest.mark.parametrize(("dtype", "size"), [("float32", 4), ("f32", 4), ("bfloat16", 2),

@@ -249,3 +249,20 @@ def test_int8_gradient_reductions_halve_the_reduce_scatter_bytes():
     assert fsdp[("all-gather", ("data",))] == fsdp[("all-to-all", ("data",))]
     assert fsdp[("all-to-all", ("fsdp",))] == pytest.approx(  # norms: whole over fsdp
         32 * fsdp[("all-to-all", ("data",))], rel=0.01)
+
+
+@pytest.mark.parametrize(("batch", "split_wins"), [(8, True), (4096, False)])
+def test_vocabulary_over_fsdp_pays_off_while_tokens_are_fewer_than_its_entries(batch,
+                                                                               split_wins):
+    """plan.vocab_over_fsdp: the head stays, the final hidden states move. With a step's
+    tokens (batch x 128) far fewer than the 32000 entries that moves less and is faster;
+    with far more tokens, gathering the head is the cheaper way."""
+    cfg = TransformerConfig(vocab_size=32000, d_model=256, n_layers=4, n_heads=4,
+                            n_kv_heads=4, d_ff=1024, max_seq_len=128)
+    machine = parse_chips("h100:8")
+    plain = Candidate.make({"fsdp": 8}, precision="float32")
+    split = dataclasses.replace(plain, vocab_over_fsdp=True)
+    ests = [estimate_spec(from_transformer(cfg), machine, c, batch, 128) for c in (plain, split)]
+    moved = [sum(r["bytes_per_step"] for r in e.collectives) for e in ests]
+    assert (moved[1] < moved[0]) == split_wins
+    assert (ests[1].step_time_s < ests[0].step_time_s) == split_wins

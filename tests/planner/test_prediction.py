@@ -27,6 +27,8 @@ def test_candidate_carries_the_config_knobs():
     assert (cand.precision, cand.optimizer, cand.sequence_parallel) == (
         "bfloat16", "sgd", True)
     assert candidate_from_config(make_config("A", 16, 64, ""), 8).precision == "float32"
+    assert candidate_from_config(make_config("A", 16, 64, "mesh.data=1 mesh.fsdp=-1 "
+                                             "plan.vocab_over_fsdp=true"), 8).vocab_over_fsdp
 
 
 def test_slices_split_the_devices_first():

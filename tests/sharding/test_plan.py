@@ -31,8 +31,8 @@ from jaxpar.sharding.rules import Rules
 KNOB_NAMES = ["precision", "zero_stage", "remat", "microbatches", "annotations", "layouts",
               "sequence_parallel", "context_attention", "context_balance", "offload_optimizer",
               "host_update", "offload_params", "quantize", "quantize_target",
-              "quantize_exclude", "quantize_gather", "quantize_reduce", "hpz", "compress_gradients",
-              "compress_warmup"]
+              "quantize_exclude", "quantize_gather", "quantize_reduce", "hpz", "vocab_over_fsdp",
+              "compress_gradients", "compress_warmup"]
 ACT_RULES = Rules([("batch", "data"), ("seq", None), ("embed", "tensor")])
 PARAM_RULES = Rules([("embed", "tensor"), ("mlp", "data")])
 
