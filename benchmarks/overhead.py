@@ -1,6 +1,7 @@
 """Framework overhead: jaxpar's train step against a hand-written plain-JAX step.
 
     python benchmarks/overhead.py [--rounds 7] [--steps 20] [--layouts fsdp,tp,fsdp_tp]
+        [--clip 1.0]
 
 Both sides train the same Llama-style decoder (d_model 256, 4 layers, 4 heads, 4 KV heads,
 d_ff 1024, vocab 32000, seq 128, global batch 8, f32, adamw with warmup-cosine schedule
@@ -9,18 +10,21 @@ hand-written side copies jaxpar's) on the same fixed batch. The hand-written sid
 part of this file, no jaxpar imports) places every weight with an explicit
 ``NamedSharding`` and pins activations with ``with_sharding_constraint`` exactly where
 jaxpar's model calls ``constrain``, with the PartitionSpecs jaxpar's rule presets give.
+A third side, ``plain`` (part 1b), is the same model written the simplest way (one spec a
+weight, the residual stream pinned to the batch split, Q/K/V fused, AdamW at a constant
+rate without clipping): what jaxpar's design costs or saves against it.
 
 Layouts: FSDP (fsdp=8, preset ``fsdp``), TP (data=2 x tensor=4, preset ``tp``: with
 tensor=8 the 4 heads would not divide and fall back to replicated), FSDP x TP (fsdp=4 x
 tensor=2, preset ``fsdp_tp``). After a warm-up, ``--rounds`` alternated rounds each time
-``--steps`` steps of one side then the other (the order flips every round); each step
+``--steps`` steps of each side in turn (the order flips every round); each step
 fetches its loss and gradient norm to the host, as ``Trainer.step`` does.
 
 It prints, per layout: the max abs difference of the first step's losses, then a table
 of ms/step (median over rounds of the per-round median step), the jaxpar/hand ratio
 (median over rounds of per-round ratios, min-max in brackets), and the counts of
 all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute in each
-side's compiled HLO, flagged with ``!`` where they differ.
+side's compiled HLO, flagged with ``!`` where they differ; then the same against plain.
 """
 
 from __future__ import annotations
