@@ -10,9 +10,9 @@ axes the table's ``embed`` is split on, looks every token up in the local column
 moves the result into the batch-split layout with one all-to-all of the activations
 (``batch x seq x embed / devices`` values a device). Its gradient runs the same way back:
 an all-to-all, then a scatter-add into the local columns, with no reduction over the
-table. The vocabulary split (tensor parallelism) is untouched: a vocab-split table is
-looked up with a masked local gather and an all-reduce over ``tensor`` (Megatron's
-vocab-parallel embedding), as before.
+table. A vocabulary split is looked up with a masked local gather whose partial rows are
+summed over the splitting axes: over ``tensor``, Megatron's vocab-parallel embedding; with
+``plan.vocab_over_fsdp`` over ``fsdp`` too, the ids first gathered over it.
 
 The activations' all-to-all is smaller than the table whenever a device holds fewer
 tokens than the vocabulary has entries, which is the case for the batch sizes training
