@@ -30,6 +30,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -94,6 +95,35 @@ def _quiet_asyncio() -> Iterator[None]:
     finally:
         gc.collect()  # the orphaned futures report when collected: do it while quiet
         log.setLevel(level)
+
+
+def _is_late_wakeup(unraisable: Any) -> bool:
+    """Whether an unraisable error is a TensorStore write finishing after the event loop
+    that awaited it closed: when one write of a save fails, orbax's loop ends at once and
+    its sibling writes call back into the closed loop."""
+    err, tb = unraisable.exc_value, unraisable.exc_traceback
+    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
+        return False
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return bool(names) and names[0] == "call_soon_threadsafe"
+
+
+def _drop_late_wakeups() -> None:
+    """Install (once) an unraisable hook that drops :func:`_is_late_wakeup` errors and
+    passes every other one on: the failed save is reported as one line of its own."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxpar_late_wakeups", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_late_wakeup(unraisable):
+            previous(unraisable)
+
+    hook._jaxpar_late_wakeups = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class _ReportedWriteFaults(logging.Filter):
@@ -170,6 +200,7 @@ class Checkpointer:
         self._saving: int | None = None  # the step of the last save started
         self._failed = False
         logging.getLogger("absl").addFilter(_WRITE_FAULT_FILTER)  # once: filters are a set
+        _drop_late_wakeups()
 
     @classmethod
     def from_config(cls, directory: str | Path, config: Any) -> Checkpointer:

@@ -91,3 +91,45 @@ def test_a_save_refused_in_the_background_is_one_error(tmp_path, monkeypatch, ca
         ckpt.close()
         err = capfd.readouterr().err
         assert "Traceback" not in err and "ERROR:absl" not in err, err[-3000:]
+
+
+def _await_in_a_loop_that_closes() -> None:
+    """A TensorStore write finishing after the event loop awaiting it closed (what orbax's
+    sibling writes do when one write of a save fails)."""
+    import asyncio
+    import time
+
+    import tensorstore as ts
+
+    promise, future = ts.Promise.new()
+    loop = asyncio.new_event_loop()
+
+    async def wait():
+        return await future
+
+    task = loop.create_task(wait())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()
+    promise.set_result(0)
+    time.sleep(0.1)
+    del task
+
+
+def test_writes_finishing_after_a_failed_save_print_nothing(tmp_path, monkeypatch):
+    """Python reports such late wake-ups as unraisable errors (a traceback on stderr); a
+    Checkpointer drops exactly those and passes other unraisable errors on."""
+    import gc
+    import sys
+
+    seen: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
+    Checkpointer(tmp_path / "checkpoints", every=1).close()
+    _await_in_a_loop_that_closes()
+
+    class Loud:
+        def __del__(self):
+            raise ValueError("not ours")
+
+    Loud()
+    gc.collect()
+    assert seen == ["ValueError('not ours')"]
