@@ -49,7 +49,8 @@ def command(args: argparse.Namespace) -> int:
         print(f"diloco: {mesh.shape['data']} replicas over data, each fragment meets every "
               f"{dl.sync_every} steps ({dl.fragments} fragment{'s' * (dl.fragments > 1)}, "
               f"staleness {dl.staleness}), outer SGD lr {dl.outer_lr} momentum "
-              f"{dl.outer_momentum}{' nesterov' * dl.nesterov}")
+              f"{dl.outer_momentum}{' nesterov' * dl.nesterov}"
+              f"{', meetings overlapped with the next step' * dl.overlap}")
     _, history = train(config, args.out, resume=args.resume)
     if writer and history:
         s = summarize(history)

@@ -165,7 +165,7 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
         trainer = DiLoCo(trainer, sync_every=dl.sync_every, outer_lr=dl.outer_lr,
                          outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
                          fragments=dl.fragments, staleness=dl.staleness,
-                         outer_bits=dl.outer_bits)
+                         outer_bits=dl.outer_bits, overlap=dl.overlap)
     return Assembly(trainer, plan, schedule, config)
 
 

@@ -192,7 +192,9 @@ class DiLoCoConfig:
     index a replica that meets the others every ``sync_every`` steps (0: off, synchronous
     data parallelism); the outer optimizer is SGD at ``outer_lr`` with (Nesterov)
     momentum; ``fragments`` > 1 is streaming DiLoCo; ``staleness`` applies each outer
-    gradient that many meetings late; ``outer_bits`` 8 sends outer gradients as int8."""
+    gradient that many meetings late; ``outer_bits`` 8 sends outer gradients as int8;
+    ``overlap`` runs each meeting inside the next inner step, its all-reduce beside that
+    step's compute (applied one inner step late)."""
 
     sync_every: int = 0
     outer_lr: float = 0.7
@@ -201,6 +203,7 @@ class DiLoCoConfig:
     fragments: int = 1
     staleness: int = 0
     outer_bits: int = 32
+    overlap: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

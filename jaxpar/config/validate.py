@@ -177,6 +177,10 @@ def _check_relations(config: Config) -> None:
     if dl.sync_every and dl.sync_every % dl.fragments:
         raise _bad("diloco.fragments", dl.fragments, f"must divide diloco.sync_every="
                    f"{dl.sync_every} (each fragment meets once every sync_every steps)")
+    if dl.overlap and dl.staleness:
+        raise _bad("diloco.overlap", dl.overlap, f"applies each outer gradient one inner "
+                   f"step late; diloco.staleness={dl.staleness} delays it by meetings: "
+                   f"choose one")
     if dl.sync_every and config.mesh.data * config.mesh.dcn_data < 2:
         raise JaxparError("diloco.sync_every runs one replica per index of the data axis: "
                           "give the mesh data >= 2 (on a multislice machine, mesh.dcn_data "

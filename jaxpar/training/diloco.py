@@ -25,6 +25,16 @@ Bounded staleness (``staleness = tau``, the parameter server's bounded-delay mod
 outer gradient is applied ``tau`` meetings after it was computed, so its all-reduce is a
 program of its own whose result nothing waits for until then; ``tau = 0`` is DiLoCo.
 
+Overlapped meetings (``overlap``, streaming DiLoCo's overlap of communication with
+computation): a meeting due after step ``t`` runs inside step ``t + 1``'s program. The
+outer gradient is taken from the replicas' weights as that program starts, so its
+all-reduce depends on nothing the step computes and XLA's scheduler runs it beside the
+step's matmuls (on TPU and GPU; XLA:CPU runs collectives in turn); at the program's end
+the outer optimizer moves the anchor and each replica's fragment becomes ``new anchor +
+(its weights now - its weights at the meeting)``: the outer step lands one inner step
+late, and the step taken meanwhile is kept. The anchor a run reports (evaluation, the
+final model) has any meeting still in flight applied.
+
 With ``H = 1``, outer SGD at learning rate 1 without momentum, and a linear inner
 optimizer (SGD, with or without momentum), the anchor moves exactly as synchronous data
 parallelism would.
@@ -95,14 +105,17 @@ class DiLoCo:
       outer_bits: 8 sends each replica's outer gradient as int8 with a float32 scale per
         row (its last dimension), gathered over ``data`` and averaged after
         dequantizing; 32 all-reduces it in float32.
+      overlap: run each meeting inside the next inner step's program (its all-reduce
+        beside that step's compute), applying it one inner step late.
     """
 
     def __init__(self, trainer: Trainer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 staleness: int = 0, outer_bits: int = 32):
+                 staleness: int = 0, outer_bits: int = 32, overlap: bool = False):
         plan = trainer.plan
         self.replicas = plan.mesh.shape.get(AXIS, 1)
-        check(plan, trainer.state_shardings, sync_every, fragments, staleness)
+        check(plan, trainer.state_shardings, sync_every, fragments, staleness, overlap)
+        self.overlap = overlap
         self.trainer, self.plan = trainer, plan
         self.sync_every, self.outer_lr = sync_every, outer_lr
         self.outer_momentum, self.nesterov = outer_momentum, nesterov
@@ -181,8 +194,14 @@ class DiLoCo:
         return self._host_step
 
     # --- steps ----------------------------------------------------------------------------
-    def _inner(self, batch: Any) -> Any:
-        key = ("inner", jax.tree.structure(batch), tuple(np.ndim(x) for x in _leaves(batch)))
+    def _inner(self, batch: Any, fragment: int | None = None) -> Any:
+        """The inner step on every replica; with ``fragment`` (``overlap``), the outer step
+        of the meeting due before it too, in the same program: the outer gradient comes
+        from the replicas' weights as the step starts and its all-reduce depends on
+        nothing the step computes, so XLA can run it beside the step's compute; each
+        replica then keeps its step's update on top of the new anchor."""
+        key = ("inner", fragment, jax.tree.structure(batch),
+               tuple(np.ndim(x) for x in _leaves(batch)))
         if key not in self._compiled:
             trainer, sh = self.trainer, self.state_shardings
 
@@ -193,71 +212,109 @@ class DiLoCo:
                 return jax.tree.map(lambda x: x[None], state), metrics
 
             def step(state, batch):
+                if fragment is not None:
+                    grads = self._outer_gradients(state, fragment)
                 replicas, metrics = jax.shard_map(
                     local, mesh=self.plan.mesh, in_specs=(P(AXIS), P(AXIS)),
                     out_specs=(P(AXIS), P()), axis_names={AXIS}, check_vma=False)(
                         state["replicas"], batch)
-                return dict(state, step=state["step"] + 1, replicas=replicas), metrics
+                out = dict(state, step=state["step"] + 1, replicas=replicas)
+                if fragment is not None:
+                    out = self._outer_update(out, fragment, grads,
+                                             before=state["replicas"][self._key])
+                return out, metrics
 
             self._compiled[key] = jax.jit(
                 step, in_shardings=(sh, trainer.batch_shardings(batch)),
                 out_shardings=(sh, self.plan.replicated), donate_argnums=0)
         return self._compiled[key]
 
-    def _outer(self, fragment: int) -> Any:
-        """The meeting of ``fragment``: its outer gradient averaged over the replicas (the
-        all-reduce over ``data``), the outer update (of the gradient ``staleness``
-        meetings old), every replica reset to the new anchor."""
-        key = ("outer", fragment)
-        if key in self._compiled:
-            return self._compiled[key]
-        parts = self._parts[fragment]
-        lr, mu, nesterov, tau = (self.outer_lr, self.outer_momentum, self.nesterov,
-                                 self.staleness)
-
+    def _outer_gradients(self, state: dict[str, Any], fragment: int) -> list[jax.Array]:
+        """The outer gradient of each part of ``fragment``: the mean over replicas of
+        ``anchor - replica weights`` (the all-reduce over ``data``, or under
+        ``outer_bits = 8`` the int8 all-gather)."""
         specs = [sh.spec for sh in jax.tree.leaves(
             self.state_shardings["replicas"][self._key],
             is_leaf=lambda x: isinstance(x, NamedSharding))]
+        anchor, own = _leaves(state["anchor"]), _leaves(state["replicas"][self._key])
+        grads = []
+        for i, rows in self._parts[fragment]:
+            at = (slice(None),) if rows is None else (rows,)
+            deltas = anchor[i][at][None] - own[i][(slice(None), *at)].astype(jnp.float32)
+            if self.outer_bits == 8:
+                deltas = _int8_exchange(deltas, specs[i], self.plan.mesh)
+            grads.append(jnp.mean(deltas, axis=0))
+        return grads
 
-        def meet(state):
-            anchor, tdef = jax.tree_util.tree_flatten(state["anchor"])
-            momentum = _leaves(state["momentum"])
-            reps = state["replicas"]
-            own = _leaves(reps[self._key])
-            compute = _leaves(reps["params"])
-            pending = _leaves(state["pending"]) if tau else None
-            for i, rows in parts:
-                at = (slice(None),) if rows is None else (rows,)
-                a = anchor[i][at]
-                deltas = a[None] - own[i][(slice(None), *at)].astype(jnp.float32)
-                if self.outer_bits == 8:
-                    deltas = _int8_exchange(deltas, specs[i], self.plan.mesh)
-                g = jnp.mean(deltas, axis=0)
-                if tau:
-                    queue = pending[i][(slice(None), *at)]
-                    g, queue = queue[0], jnp.concatenate([queue[1:], g[None]])
-                    pending[i] = pending[i].at[(slice(None), *at)].set(queue)
-                a, m = outer_sgd(a, momentum[i][at], g, lr, mu, nesterov)
-                anchor[i] = anchor[i].at[at].set(a)
-                momentum[i] = momentum[i].at[at].set(m)
-                whole = jnp.broadcast_to(a, (self.replicas, *a.shape))
-                own[i] = own[i].at[(slice(None), *at)].set(whole.astype(own[i].dtype))
-                if self._key == "master":
-                    compute[i] = compute[i].at[(slice(None), *at)].set(
-                        whole.astype(compute[i].dtype))
-            unflat = functools.partial(jax.tree_util.tree_unflatten, tdef)
-            reps = dict(reps, **{self._key: unflat(own)})
-            if self._key == "master":
-                reps["params"] = unflat(compute)
-            out = dict(state, anchor=unflat(anchor), momentum=unflat(momentum),
-                       replicas=reps)
+    def _outer_update(self, state: dict[str, Any], fragment: int, grads: list[jax.Array],
+                      before: Any = None) -> dict[str, Any]:
+        """The outer optimizer's step on ``fragment`` with ``grads`` (of the gradient
+        ``staleness`` meetings old, queuing this one), then the replicas' weights of it:
+        the new anchor, or with ``before`` (their weights when the gradient was taken)
+        the new anchor plus what each replica has learnt since."""
+        lr, mu, nesterov, tau = (self.outer_lr, self.outer_momentum, self.nesterov,
+                                 self.staleness)
+        anchor, tdef = jax.tree_util.tree_flatten(state["anchor"])
+        momentum = _leaves(state["momentum"])
+        reps = state["replicas"]
+        own, compute = _leaves(reps[self._key]), _leaves(reps["params"])
+        pending = _leaves(state["pending"]) if tau else None
+        then = _leaves(before) if before is not None else None
+        for (i, rows), g in zip(self._parts[fragment], grads, strict=True):
+            at = (slice(None),) if rows is None else (rows,)
+            every = (slice(None), *at)
             if tau:
-                out["pending"] = unflat(pending)
-            return out
+                queue = pending[i][every]
+                g, queue = queue[0], jnp.concatenate([queue[1:], g[None]])
+                pending[i] = pending[i].at[every].set(queue)
+            a, m = outer_sgd(anchor[i][at], momentum[i][at], g, lr, mu, nesterov)
+            anchor[i] = anchor[i].at[at].set(a)
+            momentum[i] = momentum[i].at[at].set(m)
+            if then is None:
+                new = jnp.broadcast_to(a, (self.replicas, *a.shape))
+            else:
+                new = a[None] + (own[i][every].astype(jnp.float32)
+                                 - then[i][every].astype(jnp.float32))
+            own[i] = own[i].at[every].set(new.astype(own[i].dtype))
+            if self._key == "master":
+                compute[i] = compute[i].at[every].set(new.astype(compute[i].dtype))
+        unflat = functools.partial(jax.tree_util.tree_unflatten, tdef)
+        reps = dict(reps, **{self._key: unflat(own)})
+        if self._key == "master":
+            reps["params"] = unflat(compute)
+        out = dict(state, anchor=unflat(anchor), momentum=unflat(momentum), replicas=reps)
+        if tau:
+            out["pending"] = unflat(pending)
+        return out
 
-        sh = self.state_shardings
-        self._compiled[key] = jax.jit(meet, in_shardings=(sh,), out_shardings=sh,
-                                      donate_argnums=0)
+    def _outer(self, fragment: int) -> Any:
+        """The meeting of ``fragment`` as a program of its own: its outer gradient
+        averaged over the replicas (the all-reduce over ``data``), the outer update (of
+        the gradient ``staleness`` meetings old), every replica reset to the new
+        anchor."""
+        key = ("outer", fragment)
+        if key not in self._compiled:
+            def meet(state):
+                return self._outer_update(state, fragment,
+                                          self._outer_gradients(state, fragment))
+
+            sh = self.state_shardings
+            self._compiled[key] = jax.jit(meet, in_shardings=(sh,), out_shardings=sh,
+                                          donate_argnums=0)
+        return self._compiled[key]
+
+    def _peek(self, fragment: int) -> Any:
+        """The anchor after ``fragment``'s outer step, the state left as it is (under
+        ``overlap``, the step due before the next inner step)."""
+        key = ("peek", fragment)
+        if key not in self._compiled:
+            def peek(state):
+                grads = self._outer_gradients(state, fragment)
+                return self._outer_update(state, fragment, grads)["anchor"]
+
+            self._compiled[key] = jax.jit(
+                peek, in_shardings=(self.state_shardings,),
+                out_shardings=self.state_shardings["anchor"])
         return self._compiled[key]
 
     def meeting(self, step: int) -> int | None:
@@ -274,13 +331,22 @@ class DiLoCo:
         batch = trainer._as_global(batch)
         trainer._check_token_ids(batch)
         with self.plan.activate(mesh_context=True):
-            self._state, metrics = self._inner(batch)(self._state, batch)
             step = self.step_count + 1
-            frag = self.meeting(step)
-            if frag is not None:
-                self._state = self._outer(frag)(self._state)
+            if self.overlap:  # the meeting due after the last step, with this one
+                self._state, metrics = self._inner(batch, self._due())(self._state, batch)
+            else:
+                self._state, metrics = self._inner(batch)(self._state, batch)
+                frag = self.meeting(step)
+                if frag is not None:
+                    self._state = self._outer(frag)(self._state)
         self._host_step = step
         return metrics
+
+    def _due(self) -> int | None:
+        """Under ``overlap``: the fragment whose meeting fell after the last step taken
+        and is not yet applied."""
+        step = self.step_count
+        return self.meeting(step) if step >= 1 else None
 
     def step(self, batch: Any) -> dict[str, float]:
         """:meth:`step_async`, waited for; host numbers."""
@@ -289,11 +355,12 @@ class DiLoCo:
         return out
 
     def lower(self, batch: Any, fragment: int | None = None) -> Any:
-        """The inner step lowered (or, with ``fragment``, that fragment's meeting)."""
+        """The inner step lowered; with ``fragment``, that fragment's meeting (under
+        ``overlap``: the inner step that carries it)."""
         batch = self.trainer._as_global(batch)
         with self.plan.activate(mesh_context=True):
-            if fragment is None:
-                return self._inner(batch).lower(self._state, batch)
+            if fragment is None or self.overlap:
+                return self._inner(batch, fragment).lower(self._state, batch)
             return self._outer(fragment).lower(self._state)
 
     def anchor_state(self) -> dict[str, Any]:
@@ -302,6 +369,9 @@ class DiLoCo:
         with self.plan.activate():
             one = jax.tree.map(lambda x: x[0], self._state["replicas"])
             anchor = self._state["anchor"]
+            if self.overlap and self._due() is not None:  # the meeting in flight, applied
+                with self.plan.activate(mesh_context=True):
+                    anchor = self._peek(self._due())(self._state)
             one[self._key] = jax.tree.map(lambda a, x: a.astype(x.dtype), anchor,
                                           one[self._key])
             if self._key == "master":
@@ -350,7 +420,7 @@ def _int8_exchange(deltas: jax.Array, spec: P, mesh: Any) -> jax.Array:
 
 
 def check(plan: Any, shardings: dict[str, Any], sync_every: int, fragments: int,
-          staleness: int) -> None:
+          staleness: int, overlap: bool = False) -> None:
     """Refuse, in one line, what DiLoCo cannot run."""
     if plan.mesh.shape.get(AXIS, 1) < 2:
         raise JaxparError("diloco runs one replica per index of the data axis: give the "
@@ -362,6 +432,10 @@ def check(plan: Any, shardings: dict[str, Any], sync_every: int, fragments: int,
                           f"{sync_every}")
     if staleness < 0:
         raise JaxparError(f"diloco.staleness={staleness}: must be 0 or more")
+    if overlap and staleness:
+        raise JaxparError(f"diloco.overlap applies each outer gradient one inner step "
+                          f"late; diloco.staleness={staleness} delays it by meetings: "
+                          f"choose one")
     if plan.zero_stage or plan.microbatches > 1 or plan.compress_gradients != "none" \
             or plan.quantize_reduce != "none":
         raise JaxparError("diloco keeps a whole optimizer state per replica: it needs "

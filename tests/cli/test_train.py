@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 import jaxpar
@@ -101,17 +102,24 @@ def test_train_under_1f1b_prints_the_schedule_and_learns(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
-def test_train_with_diloco_meets_and_resumes(tmp_path):
-    """``diloco.sync_every=2`` on data 2 x fsdp 4: the run says what it runs, trains 4
-    steps with a checkpoint at step 2, and a longer rerun resumes from the last one."""
+@pytest.mark.parametrize("knobs,said", [
+    (["diloco.staleness=1"], "staleness 1), outer SGD lr 0.7 momentum 0.9 nesterov\n"),
+    (["diloco.overlap=true"], "staleness 0), outer SGD lr 0.7 momentum 0.9 nesterov, "
+                              "meetings overlapped with the next step\n"),
+])
+def test_train_with_diloco_meets_and_resumes(tmp_path, knobs, said):
+    """``diloco.sync_every=2`` on data 2 x fsdp 4, with outer gradients a meeting late or
+    meetings overlapped with the next step: the run says what it runs, trains 4 steps
+    with a checkpoint at step 2 (under overlap, with that meeting still in flight), and
+    a longer rerun resumes from the last one."""
     out = tmp_path / "run"
     run = ["train", "--config", "configs/tiny.yaml", "--devices", "8", "--out", str(out),
-           *SMALL_RUN, "mesh.data=2", "mesh.fsdp=4", "diloco.sync_every=2",
-           "diloco.staleness=1", "checkpoint.every=2"]
+           *SMALL_RUN, "mesh.data=2", "mesh.fsdp=4", "diloco.sync_every=2", *knobs,
+           "checkpoint.every=2"]
     proc = jaxpar_cli(*run, "train.steps=4")
     assert proc.returncode == 0, proc.stderr
     assert ("diloco: 2 replicas over data, each fragment meets every 2 steps (1 fragment, "
-            "staleness 1), outer SGD lr 0.7 momentum 0.9 nesterov") in proc.stdout
+            + said) in proc.stdout
     proc = jaxpar_cli(*run, "train.steps=6", "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout + proc.stderr

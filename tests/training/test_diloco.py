@@ -154,6 +154,80 @@ def test_long_syncs_learn_and_stale_updates_resume_exactly(devices, tmp_path):
     assert np.isfinite(resumed.eval_loss(data[0]))
 
 
+def _replica(devs) -> jaxpar.Trainer:
+    """One replica by itself: the inner trainer's FSDP over four devices."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 4}, devices=devs), "fsdp_tp")
+    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    return jaxpar.Trainer(model, sgd(), plan)
+
+
+def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, tmp_path):
+    """overlap: the meeting after step t runs in step t + 1's program. Against two
+    separate replicas (each a trainer on four devices, fed its half of the batch) merged
+    by hand in numpy: at step t + 1 the outer SGD step (Nesterov) on the mean of ``anchor -
+    replica weights at t``, then each replica = new anchor + what it learnt in step t + 1.
+    The step carrying a meeting all-reduces the weights over data, the others nothing;
+    a run saved with a meeting in flight resumes exactly; the anchor it reports has the
+    meeting in flight applied."""
+    lr, mu = 0.7, 0.9
+    data = batches(6)
+
+    def run():
+        return DiLoCo(inner(sgd()), sync_every=2, outer_lr=lr, outer_momentum=mu,
+                      overlap=True)
+
+    whole = run()
+    got = [float(whole.step(b)["loss"]) for b in data]
+    # the reference
+    reps = [_replica(devices[:4]), _replica(devices[4:])]
+    weights = lambda r: [np.asarray(x, np.float64) for x in jax.tree.leaves(r.state["params"])]  # noqa: E731
+    anchor = weights(reps[0])
+    momentum = [np.zeros_like(a) for a in anchor]
+    want, pending = [], None
+    for t, b in enumerate(data, start=1):
+        before = [weights(r) for r in reps]
+        want.append(np.mean([float(r.step(b[8 * i:8 * i + 8])["loss"])
+                             for i, r in enumerate(reps)]))
+        if pending is not None:  # the meeting after step t - 1, applied with step t
+            g = [np.mean([a - w[k] for w in pending], axis=0) for k, a in enumerate(anchor)]
+            momentum = [mu * m + gk for m, gk in zip(momentum, g, strict=True)]
+            anchor = [a - lr * (gk + mu * m)
+                      for a, gk, m in zip(anchor, g, momentum, strict=True)]
+            for r, old in zip(reps, before, strict=True):
+                new = [a + w - o for a, w, o in zip(anchor, weights(r), old, strict=True)]
+                tdef = jax.tree.structure(r.state["params"])
+                params = jax.device_put(jax.tree.unflatten(tdef, [x.astype(np.float32)
+                                                                 for x in new]),
+                                        r.state_shardings["params"])
+                r.state = dict(r.state, params=params)
+        pending = [weights(r) for r in reps] if t % 2 == 0 else None
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    for a, w in zip(jax.tree.leaves(whole.state["anchor"]), anchor, strict=True):
+        np.testing.assert_allclose(np.asarray(a), w, rtol=1e-4, atol=1e-6)
+    # after step 6 a meeting is in flight: the reported anchor has it applied
+    g = [np.mean([a - w[k] for w in pending], axis=0) for k, a in enumerate(anchor)]
+    final = [a - lr * (gk + mu * (mu * m + gk))
+             for a, gk, m in zip(anchor, g, momentum, strict=True)]
+    for a, w in zip(jax.tree.leaves(whole.anchor_state()["params"]), final, strict=True):
+        np.testing.assert_allclose(np.asarray(a), w, rtol=1e-4, atol=1e-6)
+    # the collectives: a meeting's bytes in the step that carries it, none in the others
+    mesh = whole.plan.mesh
+    carried = _data_bytes(whole.lower(data[0], fragment=0).compile().as_text(), mesh)
+    params = sum(x.size for x in jax.tree.leaves(whole.state["anchor"]))
+    assert 0.9 * 4 * params / 4 <= carried <= 1.1 * 4 * params / 4 + 64
+    assert _data_bytes(whole.lower(data[0]).compile().as_text(), mesh) <= 64
+    # saved after step 4 (its meeting in flight), restored, continued: the same losses
+    first = run()
+    for b in data[:4]:
+        first.step(b)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(first, force=True)
+    resumed = run()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.restore(resumed)
+    assert [float(resumed.step(b)["loss"]) for b in data[4:]] == got[4:]
+
+
 @pytest.mark.parametrize("mesh,knobs,kwargs,message", [
     ({"fsdp": 8}, {}, {}, "give the mesh data >= 2"),
     (MESH, {"zero_stage": 1}, {}, "needs plan.zero_stage=0"),
@@ -171,6 +245,7 @@ def test_runs_it_cannot_take_get_one_line(devices, mesh, knobs, kwargs, message)
     (["diloco.sync_every=4", "mesh.data=1"], "give the mesh data >= 2"),
     (["diloco.outer_momentum=1.5"], "diloco.outer_momentum"),
     (["diloco.outer_bits=16"], "diloco.outer_bits"),
+    (["diloco.sync_every=4", "diloco.overlap=true", "diloco.staleness=1"], "diloco.overlap"),
 ])
 def test_config_refusals_name_the_knob(overrides, message):
     with pytest.raises(jaxpar.JaxparError, match=message):
