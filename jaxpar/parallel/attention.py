@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.sharding.plan import current_plan
+from jaxpar.sharding.rules import entry_axes
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "chunked", "splash")
 DEFAULT_BLOCK = 512
@@ -229,9 +230,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
 
 
 def _axes_size(mesh, entry) -> int:
-    if entry is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+    return math.prod(mesh.shape[a] for a in entry_axes(entry))
 
 
 def _repeat_kv(k: jax.Array, v: jax.Array, n: int, shards: int):

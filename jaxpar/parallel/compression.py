@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.errors import JaxparError
+from jaxpar.sharding.rules import entry_axes
 
 MODES: tuple[str, ...] = ("none", "sign")
 _BITS = np.arange(8, dtype=np.uint8)  # numpy: importing must not start a JAX backend
@@ -97,8 +98,7 @@ def sign_mean(grads: Any, errors: Any, axis: str, specs: Any = None) -> tuple[An
         return jnp.mean(whole * signs, axis=0).astype(g.dtype), new_e
 
     def one(g, e, spec=None):
-        names = {a for entry in (spec or ()) if entry is not None
-                 for a in ((entry,) if isinstance(entry, str) else entry)}
+        names = {a for entry in (spec or ()) for a in entry_axes(entry)}
         if not names:
             return block(g, e)
         return jax.shard_map(block, mesh=jax.sharding.get_abstract_mesh(),

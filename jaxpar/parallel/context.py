@@ -51,6 +51,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.sharding.plan import CONTEXT_ATTENTION
+from jaxpar.sharding.rules import entry_axes
 
 KINDS = CONTEXT_ATTENTION
 """The context-attention implementations :func:`context_attention` offers."""
@@ -133,11 +134,11 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         raise JaxparError(f"positions must be integers shaped ({s},), got "
                           f"{positions.dtype}{tuple(positions.shape)}")
     q_spec, kv_spec = _padded(q_spec), _padded(kv_spec)
-    if _axes(kv_spec[2]) != _axes(q_spec[2]):  # kv heads not split like query heads
+    if entry_axes(kv_spec[2]) != entry_axes(q_spec[2]):  # kv heads not split like query heads
         k, v = jnp.repeat(k, n // kvh, axis=2), jnp.repeat(v, n // kvh, axis=2)
         kv_spec = q_spec
     _check_specs(mesh, axis, q_spec, kv_spec, q.shape, k.shape)
-    seq_split = _axes(q_spec[1]) == (axis,) and mesh.shape[axis] > 1
+    seq_split = entry_axes(q_spec[1]) == (axis,) and mesh.shape[axis] > 1
     local = functools.partial(
         _allgather_local if kind == "allgather" else _ring_local, window=int(window),
         axis=axis if seq_split else None, size=mesh.shape[axis] if seq_split else 1)
@@ -148,13 +149,6 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
 
 
 # --- checks -------------------------------------------------------------------------------
-def _axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry as a tuple of mesh axes."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _padded(spec: PartitionSpec) -> PartitionSpec:
     entries = tuple(spec)
     if len(entries) > 4:
@@ -168,21 +162,21 @@ def _check_specs(mesh: Mesh, axis: str, q_spec: PartitionSpec, kv_spec: Partitio
         if spec[3] is not None:
             raise JaxparError(f"context attention cannot split the head_dim of the {what} "
                               f"(spec {spec})")
-        seq = _axes(spec[1])
+        seq = entry_axes(spec[1])
         if seq not in ((), (axis,)):
             raise JaxparError(f"context attention splits the sequence over {axis!r} only; "
                               f"the {what} spec {spec} splits it over {seq}")
         for d, name in ((0, "batch"), (2, "heads")):
-            if axis in _axes(spec[d]):
+            if axis in entry_axes(spec[d]):
                 raise JaxparError(f"the {what} spec {spec} splits {name} over the context "
                                   f"axis {axis!r}")
         for d, name in enumerate(("batch", "seq", "heads", "head_dim")):
-            ways = math.prod(mesh.shape[a] for a in _axes(spec[d]))
+            ways = math.prod(mesh.shape[a] for a in entry_axes(spec[d]))
             if shape[d] % ways:
                 raise JaxparError(f"attention {what}: {name}={shape[d]} does not divide over "
-                                  f"{_axes(spec[d])} ({ways} ways); spec {spec}")
+                                  f"{entry_axes(spec[d])} ({ways} ways); spec {spec}")
     for d, name in ((0, "batch"), (1, "seq")):
-        if _axes(q_spec[d]) != _axes(kv_spec[d]):
+        if entry_axes(q_spec[d]) != entry_axes(kv_spec[d]):
             raise JaxparError(f"queries and keys must split {name} alike, got {q_spec} and "
                               f"{kv_spec}")
 

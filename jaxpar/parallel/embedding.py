@@ -26,17 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxpar.sharding.plan import Plan, constrain
+from jaxpar.sharding.rules import axes_entry, entry_axes
 
 TABLE = ("vocab", "embed")
 """Logical names of an embedding table."""
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def lookup(table: jax.Array, tokens: jax.Array, plan: Plan | None,
@@ -59,16 +52,16 @@ def lookup(table: jax.Array, tokens: jax.Array, plan: Plan | None,
     # ZeRO++'s int8 gathers (qwZ, qgZ) bring every weight whole before the step uses it:
     # a whole table is looked up where it is, with no collective at all.
     in_place = in_place and "int8" not in (plan.quantize_gather, plan.quantize_reduce)
-    split = _axes(plan.param_spec(TABLE, shape=table.shape)[1]) if in_place else ()
-    vocab = tuple(a for a in _axes(plan.act_spec(TABLE, shape=table.shape)[0])
+    split = entry_axes(plan.param_spec(TABLE, shape=table.shape)[1]) if in_place else ()
+    vocab = tuple(a for a in entry_axes(plan.act_spec(TABLE, shape=table.shape)[0])
                   if a not in split)
     out = plan.act_spec(out_names, shape=(*tokens.shape, table.shape[1]))
     # The ids are gathered over the axes that split the table; the other batch and
     # sequence splits stay.
-    ids = tuple(_entry(tuple(a for a in _axes(e) if a not in split and a not in vocab))
+    ids = tuple(axes_entry(tuple(a for a in entry_axes(e) if a not in split and a not in vocab))
                 for e in out[:2])
-    table = plan.place(table, plan.sharding(PartitionSpec(_entry(vocab), _entry(split))))
+    table = plan.place(table, plan.sharding(PartitionSpec(axes_entry(vocab), axes_entry(split))))
     tokens = plan.place(tokens, plan.sharding(PartitionSpec(*ids)))
     rows = jnp.take(table, tokens, axis=0)
-    rows = plan.place(rows, plan.sharding(PartitionSpec(*ids, _entry(split))))
+    rows = plan.place(rows, plan.sharding(PartitionSpec(*ids, axes_entry(split))))
     return constrain(rows, out_names)

@@ -21,13 +21,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.sharding.rules import entry_axes
+
 STAGES = (0, 1, 2, 3)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
@@ -38,7 +34,7 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
     because no free dimension is divisible by the data-parallel size).
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in entries for a in _axes(e)}
+    used = {a for e in entries for a in entry_axes(e)}
     free = tuple(a for a in dp_axes if a not in used and mesh.shape[a] > 1)
     if not free:
         return PartitionSpec(*entries), True

@@ -42,14 +42,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.sharding.rules import entry_axes
 
 MODES: tuple[str, ...] = ("none", "int8")
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _entries(spec: PartitionSpec, ndim: int) -> list[Any]:
@@ -69,7 +64,7 @@ def _gather_block(shard: jax.Array, spec: PartitionSpec, dp_axes: tuple[str, ...
     """Inside a ``shard_map`` manual over ``dp_axes``: the device's block of a weight
     stored as ``spec`` all-gathered over those axes, in int8 with scales if ``int8``."""
     entries = _entries(spec, shard.ndim)
-    split = [(d, tuple(a for a in _axes(e) if a in dp_axes)) for d, e in enumerate(entries)]
+    split = [(d, tuple(a for a in entry_axes(e) if a in dp_axes)) for d, e in enumerate(entries)]
     split = [(d, names if len(names) > 1 else names[0]) for d, names in split if names]
     if not int8:
         for dim, names in split:
@@ -87,20 +82,20 @@ def _reduced_axes(spec: PartitionSpec, ndim: int, dp_axes: tuple[str, ...]) -> t
     """The dimensions a weight's int8 scale is taken over: every one not split over the
     data-parallel axes, but the leading stack of layers (one scale per layer and row)."""
     entries = _entries(spec, ndim)
-    split = {d for d, e in enumerate(entries) if set(_axes(e)) & set(dp_axes)}
+    split = {d for d, e in enumerate(entries) if set(entry_axes(e)) & set(dp_axes)}
     lead = {0} if ndim >= 3 else set()
     return tuple(d for d in range(ndim) if d not in split | lead)
 
 
 def _without(spec: PartitionSpec, ndim: int, axes: tuple[str, ...]) -> PartitionSpec:
     """``spec`` with ``axes`` removed from every entry."""
-    return PartitionSpec(*(tuple(a for a in _axes(e) if a not in axes) or None
+    return PartitionSpec(*(tuple(a for a in entry_axes(e) if a not in axes) or None
                            for e in _entries(spec, ndim)))
 
 
 def _only(spec: PartitionSpec, ndim: int, axes: tuple[str, ...]) -> PartitionSpec:
     """``spec`` keeping only ``axes`` (what a ``shard_map`` manual over them names)."""
-    return PartitionSpec(*(tuple(a for a in _axes(e) if a in axes) or None
+    return PartitionSpec(*(tuple(a for a in entry_axes(e) if a in axes) or None
                            for e in _entries(spec, ndim)))
 
 
@@ -137,7 +132,7 @@ def _gathered(w: Any, sharding: Any, dp_axes: tuple[str, ...]) -> bool:
     if (not isinstance(sharding, NamedSharding) or w.ndim < 2
             or not jnp.issubdtype(w.dtype, jnp.floating)):
         return False
-    entries = [set(_axes(e)) for e in sharding.spec]
+    entries = [set(entry_axes(e)) for e in sharding.spec]
     return (any(e & set(dp_axes) for e in entries)
             and not any(e & set(dp_axes) and e - set(dp_axes) for e in entries))
 
@@ -168,7 +163,7 @@ def _reduce_scatter_block(g: jax.Array, spec: PartitionSpec, mesh: Mesh,
     entries = _entries(spec, g.ndim)
     shape, hops = [], []  # the block-split shape, and (axis, its chunk dimension) pairs
     for d, e in enumerate(entries):
-        names = [a for a in _axes(e) if a in dp_axes]
+        names = [a for a in entry_axes(e) if a in dp_axes]
         n = math.prod(mesh.shape[a] for a in names)
         for a in names:
             hops.append((a, len(shape)))
@@ -182,10 +177,10 @@ def _reduce_scatter_block(g: jax.Array, spec: PartitionSpec, mesh: Mesh,
         q = jax.lax.all_to_all(q, axis, dim, dim, tiled=True)
         scale = jax.lax.all_to_all(scale, axis, dim, dim, tiled=True)
         x = jnp.sum(q.astype(jnp.float32) * scale, axis=dim, keepdims=True)
-    block = tuple(s // math.prod(mesh.shape[a] for a in _axes(e) if a in dp_axes)
+    block = tuple(s // math.prod(mesh.shape[a] for a in entry_axes(e) if a in dp_axes)
                   for s, e in zip(g.shape, entries, strict=True))
     x = x.reshape(block)
-    used = {a for e in entries for a in _axes(e)}
+    used = {a for e in entries for a in entry_axes(e)}
     for axis in sorted((a for a in dp_axes if a not in used), key=lambda a: -order.index(a)):
         x = _all_reduce_int8(x, axis, mesh.shape[axis])
     return x.astype(g.dtype)
@@ -217,7 +212,7 @@ def _per_block(fn: Callable[[jax.Array], jax.Array], x: jax.Array, spec: Partiti
     (tensor, ...), in a nested ``shard_map`` manual over them: left to GSPMD, XLA
     replicates those dimensions before an all-to-all over the data-parallel axes."""
     rest = _without(spec, x.ndim, dp_axes)
-    names = {a for e in rest for a in _axes(e)}
+    names = {a for e in rest for a in entry_axes(e)}
     if not names:
         return fn(x)
     return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=rest,
@@ -228,7 +223,7 @@ def _local_block(x: jax.Array, spec: PartitionSpec, dp_axes: tuple[str, ...]) ->
     """Inside a ``shard_map`` manual over ``dp_axes``: this device's block of a whole
     array ``x`` stored as ``spec`` (the inverse of a gather, without communication)."""
     for d, e in enumerate(_entries(spec, x.ndim)):
-        names = tuple(a for a in _axes(e) if a in dp_axes)
+        names = tuple(a for a in entry_axes(e) if a in dp_axes)
         if names:
             size = x.shape[d] // math.prod(jax.lax.axis_size(a) for a in names)
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(names) * size, size, d)
@@ -246,12 +241,12 @@ def check(plan: Any, grad_shardings: Any) -> None:
         grad_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     for path, sh in leaves:
         for entry in sh.spec:
-            if set(_axes(entry)) & dp and set(_axes(entry)) - dp:
+            if set(entry_axes(entry)) & dp and set(entry_axes(entry)) - dp:
                 raise JaxparError(
                     f"plan.quantize_reduce: {jax.tree_util.keystr(path)} has a dimension "
                     f"split over data-parallel and other axes at once ({entry}); put them "
                     "on different dimensions")
-    if not any(set(_axes(e)) & dp for _, sh in leaves for e in sh.spec):
+    if not any(set(entry_axes(e)) & dp for _, sh in leaves for e in sh.spec):
         raise JaxparError("plan.quantize_reduce quantizes the reduce-scatter of gradients "
                           "split over the data-parallel axes; this plan splits none (use "
                           "an fsdp axis or plan.zero_stage >= 2)")
@@ -275,7 +270,7 @@ def reduce_int8(gradients: Callable[..., tuple], plan: Any, shardings: dict[str,
 
     def gather(tree: Any, sh: Any) -> Any:
         def one(w, s):
-            if not any(set(_axes(e)) & set(axes) for e in s.spec):
+            if not any(set(entry_axes(e)) & set(axes) for e in s.spec):
                 return w
             block = functools.partial(_gather_block, spec=s.spec, dp_axes=axes,
                                       int8=int8 and _gathered(w, s, axes))
@@ -321,7 +316,7 @@ def slice_copy(params: Any, shardings: Any, mesh: Mesh) -> Any:
     """
     def one(x, sh):
         spec = sh.spec
-        if not any(HPZ_AXIS in _axes(e) for e in spec):
+        if not any(HPZ_AXIS in entry_axes(e) for e in spec):
             return x
         local = _without(spec, x.ndim, (HPZ_AXIS,))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, local))
@@ -331,7 +326,7 @@ def slice_copy(params: Any, shardings: Any, mesh: Mesh) -> Any:
 
 def check_hpz(plan: Any, param_shardings: Any) -> None:
     """Refuse, in one line, hpZ where no weight is split over :data:`HPZ_AXIS`."""
-    split = any(HPZ_AXIS in _axes(e) for sh in jax.tree.leaves(
+    split = any(HPZ_AXIS in entry_axes(e) for sh in jax.tree.leaves(
         param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)) for e in sh.spec)
     if not split:
         raise JaxparError("plan.hpz keeps an in-slice copy of weights split across slices, "

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxpar.planner.candidate import (
     Candidate,
@@ -145,15 +145,26 @@ class _Rows:
         return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
 
 
-def _lookup(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, int],
-            micro: int, wire: int) -> Placed:
+class _Tokens(NamedTuple):
+    """What a transformer's embedding lookup and output head move activations by: the
+    per-device sizes, the model width, the pipeline's microbatches, and whether the head
+    is the embedding table."""
+
+    loc: Local
+    d_model: int
+    pipe_micro: int
+    tied: bool
+
+
+def _lookup(rows: _Rows, lay: Layout, p: Placed, tokens: _Tokens, micro: int,
+            wire: int) -> Placed:
     """The embedding lookup of :mod:`jaxpar.parallel.embedding` on a table whose ``embed``
     dimension is split over data-parallel axes (FSDP): the token ids are all-gathered over
     those axes and the rows moved to the batch-split layout by an all-to-all (another in
     the backward pass), instead of gathering the table and reducing its gradient over
     them. Returns the table as the rest of the step sees it: its compute layout keeps
     those axes, and its gradient is reduced over the others only."""
-    loc, d_model, n_pipe = lookup
+    loc, d_model, n_pipe, _ = tokens
     axes = p.base_dp_axes
     split = math.prod(lay.sizes[a] for a in axes)
     runs = micro * n_pipe
@@ -165,15 +176,15 @@ def _lookup(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, int],
                                base_dp_axes=(), owned_axes=(*p.owned_axes, *axes))
 
 
-def _vocab_split(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, int],
-                 micro: int, wire: int, backend: str, tied: bool) -> None:
+def _vocab_split(rows: _Rows, lay: Layout, p: Placed, tokens: _Tokens, micro: int,
+                 wire: int, backend: str) -> None:
     """The activations that move when the vocabulary is split over data-parallel axes
     (``plan.vocab_over_fsdp``; the table and head themselves stay): for the embedding
     table, the token ids all-gathered over those axes and the looked-up rows summed over
     them; for the output head, the final hidden states all-gathered (forward, and again
     for the head's gradient), their gradient reduced back, the targets gathered and two
     ``(tokens,)`` reductions of the softmax (maximum and sum)."""
-    loc, d_model, n_pipe = lookup
+    loc, d_model, n_pipe, tied = tokens
     axes = tuple(a for a in p.owned_axes if a in lay.dp_axes)
     split = math.prod(lay.sizes[a] for a in axes)
     runs = micro * n_pipe
@@ -197,18 +208,17 @@ def _vocab_split(rows: _Rows, lay: Layout, p: Placed, lookup: tuple[Local, int, 
 
 
 def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
-             backend: str, lookup: tuple[Local, int, int, bool] | None = None) -> None:
-    """Weight gathers and gradient reductions (``lookup``: a transformer's per-device
-    sizes, model width, pipeline microbatches and whether its head is the embedding
-    table, for the activations its embedding lookup and head move: see :func:`_lookup`
-    and :func:`_vocab_split`)."""
+             backend: str, tokens: _Tokens | None = None) -> None:
+    """Weight gathers and gradient reductions (``tokens``: a transformer's, for the
+    activations its embedding lookup and head move: see :func:`_lookup` and
+    :func:`_vocab_split`)."""
     micro = cand.microbatches
     for p in lay.placed:
-        if lookup and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
-            _vocab_split(rows, lay, p, lookup[:3], micro, wire, backend, tied=lookup[3])
-        elif (lookup and p.tensor.path == "embed" and p.base_dp_axes and not lookup[3]
+        if tokens and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
+            _vocab_split(rows, lay, p, tokens, micro, wire, backend)
+        elif (tokens and p.tensor.path == "embed" and p.base_dp_axes and not tokens.tied
                 and "int8" not in (cand.quantize_gather, cand.quantize_reduce)):
-            p = _lookup(rows, lay, p, lookup[:3], micro, wire)
+            p = _lookup(rows, lay, p, tokens, micro, wire)
         # A stacked layer weight: the loop body moves one layer's slice, ``per`` times.
         per = layers if p.tensor.per_layer else 1
         compute, base = p.compute / per, p.base / per
@@ -384,7 +394,7 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
     loc = local_sizes(spec, lay, cand, global_batch, seq)
     n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
     _weights(rows, lay, cand, layers, wire, backend,
-             lookup=(loc, spec.d_model, n_pipe, spec.tie_embeddings))
+             tokens=_Tokens(loc, spec.d_model, n_pipe, spec.tie_embeddings))
     runs_layer = layers * micro * n_pipe
     if lay.tp_axes:
         _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)

@@ -38,16 +38,11 @@ from jaxpar.parallel.zero import zero_spec
 from jaxpar.planner.model import ModelSpec, Tensor
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.mesh import MESH_AXES
+from jaxpar.sharding.rules import entry_axes
 
 OWNING_NAMES = ("expert", "vocab")
 """Logical names whose data-parallel split stays in the compute layout (see the module
 docstring)."""
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def local_elems(shape: tuple[int, ...], spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
@@ -55,14 +50,14 @@ def local_elems(shape: tuple[int, ...], spec: PartitionSpec, sizes: Mapping[str,
     n = 1
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for dim, entry in zip(shape, entries, strict=True):
-        n *= dim // math.prod(sizes[a] for a in _axes(entry))
+        n *= dim // math.prod(sizes[a] for a in entry_axes(entry))
     return n
 
 
 def _drop(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
     out = []
     for entry in spec:
-        kept = tuple(a for a in _axes(entry) if a not in axes)
+        kept = tuple(a for a in entry_axes(entry) if a not in axes)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
 
@@ -106,24 +101,24 @@ def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], ru
     param_rules, act_rules = rules_lib.split_vocab_over_fsdp(*rules_lib.preset(rules),
                                                              vocab_over_fsdp)
     batch = act_rules.spec(("batch",), mesh)[0]
-    dp_axes = _axes(batch)
+    dp_axes = entry_axes(batch)
     dp = math.prod(sizes[a] for a in dp_axes)
     tp_axes = tuple(a for a in ("tensor",) if sizes.get(a, 1) > 1 and a not in dp_axes)
     seq = act_rules.spec(("seq",), mesh)[0]
-    cp_axes = tuple(a for a in _axes(seq) if sizes[a] > 1 and a not in dp_axes)
+    cp_axes = tuple(a for a in entry_axes(seq) if sizes[a] > 1 and a not in dp_axes)
     placed = []
     for t in spec.tensors:
         base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
         entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
         owned = tuple(a for name, e in zip(t.names, entries, strict=True)
-                      if name in OWNING_NAMES for a in _axes(e) if a in dp_axes)
+                      if name in OWNING_NAMES for a in entry_axes(e) if a in dp_axes)
         zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
         store = zspec if zero_stage >= 3 else base_spec
-        store_dp = tuple(a for e in store for a in _axes(e) if a in dp_axes and a not in owned)
-        base_dp = tuple(a for e in base_spec for a in _axes(e)
+        store_dp = tuple(a for e in store for a in entry_axes(e) if a in dp_axes and a not in owned)
+        base_dp = tuple(a for e in base_spec for a in entry_axes(e)
                         if a in dp_axes and a not in owned)
-        zero_axes = tuple(a for e in zspec for a in _axes(e) if a in dp_axes and a not in base_dp
-                          and a not in owned)
+        zero_axes = tuple(a for e in zspec for a in entry_axes(e)
+                          if a in dp_axes and a not in base_dp and a not in owned)
         compute = _drop(store, tuple(a for a in dp_axes if a not in owned))
         placed.append(Placed(t, local_elems(t.shape, base_spec, sizes),
                              local_elems(t.shape, zspec, sizes),

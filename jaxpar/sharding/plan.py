@@ -39,7 +39,7 @@ from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.annotations import pairs
 from jaxpar.sharding.mesh import describe, is_explicit
 from jaxpar.sharding.precision import Policy
-from jaxpar.sharding.rules import LogicalNames, Rules
+from jaxpar.sharding.rules import LogicalNames, Rules, axes_entry, entry_axes
 
 CONTEXT_ATTENTION = ("allgather", "ring")
 """The ways attention can span a sequence split over the ``context`` axis (see
@@ -370,9 +370,7 @@ def _on_context_mesh(sharding: Any) -> Any:
 
     def restated(spec: PartitionSpec) -> PartitionSpec:
         def keep(entry):  # the manual axes are the shard_map's: not named in a constraint
-            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            kept = tuple(a for a in axes if a not in manual)
-            return None if not kept else kept[0] if len(kept) == 1 else kept
+            return axes_entry(a for a in entry_axes(entry) if a not in manual)
         return PartitionSpec(*(keep(e) for e in spec))
 
     return jax.tree.map(lambda s: NamedSharding(context, restated(s.spec))

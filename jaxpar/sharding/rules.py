@@ -32,6 +32,21 @@ given directly (a mesh axis name, an alias such as ``"tp"``, or a tuple of them,
 dimensions unnamed, as Flax and ``jax.sharding`` do."""
 
 
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names: none for ``None``, else the axis or
+    the tuple of them."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_entry(axes: Sequence[str]) -> MeshAxes:
+    """The ``PartitionSpec`` entry that names ``axes`` (``None``, one axis, or a tuple):
+    the inverse of :func:`entry_axes`."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def _as_tuple(target: MeshAxes) -> tuple[str, ...]:
     if target is None:
         return ()

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.offload import streamed_mask
 from jaxpar.parallel.zeropp import quantize_int8
+from jaxpar.sharding.rules import entry_axes
 from jaxpar.training.trainer import Trainer
 
 AXIS = "data"
@@ -413,8 +414,7 @@ def _int8_exchange(deltas: jax.Array, spec: P, mesh: Any) -> jax.Array:
         return q.astype(jnp.float32) * scale
 
     rest = tuple(spec)[1:]
-    names = {AXIS} | {a for e in rest if e is not None
-                      for a in ((e,) if isinstance(e, str) else e)}
+    names = {AXIS} | {a for e in rest for a in entry_axes(e)}
     return jax.shard_map(local, mesh=mesh, in_specs=P(AXIS, *rest), out_specs=P(None, *rest),
                          axis_names=names, check_vma=False)(deltas)
 
@@ -443,6 +443,6 @@ def check(plan: Any, shardings: dict[str, Any], sync_every: int, fragments: int,
                           "compression or quantized reductions")
     for path, sh in jax.tree_util.tree_leaves_with_path(
             shardings["params"], is_leaf=lambda x: isinstance(x, NamedSharding)):
-        if any(AXIS in ((e,) if isinstance(e, str) else tuple(e or ())) for e in sh.spec):
+        if any(AXIS in entry_axes(e) for e in sh.spec):
             raise JaxparError(f"diloco needs the weights whole over the data axis; the "
                               f"rules split {jax.tree_util.keystr(path)} over it")

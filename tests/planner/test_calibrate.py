@@ -52,6 +52,10 @@ def test_quick_calibration_is_plausible(entry):
     # XLA:CPU stores and reloads a scan's saved activations far below its streaming rate.
     assert 0 < entry["saved_bw"] < entry["hbm_bw"]
     m = entry["measurements"]
+    # The bytes it saves are what JAX keeps: two arrays a layer beside the carry both
+    # variants keep (read from jax.vjp's residuals, not assumed).
+    saved = m["saved_activations"]
+    assert saved["saved_bytes"] == 2 * 4 * saved["elements"] * saved["layers"]
     assert m["devices"] == 8 and m["matmuls"] and m["collectives"]
     assert {r["kind"] for r in m["collectives"]} == {
         "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}

@@ -2,7 +2,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import JaxparError, Rules, make_mesh
-from jaxpar.sharding.rules import PRESETS, preset
+from jaxpar.sharding.rules import PRESETS, axes_entry, entry_axes, preset
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,9 @@ def test_presets(mesh):
     assert dp_acts.spec(("batch",), mesh) == P(("data", "fsdp", "tensor"))
     with pytest.raises(JaxparError, match="unknown rules preset"):
         preset("zero9")
+
+
+def test_partition_spec_entries_and_axes_convert_both_ways():
+    for entry, axes in ((None, ()), ("fsdp", ("fsdp",)), (("data", "fsdp"), ("data", "fsdp"))):
+        assert entry_axes(entry) == axes
+        assert axes_entry(axes) == entry
