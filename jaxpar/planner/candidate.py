@@ -10,6 +10,7 @@ mixture-of-experts layer. The memory, communication and time models all start fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -91,9 +92,9 @@ class Candidate:
         d = tuple((a, int((dcn or {}).get(a, 1))) for a in MESH_AXES)
         return Candidate(i, d, **knobs)
 
-    @property
+    @functools.cached_property
     def sizes(self) -> dict[str, int]:
-        """Total size of each mesh axis (ICI x DCN)."""
+        """Total size of each mesh axis (ICI x DCN); computed once (do not modify it)."""
         dcn = dict(self.dcn)
         return {a: s * dcn.get(a, 1) for a, s in self.ici}
 

@@ -126,9 +126,11 @@ class _Rows:
         # (XLA's combiners do the same for the per-tensor gathers and reductions).
         key = (kind, axes, runs, phase)
         self.combined[key] = self.combined.get(key, 0.0) + nbytes
-        row = self.rows.setdefault((kind, axes), {
-            "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
-            "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0})
+        row = self.rows.get((kind, axes))
+        if row is None:
+            row = self.rows[(kind, axes)] = {
+                "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
+                "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0}
         row["count"] += static
         row["bytes_per_device"] += nbytes * static
         row["bytes_per_step"] += nbytes * runs
