@@ -56,6 +56,15 @@ def _checked(args: argparse.Namespace, cmd: list[str]):
     if config.diloco.sync_every < 1:
         raise JaxparError("jaxpar launch --replicas needs diloco.sync_every >= 1: the "
                           "steps between the replicas' meetings")
+    dl = config.diloco
+    inprogram = [f"diloco.{k}={v}" for k, v, default in (
+        ("fragments", dl.fragments, 1), ("outer_bits", dl.outer_bits, 32),
+        ("overlap", dl.overlap, False)) if v != default]
+    if inprogram:
+        raise JaxparError(f"{', '.join(inprogram)}: jaxpar launch --replicas meets whole "
+                          "float32 weights through the parameter server, once per "
+                          "meeting; these are in-program DiLoCo's (one process, data >= 2): "
+                          "drop them")
     meetings = Path(child.out) / "meetings"
     if meetings.exists() and any(meetings.iterdir()):
         raise JaxparError(f"{meetings} already holds a replica run; choose another --out")

@@ -208,6 +208,22 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
+def device_memory(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int,
+                  seq: int, *, backend: str | None = None, hbm_headroom: float = 0.9
+                  ) -> tuple[dict[str, float], bool]:
+    """The memory part of :func:`estimate` alone, cheaper: ``(memory, fits)``, the same
+    figures and verdict :attr:`Estimate.memory` and :attr:`Estimate.fits` hold."""
+    backend = backend or chip_backend(machine.chip)
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
+    mem = memory(spec, lay, cand, global_batch, seq, backend)
+    return mem, _fits(mem, machine.chip, hbm_headroom)
+
+
+def _fits(mem: dict[str, float], chip: Chip, hbm_headroom: float) -> bool:
+    return (mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
+            and offload.host_fits(mem, chip, hbm_headroom))
+
+
 def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int, seq: int,
              *, backend: str | None = None, hbm_headroom: float = 0.9) -> Estimate:
     """Memory, collectives and step time of ``cand`` on ``machine``.
@@ -341,8 +357,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         breakdown["saved activations"] = saved
         step += saved
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
-    fits = (mem["total_bytes"] <= hbm_headroom * chip.hbm_bytes
-            and offload.host_fits(mem, chip, hbm_headroom))
+    fits = _fits(mem, chip, hbm_headroom)
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
                     mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
                     breakdown=breakdown, host_capacity_bytes=chip.host_bytes)

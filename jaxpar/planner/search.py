@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxpar.errors import JaxparError
 from jaxpar.planner import offload as offload_lib
 from jaxpar.planner.catalog import Machine
-from jaxpar.planner.cost import Candidate, Estimate, check_divisible, estimate
+from jaxpar.planner.cost import Candidate, Estimate, check_divisible, device_memory, estimate
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
 from jaxpar.sharding.mesh import MESH_AXES
@@ -346,14 +346,26 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
             key = why.split(" not ")[0] if " not " in why else why
             rejected[key] = rejected.get(key, 0) + 1
             break
+        # The vocabulary over fsdp too: when it moves less (see below).
+        twin = (dataclasses.replace(cand, vocab_over_fsdp=True) if cand.sizes["fsdp"] > 1
+                else None)
+        evaluated += 1 + (twin is not None)
+        # Memory first (a fraction of an estimate's cost): a microbatch count that fits
+        # neither way, past the first, is priced no further when nothing would use it.
+        mems = [device_memory(spec, machine, c, global_batch, seq)
+                for c in (cand, twin) if c is not None]
+        if mb > 1 and not any(fits for _, fits in mems):
+            stops = {_stops(m, machine.chip.hbm_bytes) for m, _ in mems}
+            if len(stops) == 1 and not any(_leaner(found, spec, cand, m) for m, _ in mems):
+                if stops.pop():
+                    break
+                mb *= 2
+                continue
         est = estimate(spec, machine, cand, global_batch, seq)
-        evaluated += 1
-        if cand.sizes["fsdp"] > 1:  # the vocabulary over fsdp too: when it moves less
-            twin = estimate(spec, machine, dataclasses.replace(cand, vocab_over_fsdp=True),
-                            global_batch, seq)
-            evaluated += 1
-            if twin.step_time_s < est.step_time_s and (twin.fits or not est.fits):
-                est, cand = twin, twin.candidate
+        if twin is not None:  # the vocabulary over fsdp too: when it moves less
+            other = estimate(spec, machine, twin, global_batch, seq)
+            if other.step_time_s < est.step_time_s and (other.fits or not est.fits):
+                est, cand = other, other.candidate
         if cand.context == 1:
             baselines["context"].offer(est)
         if cand.expert == 1 and spec.is_moe:
@@ -368,18 +380,32 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
             return evaluated, mb
         if mb == 1 and not cand.offloads:
             found.overflow.append(est)
-        # Only activations shrink with microbatching; stop when they are already small
-        # next to the state.
-        mem = est.memory
-        shrinking = mem["activation_bytes"] + mem["working_bytes"]
-        if shrinking < 0.05 * mem["total_bytes"]:
-            break
-        # The rest (state, gradients and their accumulation buffer) only grows with
-        # microbatches: if it alone overflows, no microbatch count fits.
-        if mem["total_bytes"] - shrinking >= est.hbm_bytes:
+        if _stops(est.memory, est.hbm_bytes):
             break
         mb *= 2
     return evaluated, 0
+
+
+def _stops(mem: dict[str, float], hbm_bytes: float) -> bool:
+    """Whether more microbatches cannot help a candidate that needs ``mem`` and does not
+    fit in ``hbm_bytes``: only activations shrink with microbatching, so stop when they
+    are already small next to the state, or when the rest (state, gradients and their
+    accumulation buffer, which only grow with microbatches) alone overflows."""
+    shrinking = mem["activation_bytes"] + mem["working_bytes"]
+    if shrinking < 0.05 * mem["total_bytes"]:
+        return True
+    return mem["total_bytes"] - shrinking >= hbm_bytes
+
+
+def _leaner(found: _Found, spec: ModelSpec, cand: Candidate, mem: dict[str, float]) -> bool:
+    """Whether a plan needing ``mem`` would be the leanest yet of a baseline it belongs to
+    (context=1, or expert=1 of a mixture of experts), which then needs its estimate."""
+    axes = [("context", cand.context)] + ([("expert", cand.expert)] if spec.is_moe else [])
+    for axis, size in axes:
+        lean = found.baselines[axis].leanest
+        if size == 1 and (lean is None or mem["total_bytes"] < lean.memory_per_device_bytes):
+            return True
+    return False
 
 
 def _rank(estimates: list[Estimate]) -> list[Estimate]:

@@ -59,7 +59,9 @@ def test_replica_runs_it_cannot_start_get_one_line(tmp_path):
     for extra, message in (
             ([], "jaxpar launch --replicas needs diloco.sync_every >= 1"),
             (["diloco.sync_every=5", "--resume"], "replicas rejoin from the parameter "
-                                                   "server's anchor; drop --resume")):
+                                                   "server's anchor; drop --resume"),
+            (["diloco.sync_every=5", "diloco.overlap=true", "diloco.fragments=5"],
+             "diloco.fragments=5, diloco.overlap=True: jaxpar launch --replicas meets whole")):
         proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1

@@ -127,6 +127,19 @@ def test_fragments_cut_stacked_layers_by_range(devices):
     assert any(rows is not None for i, rows in parts[0])
 
 
+def _saved_and_restored(run, data, folder) -> DiLoCo:
+    """A new ``run()`` restored from a checkpoint of another that took ``data``'s steps."""
+    first = run()
+    for b in data:
+        first.step(b)
+    with Checkpointer(folder) as ckpt:
+        ckpt.save(first, force=True)
+    resumed = run()
+    with Checkpointer(folder) as ckpt:
+        ckpt.restore(resumed)
+    return resumed
+
+
 def test_long_syncs_learn_and_stale_updates_resume_exactly(devices, tmp_path):
     """H = 2 with Nesterov outer momentum and a one-meeting delay: the loss falls; a run
     saved after 3 steps (mid-way between meetings, a gradient pending) and restored into
@@ -140,14 +153,7 @@ def test_long_syncs_learn_and_stale_updates_resume_exactly(devices, tmp_path):
     want = [float(whole.step(b)["loss"]) for b in data]
     assert want[-1] < want[0]
     assert float(np.abs(np.asarray(jax.tree.leaves(whole.state["pending"])[0])).max()) > 0
-    first = run()
-    for b in data[:3]:
-        first.step(b)
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt.save(first, force=True)
-    resumed = run()
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt.restore(resumed)
+    resumed = _saved_and_restored(run, data[:3], tmp_path)
     assert resumed.step_count == 3
     got = [float(resumed.step(b)["loss"]) for b in data[3:]]
     assert got == want[3:]
@@ -217,14 +223,7 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
     assert 0.9 * 4 * params / 4 <= carried <= 1.1 * 4 * params / 4 + 64
     assert _data_bytes(whole.lower(data[0]).compile().as_text(), mesh) <= 64
     # saved after step 4 (its meeting in flight), restored, continued: the same losses
-    first = run()
-    for b in data[:4]:
-        first.step(b)
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt.save(first, force=True)
-    resumed = run()
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt.restore(resumed)
+    resumed = _saved_and_restored(run, data[:4], tmp_path)
     assert [float(resumed.step(b)["loss"]) for b in data[4:]] == got[4:]
 
 
