@@ -225,7 +225,8 @@ def _fits(mem: dict[str, float], chip: Chip, hbm_headroom: float) -> bool:
 
 
 def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int, seq: int,
-             *, backend: str | None = None, hbm_headroom: float = 0.9) -> Estimate:
+             *, backend: str | None = None, hbm_headroom: float = 0.9,
+             device_bytes: dict[str, float] | None = None) -> Estimate:
     """Memory, collectives and step time of ``cand`` on ``machine``.
 
     The computation is priced operation by operation on the chip's roofline
@@ -262,12 +263,14 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     ``breakdown`` says where the step goes (compute by operation, exposed collectives by
     kind and axes, bubble, update).
 
+    ``device_bytes``: :func:`device_memory`'s figures for ``cand``, when already known.
+
     Raises:
       JaxparError: when a dimension does not divide over its mesh axes.
     """
     backend = backend or chip_backend(machine.chip)
     lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
-    mem = memory(spec, lay, cand, global_batch, seq, backend)
+    mem = device_bytes or memory(spec, lay, cand, global_batch, seq, backend)
     rows, moves = transfers(spec, lay, cand, global_batch, seq, backend)
     n = cand.n_devices
     chip = machine.chip

@@ -87,10 +87,14 @@ class Layout:
     placed: tuple[Placed, ...]
     zero_stage: int
     cp_axes: tuple[str, ...] = ()  # axes the sequence is split over (context parallelism)
+    _totals: dict[str, int] = dataclasses.field(default_factory=dict, compare=False,
+                                                repr=False)
 
     def total(self, which: str) -> int:
         """Sum over tensors of one layout's per-device elements."""
-        return sum(getattr(p, which) for p in self.placed)
+        if which not in self._totals:
+            self._totals[which] = sum(getattr(p, which) for p in self.placed)
+        return self._totals[which]
 
 
 @lru_cache(maxsize=4096)

@@ -361,9 +361,9 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
                     break
                 mb *= 2
                 continue
-        est = estimate(spec, machine, cand, global_batch, seq)
+        est = estimate(spec, machine, cand, global_batch, seq, device_bytes=mems[0][0])
         if twin is not None:  # the vocabulary over fsdp too: when it moves less
-            other = estimate(spec, machine, twin, global_batch, seq)
+            other = estimate(spec, machine, twin, global_batch, seq, device_bytes=mems[1][0])
             if other.step_time_s < est.step_time_s and (other.fits or not est.fits):
                 est, cand = other, other.candidate
         if cand.context == 1:
