@@ -12,8 +12,11 @@ eight-GPU node holds too few experts of a large model; expert parallelism across
 is the usual remedy, paid for by all-to-alls over the slower network). For each mesh:
 ZeRO stages 0-3, the remat policies, sequence parallelism on and off (with tensor
 parallelism), both context attention kinds (with a context axis), and the fewest
-gradient-accumulation microbatches that fit in HBM (more only cost time). Pruning keeps
-this to some thousands of cost-model evaluations: seconds, not minutes, for a pod.
+gradient-accumulation microbatches that fit in HBM (more only cost time). A microbatch
+count is first checked for memory alone and priced in full only where it fits (or is
+needed to report the leanest plans); policies dominated by a lighter one that fitted are
+capped. A dense 7B on a v5p pod plans in about 10 s, a 70B on 128 H100s (16 nodes, more
+splits across them) in about a minute on one core.
 """
 
 from __future__ import annotations
