@@ -102,13 +102,8 @@ def _is_late_wakeup(unraisable: Any) -> bool:
     that awaited it closed: when one write of a save fails, orbax's loop ends at once and
     its sibling writes call back into the closed loop."""
     err, tb = unraisable.exc_value, unraisable.exc_traceback
-    if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"):
-        return False
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return bool(names) and names[0] == "call_soon_threadsafe"
+    return (isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+            and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
 
 
 def _drop_late_wakeups() -> None:

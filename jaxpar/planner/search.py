@@ -349,7 +349,6 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
             key = why.split(" not ")[0] if " not " in why else why
             rejected[key] = rejected.get(key, 0) + 1
             break
-        # The vocabulary over fsdp too: when it moves less (see below).
         twin = (dataclasses.replace(cand, vocab_over_fsdp=True) if cand.sizes["fsdp"] > 1
                 else None)
         evaluated += 1 + (twin is not None)
