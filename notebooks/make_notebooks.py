@@ -467,7 +467,7 @@ rows = [(name, f"{c.peak_flops / 1e12:.0f}", f"{c.hbm_bytes / 2**30:.0f}",
         for name, c in BUILTIN.items()]
 print(table(["chip", "TFLOP/s", "HBM GiB", "ICI GB/s", "DCN GB/s", "chips per ICI domain"],
             rows, right=(1, 2, 3, 4, 5)))
-for chips in ("tpu-v5p:256", "tpu-v5p:512", "h100:64", "h100:128"):
+for chips in ("tpu-v5p:256", "tpu-v5p:512", "h100:64", "h100:32"):
     print(chips, "->", parse_chips(chips).describe())""",
     """md:## 7B on 256 TPU v5p chips
 
@@ -492,14 +492,14 @@ def show(plans):
 plans_7b = plan("configs/llama-7b.yaml", chips="tpu-v5p:256", global_batch=GLOBAL_BATCH,
                 seq=SEQ)
 show(plans_7b)""",
-    """md:## The other three: 7B on 64 H100s, 70B on 512 v5p chips and on 128 H100s
+    """md:## The other three: 7B on 64 H100s, 70B on 512 v5p chips and on 32 H100s
 
 GPU clusters are 8-GPU NVLink nodes joined by InfiniBand, so `h100:64` is 8 slices: the
 planner keeps tensor parallelism inside a node and puts the axes that communicate least
 (data, then pipeline stages) across nodes.""",
     """\
 SCENARIOS = [("configs/llama-7b.yaml", "tpu-v5p:256"), ("configs/llama-7b.yaml", "h100:64"),
-             ("configs/llama-70b.yaml", "tpu-v5p:512"), ("configs/llama-70b.yaml", "h100:128")]
+             ("configs/llama-70b.yaml", "tpu-v5p:512"), ("configs/llama-70b.yaml", "h100:32")]
 winners = {("configs/llama-7b.yaml", "tpu-v5p:256"): plans_7b[0]}
 for model, chips in SCENARIOS[1:]:
     print(f"--- {model} on {chips}")
