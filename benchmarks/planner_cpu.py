@@ -12,7 +12,11 @@ chip, then builds the trainer (``jaxpar.build_trainer``) and measures it: a warm
 first step compiles), then ``--rounds`` rounds over all layouts in turn (the order
 reversed every other round), each the median of ``--steps`` blocking steps; a layout's
 time is the median over rounds. ``jaxpar.planner.plan``'s own winner for ``cpu:8`` at
-float32 (on the calibrated chip) is measured too, as the layout ``plan``. It prints
+float32 (on the first calibration) is measured too, as the layout ``plan``. When the
+script calibrates, it calibrates again at the start of every round and predicts with each
+figure's median over all calibrations: this shared host's speed drifts by a third over
+minutes, and a calibration taken once, before the rounds, prices steps run at another
+speed. It prints
 predicted and measured seconds, their ratio, both ranks, and whether the planner's first
 choice (the lowest prediction, the winner when the search found the best) is among the
 two fastest measured. (c) ``--save`` writes the chip, the layouts and the measured times
@@ -33,6 +37,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 N_DEVICES = 8
@@ -104,9 +109,11 @@ def planner_choice(chip) -> tuple[list[str], str]:
                        f"mb={c.microbatches} ({best.step_time_s:.3f} s predicted)")
 
 
-def measure(names: list[str], rounds: int, steps: int, layouts: dict[str, list[str]]
-            ) -> dict[str, list[float]]:
-    """Median step seconds of each layout per round (layouts alternated)."""
+def measure(names: list[str], rounds: int, steps: int, layouts: dict[str, list[str]],
+            between: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Median step seconds of each layout per round (layouts alternated); ``between``
+    runs at the start of every round (a calibration, so that its figures sample the
+    same machine as the steps)."""
     import jax
     import numpy as np
 
@@ -128,6 +135,8 @@ def measure(names: list[str], rounds: int, steps: int, layouts: dict[str, list[s
         print(f"  built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
+        if between is not None:
+            between()
         for name in (names if r % 2 == 0 else names[::-1]):
             trainer, batch = runs[name]
             got = []
@@ -139,6 +148,19 @@ def measure(names: list[str], rounds: int, steps: int, layouts: dict[str, list[s
         print(f"  round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f}" for n in names),
               flush=True)
     return times
+
+
+def median_figures(entries: list[dict]) -> dict:
+    """Each numeric figure's median over ``entries`` (the lower median for whole numbers,
+    such as the matmul tile); anything else as the first entry has it."""
+    out = dict(entries[0])
+    for key, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        values = [e[key] for e in entries]
+        out[key] = (statistics.median_low(values) if isinstance(value, int)
+                    else statistics.median(values))
+    return out
 
 
 def ranks(values: dict[str, float]) -> dict[str, int]:
@@ -177,14 +199,32 @@ def main(argv: list[str] | None = None) -> int:
         measurements = entry.pop("measurements")
         figures = entry
         chip = chip_from_mapping(args.name, figures)
+        calibrations = [figures]
+
+        def recalibrate() -> None:
+            again = calibrate(quick=args.quick_calibration)
+            again.pop("measurements")
+            calibrations.append(again)
     layouts = {n: LAYOUTS[n] for n in names}
     winner, described = planner_choice(chip)
     print(f"jaxpar.planner.plan's winner for cpu:8 at float32: {described}; measured as "
           "the layout 'plan'", flush=True)
     layouts["plan"] = winner
     names = [*names, "plan"]
+    times = measure(names, args.rounds, args.steps, layouts,
+                    between=None if args.catalog else recalibrate)
+    if not args.catalog:
+        # This shared host's speed drifts by a third over minutes: the figures are the
+        # median of the calibration before the rounds and one at the start of each.
+        figures = median_figures(calibrations)
+        chip = chip_from_mapping(args.name, figures)
+        print("\ncalibrations (before the rounds, then one a round): f32 GFLOP/s "
+              + ", ".join(f"{c['f32_flops'] / 1e9:.1f}" for c in calibrations)
+              + "; memory GB/s " + ", ".join(f"{c['hbm_bw'] / 1e9:.2f}" for c in calibrations)
+              + "; saved GB/s " + ", ".join(f"{c['saved_bw'] / 1e9:.3f}" for c in calibrations)
+              + "; collective GB/s "
+              + ", ".join(f"{c['ici_bw'] / 1e9:.2f}" for c in calibrations), flush=True)
     predicted = {n: predict_layout(layouts[n], chip) for n in names}
-    times = measure(names, args.rounds, args.steps, layouts)
     measured = {n: statistics.median(v) for n, v in times.items()}
     pred = {n: predicted[n]["step_s"] for n in names}
     rp, rm = ranks(pred), ranks(measured)
@@ -206,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                "command": "python benchmarks/planner_cpu.py " + " ".join(argv or sys.argv[1:]),
                "date": time.strftime("%Y-%m-%d %H:%M"),
                "plan_winner": described,
+               "calibrations": None if args.catalog else calibrations,
                "layouts": {n: {"overrides": layouts[n], "predicted_s": pred[n],
                                "measured_s": measured[n], "rounds_s": times[n],
                                "breakdown": predicted[n]["breakdown"]} for n in names},
