@@ -23,7 +23,11 @@ cores, that is the host's rate split among them.
   at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
   ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
   :func:`jaxpar.planner.comms.transfer_time`'s formula, ``latency x ring steps + wire
-  bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1).
+  bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1);
+* collective waits: a small all-reduce after a segment of matmuls, against the segment
+  alone: what it adds beyond its transfer is the wait for the slowest device (simulated
+  devices sharing the host's cores reach it out of step), ``wait_s + wait_share x
+  segment`` up to ``wait_cap_s`` (:func:`fit_waits`).
 
 Every timed operation runs ``R`` times inside one compiled loop (each iteration depends
 on the previous one), so dispatch costs are not counted; ``R`` is chosen from a first
@@ -55,6 +59,7 @@ ACCELERATOR_GRID = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
 LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak (CPU)
 ACCELERATOR_LARGE_FLOPS = 2 * 4096 ** 3  # and on a GPU or TPU
 TILES = (1, 8, 16, 32, 64, 128)
+WAIT_SEGMENTS = (1, 4, 16, 64)  # matmuls of 128 x 256 x 256 between two collectives
 
 
 def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: int
@@ -271,6 +276,74 @@ def measure_collectives(devices: Sequence[Any], sizes_bytes: Sequence[int], targ
     return rows
 
 
+def measure_waits(devices: Sequence[Any], segments: Sequence[int], target_s: float,
+                  repeats: int, shape: tuple[int, int, int] = (128, 256, 256)
+                  ) -> list[dict[str, Any]]:
+    """What a collective costs after computation, beyond its own transfer: a loop of
+    ``k`` dependent ``shape`` matmuls a device (the segment) with and without a 1 KB
+    all-reduce of all devices after it, for each ``k`` of ``segments``. Devices that
+    reach the all-reduce out of step wait there for the slowest; back to back (as
+    :func:`measure_collectives` times them) they do not."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    mesh = _mesh(devices, (n,), ("d",))
+    m, k, nn = shape
+    rows = []
+    for reps in segments:
+        timed = {}
+        for synced in (False, True):
+            def local(r, x, w, g, reps=reps, synced=synced):
+                def body(_, c):
+                    s, y, g = c
+                    for _ in range(reps):
+                        y = jnp.dot(x * s + y[:, :1] * 1e-30, w)
+                    if synced:
+                        g = jax.lax.psum(g * 0.5 + y[0, 0] * 1e-30, "d") * (1.0 / n)
+                    return s + g[0] * 1e-30, y, g
+                init = (jnp.ones((), x.dtype), jnp.zeros((x.shape[0], w.shape[1]), x.dtype),
+                        g)
+                return jax.lax.fori_loop(0, r, body, init)[1]
+
+            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d"), P("d")),
+                                       out_specs=P("d"), check_vma=False))
+            x = jax.device_put(jnp.ones((n * m, k), jnp.float32) * 0.01,
+                               NamedSharding(mesh, P("d")))
+            w = jax.device_put(jnp.ones((n * k, nn), jnp.float32) * 0.01,
+                               NamedSharding(mesh, P("d")))
+            g = jax.device_put(jnp.ones((n * 256,), jnp.float32), NamedSharding(mesh, P("d")))
+            timed[synced] = _time_loop(fn, (x, w, g), target_s, repeats)[0]
+        rows.append({"matmuls": reps, "segment_s": timed[False],
+                     "with_all_reduce_s": timed[True], "payload_bytes": 1024})
+    return rows
+
+
+def fit_waits(rows: Sequence[dict[str, Any]], lat: float, bw: float, n: int
+              ) -> tuple[float, float, float]:
+    """(``wait_s``, ``wait_share``, ``wait_cap_s``) of
+    :func:`jaxpar.planner.comms.collective_waits` from :func:`measure_waits`'s rows: each
+    row's wait is the time the all-reduce adds less its own transfer (``latency x ring
+    steps + wire / bandwidth``, as fitted); the cap is the wait after the longest
+    segment, and ``wait_s + wait_share x segment`` the least-squares line (on relative
+    error) through the others. Adds ``wait_s`` to each row."""
+    for r in rows:
+        steps, wire = _steps_and_wire("all-reduce", n, r["payload_bytes"])
+        r["wait_s"] = max(r["with_all_reduce_s"] - r["segment_s"] - steps * lat - wire / bw,
+                          0.0)
+    ordered = sorted(rows, key=lambda r: r["segment_s"])
+    cap = ordered[-1]["wait_s"]
+    line = [r for r in ordered[:-1] if r["wait_s"] > 0]
+    if not cap or len(line) < 2:
+        return 0.0, 0.0, cap
+    a = np.array([[1.0, r["segment_s"]] for r in line])
+    t = np.array([r["wait_s"] for r in line])
+    (base, share), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    return float(max(base, 0.0)), float(max(share, 0.0)), float(cap)
+
+
 def _steps_and_wire(kind: str, n: int, payload: float) -> tuple[float, float]:
     """(ring steps paying latency, bytes on the wire per device) of one execution, as
     :func:`jaxpar.planner.comms.transfer_time` counts them."""
@@ -383,6 +456,11 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         for r in colls:
             steps, wire = _steps_and_wire(r["kind"], r["axis_size"], r["payload_bytes"])
             r["fitted_s"] = steps * lat + wire / bw
+    waits: list[dict[str, Any]] = []
+    wait = (0.0, 0.0, 0.0)
+    if n > 1:
+        waits = measure_waits(devices, WAIT_SEGMENTS, target, repeats)
+        wait = fit_waits(waits, lat, bw, n)
     platform = devices[0].platform
     entry: dict[str, Any] = {
         "peak_flops": fit["peak_flops"], "f32_flops": fit["f32_flops"],
@@ -394,6 +472,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         "memory_efficiency": 1.0, "collective_efficiency": 1.0,
         "overlap": 0.0 if platform == "cpu" else 1.0,
         "op_overhead_s": fit["op_overhead_s"], "saved_bw": saved["bytes_per_s"],
+        "wait_s": wait[0], "wait_share": wait[1], "wait_cap_s": wait[2],
         "source": f"jaxpar calibrate on {n} {platform} devices "
                   f"({devices[0].device_kind}), {time.strftime('%Y-%m-%d')}",
     }
@@ -406,7 +485,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         "quick": quick, "seconds": time.perf_counter() - start, "memory": memory,
         "saved_activations": saved,
         "matmuls": matmuls, "matmul_fit_rms_error": fit["rms_log_error"],
-        "collectives": colls}
+        "collectives": colls, "collective_waits": waits}
     return entry
 
 
@@ -422,6 +501,9 @@ def summary(entry: dict[str, Any]) -> str:
              f"{'saved activations':22} {entry.get('saved_bw', 0) / 1e9:10.3f} GB/s per device",
              f"{'collective bandwidth':22} {entry['ici_bw'] / 1e9:10.2f} GB/s per device",
              f"{'collective latency':22} {entry['ici_latency_s'] * 1e6:10.2f} us per ring step",
+             f"{'collective wait':22} {entry.get('wait_s', 0) * 1e6:10.2f} us + "
+             f"{entry.get('wait_share', 0):.3f} x the computation before it, at most "
+             f"{entry.get('wait_cap_s', 0) * 1e6:.0f} us",
              f"{'device memory':22} {entry['hbm_bytes'] / GiB:10.2f} GiB",
              f"{'overlap':22} {entry['overlap']:10.0f}"]
     if m.get("matmuls"):
