@@ -59,7 +59,7 @@ ACCELERATOR_GRID = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
 LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak (CPU)
 ACCELERATOR_LARGE_FLOPS = 2 * 4096 ** 3  # and on a GPU or TPU
 TILES = (1, 8, 16, 32, 64, 128)
-WAIT_SEGMENTS = (1, 4, 16, 64)  # matmuls of 128 x 256 x 256 between two collectives
+WAIT_SEGMENTS = (1, 2, 4, 8, 16, 32)  # matmuls of 128 x 256 x 256 between collectives
 
 
 def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: int
@@ -277,13 +277,16 @@ def measure_collectives(devices: Sequence[Any], sizes_bytes: Sequence[int], targ
 
 
 def measure_waits(devices: Sequence[Any], segments: Sequence[int], target_s: float,
-                  repeats: int, shape: tuple[int, int, int] = (128, 256, 256)
+                  pairs: int, shape: tuple[int, int, int] = (128, 256, 256)
                   ) -> list[dict[str, Any]]:
     """What a collective costs after computation, beyond its own transfer: a loop of
     ``k`` dependent ``shape`` matmuls a device (the segment) with and without a 1 KB
     all-reduce of all devices after it, for each ``k`` of ``segments``. Devices that
     reach the all-reduce out of step wait there for the slowest; back to back (as
-    :func:`measure_collectives` times them) they do not."""
+    :func:`measure_collectives` times them) they do not. The two loops run the same
+    number of iterations (about ``target_s``), alternated ``pairs`` times: the added
+    time is the median of the pairs' differences, which a host whose speed drifts
+    between two timings does not bias."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -292,9 +295,12 @@ def measure_waits(devices: Sequence[Any], segments: Sequence[int], target_s: flo
     n = len(devices)
     mesh = _mesh(devices, (n,), ("d",))
     m, k, nn = shape
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
+    args = (put(jnp.ones((n * m, k), jnp.float32) * 0.01),
+            put(jnp.ones((n * k, nn), jnp.float32) * 0.01), put(jnp.ones((n * 256,))))
     rows = []
     for reps in segments:
-        timed = {}
+        fns = []
         for synced in (False, True):
             def local(r, x, w, g, reps=reps, synced=synced):
                 def body(_, c):
@@ -308,16 +314,28 @@ def measure_waits(devices: Sequence[Any], segments: Sequence[int], target_s: flo
                         g)
                 return jax.lax.fori_loop(0, r, body, init)[1]
 
-            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d"), P("d")),
-                                       out_specs=P("d"), check_vma=False))
-            x = jax.device_put(jnp.ones((n * m, k), jnp.float32) * 0.01,
-                               NamedSharding(mesh, P("d")))
-            w = jax.device_put(jnp.ones((n * k, nn), jnp.float32) * 0.01,
-                               NamedSharding(mesh, P("d")))
-            g = jax.device_put(jnp.ones((n * 256,), jnp.float32), NamedSharding(mesh, P("d")))
-            timed[synced] = _time_loop(fn, (x, w, g), target_s, repeats)[0]
-        rows.append({"matmuls": reps, "segment_s": timed[False],
-                     "with_all_reduce_s": timed[True], "payload_bytes": 1024})
+            fns.append(jax.jit(jax.shard_map(local, mesh=mesh,
+                                             in_specs=(P(), P("d"), P("d"), P("d")),
+                                             out_specs=P("d"), check_vma=False)))
+
+        def once(fn, r: int) -> float:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(jnp.int32(r), *args))
+            return time.perf_counter() - t0
+
+        for fn in fns:
+            once(fn, 1)  # compile
+        per = max(min(once(fns[0], 4) for _ in range(2)) / 4, 1e-7)
+        r = int(min(max(target_s / per, 4), 10000))
+        plain, added = [], []
+        for _ in range(pairs):
+            t_plain, t_synced = once(fns[0], r), once(fns[1], r)
+            plain.append(t_plain / r)
+            added.append((t_synced - t_plain) / r)
+        segment = float(np.median(plain))
+        rows.append({"matmuls": reps, "segment_s": segment,
+                     "with_all_reduce_s": segment + float(np.median(added)),
+                     "payload_bytes": 1024, "loops": r, "pairs": pairs})
     return rows
 
 
@@ -326,22 +344,32 @@ def fit_waits(rows: Sequence[dict[str, Any]], lat: float, bw: float, n: int
     """(``wait_s``, ``wait_share``, ``wait_cap_s``) of
     :func:`jaxpar.planner.comms.collective_waits` from :func:`measure_waits`'s rows: each
     row's wait is the time the all-reduce adds less its own transfer (``latency x ring
-    steps + wire / bandwidth``, as fitted); the cap is the wait after the longest
-    segment, and ``wait_s + wait_share x segment`` the least-squares line (on relative
-    error) through the others. Adds ``wait_s`` to each row."""
+    steps + wire / bandwidth``, as fitted); then a hinge fit, least squares on relative
+    error: the shorter segments on the line ``wait_s + wait_share x segment``, the
+    longer ones on the plateau ``wait_cap_s`` (their mean), split where the fit is best.
+    Adds ``wait_s`` to each row; all 0 when no wait was measured."""
     for r in rows:
         steps, wire = _steps_and_wire("all-reduce", n, r["payload_bytes"])
         r["wait_s"] = max(r["with_all_reduce_s"] - r["segment_s"] - steps * lat - wire / bw,
                           0.0)
     ordered = sorted(rows, key=lambda r: r["segment_s"])
-    cap = ordered[-1]["wait_s"]
-    line = [r for r in ordered[:-1] if r["wait_s"] > 0]
-    if not cap or len(line) < 2:
-        return 0.0, 0.0, cap
-    a = np.array([[1.0, r["segment_s"]] for r in line])
-    t = np.array([r["wait_s"] for r in line])
-    (base, share), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
-    return float(max(base, 0.0)), float(max(share, 0.0)), float(cap)
+    seg = np.array([r["segment_s"] for r in ordered])
+    wait = np.array([r["wait_s"] for r in ordered])
+    if len(ordered) < 3 or not wait.any():
+        return 0.0, 0.0, float(wait.max(initial=0.0))
+    # relative error, except below the median wait (a wait measured near 0 is noise,
+    # not a point to divide by)
+    scale = np.maximum(wait, np.median(wait))
+    best = (math.inf, 0.0, 0.0, 0.0)
+    for split in range(2, len(ordered)):
+        a = np.stack([np.ones(split), seg[:split]], axis=1) / scale[:split, None]
+        (base, share), *_ = np.linalg.lstsq(a, wait[:split] / scale[:split], rcond=None)
+        base, share = max(float(base), 0.0), max(float(share), 0.0)
+        cap = float(wait[split:].mean())
+        err = float((((np.minimum(base + share * seg, cap) - wait) / scale) ** 2).sum())
+        if err < best[0]:
+            best = (err, base, share, cap)
+    return best[1], best[2], best[3]
 
 
 def _steps_and_wire(kind: str, n: int, payload: float) -> tuple[float, float]:
@@ -459,7 +487,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     waits: list[dict[str, Any]] = []
     wait = (0.0, 0.0, 0.0)
     if n > 1:
-        waits = measure_waits(devices, WAIT_SEGMENTS, target, repeats)
+        waits = measure_waits(devices, WAIT_SEGMENTS, 2 * target, 5 if quick else 9)
         wait = fit_waits(waits, lat, bw, n)
     platform = devices[0].platform
     entry: dict[str, Any] = {

@@ -62,7 +62,7 @@ def test_quick_calibration_is_plausible(entry):
         "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}
     assert {r["axis_size"] for r in m["collectives"]} == {2, 4, 8}
     # A collective after computation, against the computation alone.
-    assert [r["matmuls"] for r in m["collective_waits"]] == [1, 4, 16, 64]
+    assert [r["matmuls"] for r in m["collective_waits"]] == [1, 2, 4, 8, 16, 32]
     assert all(r["wait_s"] >= 0 for r in m["collective_waits"])
     assert 0 <= entry["wait_s"] < 0.01 and 0 <= entry["wait_share"] < 1
     assert 0 <= entry["wait_cap_s"] < 0.1
@@ -73,7 +73,8 @@ def test_wait_fit_recovers_the_rule():
     own = 14 * lat + 2 * 7 / 8 * 1024 / bw  # the 1 KB all-reduce's own transfer
     rows = [{"matmuls": k, "segment_s": seg, "payload_bytes": 1024,
              "with_all_reduce_s": seg + own + min(3e-4 + 0.08 * seg, 2e-3)}
-            for k, seg in ((1, 5e-4), (4, 2e-3), (16, 8e-3), (64, 3.2e-2))]
+            for k, seg in ((1, 5e-4), (2, 1e-3), (4, 2e-3), (16, 8e-3), (32, 1.6e-2),
+                           (64, 3.2e-2))]
     base, share, cap = fit_waits(rows, lat, bw, n)
     assert base == pytest.approx(3e-4, rel=1e-6) and share == pytest.approx(0.08, rel=1e-6)
     assert cap == pytest.approx(2e-3, rel=1e-6)
