@@ -223,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
               + "; memory GB/s " + ", ".join(f"{c['hbm_bw'] / 1e9:.2f}" for c in calibrations)
               + "; saved GB/s " + ", ".join(f"{c['saved_bw'] / 1e9:.3f}" for c in calibrations)
               + "; collective GB/s "
-              + ", ".join(f"{c['ici_bw'] / 1e9:.2f}" for c in calibrations)
-              + "; collective wait us (base, share, cap) "
-              + ", ".join(f"({c['wait_s'] * 1e6:.0f}, {c['wait_share']:.3f}, "
-                          f"{c['wait_cap_s'] * 1e6:.0f})" for c in calibrations), flush=True)
+              + ", ".join(f"{c['ici_bw'] / 1e9:.2f}" for c in calibrations), flush=True)
     predicted = {n: predict_layout(layouts[n], chip) for n in names}
     measured = {n: statistics.median(v) for n, v in times.items()}
     pred = {n: predicted[n]["step_s"] for n in names}

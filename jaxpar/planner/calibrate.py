@@ -23,11 +23,7 @@ cores, that is the host's rate split among them.
   at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
   ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
   :func:`jaxpar.planner.comms.transfer_time`'s formula, ``latency x ring steps + wire
-  bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1);
-* collective waits: a small all-reduce after a segment of matmuls, against the segment
-  alone: what it adds beyond its transfer is the wait for the slowest device (simulated
-  devices sharing the host's cores reach it out of step), ``wait_s + wait_share x
-  segment`` up to ``wait_cap_s`` (:func:`fit_waits`).
+  bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1).
 
 Every timed operation runs ``R`` times inside one compiled loop (each iteration depends
 on the previous one), so dispatch costs are not counted; ``R`` is chosen from a first
@@ -59,7 +55,6 @@ ACCELERATOR_GRID = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
 LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak (CPU)
 ACCELERATOR_LARGE_FLOPS = 2 * 4096 ** 3  # and on a GPU or TPU
 TILES = (1, 8, 16, 32, 64, 128)
-WAIT_SEGMENTS = (1, 2, 4, 8, 16, 32)  # matmuls of 128 x 256 x 256 between collectives
 
 
 def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: int
@@ -276,102 +271,6 @@ def measure_collectives(devices: Sequence[Any], sizes_bytes: Sequence[int], targ
     return rows
 
 
-def measure_waits(devices: Sequence[Any], segments: Sequence[int], target_s: float,
-                  pairs: int, shape: tuple[int, int, int] = (128, 256, 256)
-                  ) -> list[dict[str, Any]]:
-    """What a collective costs after computation, beyond its own transfer: a loop of
-    ``k`` dependent ``shape`` matmuls a device (the segment) with and without a 1 KB
-    all-reduce of all devices after it, for each ``k`` of ``segments``. Devices that
-    reach the all-reduce out of step wait there for the slowest; back to back (as
-    :func:`measure_collectives` times them) they do not. The two loops run the same
-    number of iterations (about ``target_s``), alternated ``pairs`` times: the added
-    time is the median of the pairs' differences, which a host whose speed drifts
-    between two timings does not bias."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n = len(devices)
-    mesh = _mesh(devices, (n,), ("d",))
-    m, k, nn = shape
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
-    args = (put(jnp.ones((n * m, k), jnp.float32) * 0.01),
-            put(jnp.ones((n * k, nn), jnp.float32) * 0.01), put(jnp.ones((n * 256,))))
-    rows = []
-    for reps in segments:
-        fns = []
-        for synced in (False, True):
-            def local(r, x, w, g, reps=reps, synced=synced):
-                def body(_, c):
-                    s, y, g = c
-                    for _ in range(reps):
-                        y = jnp.dot(x * s + y[:, :1] * 1e-30, w)
-                    if synced:
-                        g = jax.lax.psum(g * 0.5 + y[0, 0] * 1e-30, "d") * (1.0 / n)
-                    return s + g[0] * 1e-30, y, g
-                init = (jnp.ones((), x.dtype), jnp.zeros((x.shape[0], w.shape[1]), x.dtype),
-                        g)
-                return jax.lax.fori_loop(0, r, body, init)[1]
-
-            fns.append(jax.jit(jax.shard_map(local, mesh=mesh,
-                                             in_specs=(P(), P("d"), P("d"), P("d")),
-                                             out_specs=P("d"), check_vma=False)))
-
-        def once(fn, r: int) -> float:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(jnp.int32(r), *args))
-            return time.perf_counter() - t0
-
-        for fn in fns:
-            once(fn, 1)  # compile
-        per = max(min(once(fns[0], 4) for _ in range(2)) / 4, 1e-7)
-        r = int(min(max(target_s / per, 4), 10000))
-        plain, added = [], []
-        for _ in range(pairs):
-            t_plain, t_synced = once(fns[0], r), once(fns[1], r)
-            plain.append(t_plain / r)
-            added.append((t_synced - t_plain) / r)
-        segment = float(np.median(plain))
-        rows.append({"matmuls": reps, "segment_s": segment,
-                     "with_all_reduce_s": segment + float(np.median(added)),
-                     "payload_bytes": 1024, "loops": r, "pairs": pairs})
-    return rows
-
-
-def fit_waits(rows: Sequence[dict[str, Any]], lat: float, bw: float, n: int
-              ) -> tuple[float, float, float]:
-    """(``wait_s``, ``wait_share``, ``wait_cap_s``) of
-    :func:`jaxpar.planner.comms.collective_waits` from :func:`measure_waits`'s rows: each
-    row's wait is the time the all-reduce adds less its own transfer (``latency x ring
-    steps + wire / bandwidth``, as fitted); then a hinge fit, least squares on relative
-    error: the shorter segments on the line ``wait_s + wait_share x segment``, the
-    longer ones on the plateau ``wait_cap_s`` (their mean), split where the fit is best.
-    Adds ``wait_s`` to each row; all 0 when no wait was measured."""
-    for r in rows:
-        steps, wire = _steps_and_wire("all-reduce", n, r["payload_bytes"])
-        r["wait_s"] = max(r["with_all_reduce_s"] - r["segment_s"] - steps * lat - wire / bw,
-                          0.0)
-    ordered = sorted(rows, key=lambda r: r["segment_s"])
-    seg = np.array([r["segment_s"] for r in ordered])
-    wait = np.array([r["wait_s"] for r in ordered])
-    if len(ordered) < 3 or not wait.any():
-        return 0.0, 0.0, float(wait.max(initial=0.0))
-    # relative error, except below the median wait (a wait measured near 0 is noise,
-    # not a point to divide by)
-    scale = np.maximum(wait, np.median(wait))
-    best = (math.inf, 0.0, 0.0, 0.0)
-    for split in range(2, len(ordered)):
-        a = np.stack([np.ones(split), seg[:split]], axis=1) / scale[:split, None]
-        (base, share), *_ = np.linalg.lstsq(a, wait[:split] / scale[:split], rcond=None)
-        base, share = max(float(base), 0.0), max(float(share), 0.0)
-        cap = float(wait[split:].mean())
-        err = float((((np.minimum(base + share * seg, cap) - wait) / scale) ** 2).sum())
-        if err < best[0]:
-            best = (err, base, share, cap)
-    return best[1], best[2], best[3]
-
-
 def _steps_and_wire(kind: str, n: int, payload: float) -> tuple[float, float]:
     """(ring steps paying latency, bytes on the wire per device) of one execution, as
     :func:`jaxpar.planner.comms.transfer_time` counts them."""
@@ -484,11 +383,6 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         for r in colls:
             steps, wire = _steps_and_wire(r["kind"], r["axis_size"], r["payload_bytes"])
             r["fitted_s"] = steps * lat + wire / bw
-    waits: list[dict[str, Any]] = []
-    wait = (0.0, 0.0, 0.0)
-    if n > 1:
-        waits = measure_waits(devices, WAIT_SEGMENTS, 2 * target, 5 if quick else 9)
-        wait = fit_waits(waits, lat, bw, n)
     platform = devices[0].platform
     entry: dict[str, Any] = {
         "peak_flops": fit["peak_flops"], "f32_flops": fit["f32_flops"],
@@ -500,7 +394,6 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         "memory_efficiency": 1.0, "collective_efficiency": 1.0,
         "overlap": 0.0 if platform == "cpu" else 1.0,
         "op_overhead_s": fit["op_overhead_s"], "saved_bw": saved["bytes_per_s"],
-        "wait_s": wait[0], "wait_share": wait[1], "wait_cap_s": wait[2],
         "source": f"jaxpar calibrate on {n} {platform} devices "
                   f"({devices[0].device_kind}), {time.strftime('%Y-%m-%d')}",
     }
@@ -513,7 +406,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
         "quick": quick, "seconds": time.perf_counter() - start, "memory": memory,
         "saved_activations": saved,
         "matmuls": matmuls, "matmul_fit_rms_error": fit["rms_log_error"],
-        "collectives": colls, "collective_waits": waits}
+        "collectives": colls}
     return entry
 
 
@@ -529,9 +422,6 @@ def summary(entry: dict[str, Any]) -> str:
              f"{'saved activations':22} {entry.get('saved_bw', 0) / 1e9:10.3f} GB/s per device",
              f"{'collective bandwidth':22} {entry['ici_bw'] / 1e9:10.2f} GB/s per device",
              f"{'collective latency':22} {entry['ici_latency_s'] * 1e6:10.2f} us per ring step",
-             f"{'collective wait':22} {entry.get('wait_s', 0) * 1e6:10.2f} us + "
-             f"{entry.get('wait_share', 0):.3f} x the computation before it, at most "
-             f"{entry.get('wait_cap_s', 0) * 1e6:.0f} us",
              f"{'device memory':22} {entry['hbm_bytes'] / GiB:10.2f} GiB",
              f"{'overlap':22} {entry['overlap']:10.0f}"]
     if m.get("matmuls"):

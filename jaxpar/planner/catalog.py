@@ -25,10 +25,7 @@ Every figure is per chip and comes from a public source named beside it (each en
   1 on TPUs and GPUs, 0 on XLA:CPU) and ``op_overhead_s`` (fixed cost per kernel launch).
   The built-in values are fitted on published runs (``benchmarks/published.py --fit``
   prints how; its half of the rows held out is the check), and ``jaxpar calibrate``
-  measures them on the machine it runs on;
-* for devices that do not run in step (simulated CPU devices sharing a host's cores),
-  what a collective waits for the slowest one: ``wait_s``, ``wait_share``,
-  ``wait_cap_s`` (measured by ``jaxpar calibrate``; 0 for every built-in chip).
+  measures them on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -78,11 +75,6 @@ class Chip:
       saved_bw: bytes/s at which the activations a layer scan saves for the backward
         pass are stored and read back, beyond their compute (XLA:CPU: far below its
         streaming rate); 0 where that traffic is part of the roofline's memory terms.
-      wait_s, wait_share, wait_cap_s: what a collective waits for the slowest device
-        after a segment of computation, ``min(wait_s + wait_share x segment,
-        wait_cap_s)`` an execution (simulated devices sharing a host's cores reach each
-        collective out of step; :func:`jaxpar.planner.comms.collective_waits`); 0 where
-        devices run in step (TPUs, GPUs).
       host_bytes: host memory per chip for offloaded state (0: not known, not checked).
       host_mem_bw: host memory bytes/s per chip, the roof of an optimizer update run on
         the host (0: not known; :attr:`host_update_bw` then assumes four times
@@ -113,9 +105,6 @@ class Chip:
     overlap: float = 1.0
     op_overhead_s: float = 0.0
     saved_bw: float = 0.0
-    wait_s: float = 0.0
-    wait_share: float = 0.0
-    wait_cap_s: float = 0.0
     host_bytes: float = 0.0
     host_mem_bw: float = 0.0
     int8_flops: float = 0.0

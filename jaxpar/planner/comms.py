@@ -70,7 +70,7 @@ from jaxpar.planner.candidate import (
     pipe_repeats,
     scheduled_backward,
 )
-from jaxpar.planner.catalog import Chip, Machine
+from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout, Placed
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
@@ -453,18 +453,6 @@ def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
         wire = _wire(tr.kind, n_dcn) * _dcn_share(tr.kind, payload, n_ici)
         t += steps(n_dcn) * chip.dcn_latency_s + wire / (chip.dcn_bw * eff)
     return tr.runs * t
-
-
-def collective_waits(chip: Chip, executions: float, compute_s: float) -> float:
-    """Seconds a step's collectives wait for the slowest device where devices run out of
-    step (simulated devices sharing a host's cores): ``executions`` collectives cut
-    ``compute_s`` of computation into segments of ``compute_s / executions``, and each
-    waits ``min(wait_s + wait_share x segment, wait_cap_s)`` (figures ``jaxpar
-    calibrate`` measures; 0 on TPUs and GPUs)."""
-    if executions <= 0 or not chip.wait_cap_s:
-        return 0.0
-    segment = compute_s / executions
-    return executions * min(chip.wait_s + chip.wait_share * segment, chip.wait_cap_s)
 
 
 def _wire(kind: str, n: int) -> float:

@@ -35,13 +35,7 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner.comms import (
-    PHASES,
-    collective_waits,
-    collectives,
-    transfer_time,
-    transfers,
-)
+from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
 from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
@@ -258,8 +252,6 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
                + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches)) + H_l
         step = core / (1 - bubble) + U + O_u + H_s
                (+ saved activation bytes / saved_bw where the chip prices them apart)
-               (+ the collectives' waits for the slowest device where devices run out
-                  of step: :func:`jaxpar.planner.comms.collective_waits`)
 
     with the pipeline bubble ``(p - 1) / (r m + p - 1)`` (``p`` stages, ``r`` repeats,
     ``m`` microbatches), and host offload's exposed transfers inside the layer loop
@@ -367,10 +359,6 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         saved = mem["activation_bytes"] / inflight * micro / chip.saved_bw
         breakdown["saved activations"] = saved
         step += saved
-    if chip.wait_cap_s:  # simulated devices: each collective waits for the slowest one
-        waits = collective_waits(chip, sum(r["executions"] for r in rows), compute + update)
-        breakdown["collective waits"] = waits
-        step += waits
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
     fits = _fits(mem, chip, hbm_headroom)
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,

@@ -13,7 +13,6 @@ from jaxpar.cli import main
 from jaxpar.planner.calibrate import (
     _steps_and_wire,
     fit_collectives,
-    fit_waits,
     write_entry,
 )
 from jaxpar.planner.catalog import load_catalog, parse_chips
@@ -61,24 +60,6 @@ def test_quick_calibration_is_plausible(entry):
     assert {r["kind"] for r in m["collectives"]} == {
         "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}
     assert {r["axis_size"] for r in m["collectives"]} == {2, 4, 8}
-    # A collective after computation, against the computation alone.
-    assert [r["matmuls"] for r in m["collective_waits"]] == [1, 2, 4, 8, 16, 32]
-    assert all(r["wait_s"] >= 0 for r in m["collective_waits"])
-    assert 0 <= entry["wait_s"] < 0.01 and 0 <= entry["wait_share"] < 1
-    assert 0 <= entry["wait_cap_s"] < 0.1
-
-
-def test_wait_fit_recovers_the_rule():
-    lat, bw, n = 1e-5, 2e9, 8
-    own = 14 * lat + 2 * 7 / 8 * 1024 / bw  # the 1 KB all-reduce's own transfer
-    rows = [{"matmuls": k, "segment_s": seg, "payload_bytes": 1024,
-             "with_all_reduce_s": seg + own + min(3e-4 + 0.08 * seg, 2e-3)}
-            for k, seg in ((1, 5e-4), (2, 1e-3), (4, 2e-3), (16, 8e-3), (32, 1.6e-2),
-                           (64, 3.2e-2))]
-    base, share, cap = fit_waits(rows, lat, bw, n)
-    assert base == pytest.approx(3e-4, rel=1e-6) and share == pytest.approx(0.08, rel=1e-6)
-    assert cap == pytest.approx(2e-3, rel=1e-6)
-    assert rows[0]["wait_s"] == pytest.approx(3e-4 + 0.08 * 5e-4)
 
 
 def test_written_entry_loads_and_plans(entry, tmp_path, capsys):

@@ -11,7 +11,6 @@ import pytest
 import jaxpar
 from jaxpar.models import TransformerConfig
 from jaxpar.planner import BUILTIN, Candidate, estimate, parse_chips
-from jaxpar.planner.comms import collective_waits
 from jaxpar.planner.cost import (
     causal_fraction,
     check_divisible,
@@ -267,25 +266,3 @@ def test_vocabulary_over_fsdp_pays_off_while_tokens_are_fewer_than_its_entries(b
     moved = [sum(r["bytes_per_step"] for r in e.collectives) for e in ests]
     assert (moved[1] < moved[0]) == split_wins
     assert (ests[1].step_time_s < ests[0].step_time_s) == split_wins
-
-
-def test_collective_waits_follow_the_calibrated_rule_and_only_where_devices_drift():
-    """Simulated devices sharing a host's cores wait at each collective for the slowest:
-    ``min(wait_s + wait_share x segment, wait_cap_s)`` an execution, the segment being
-    the computation over the executions (TPUs and GPUs: no such term)."""
-    cpu = dataclasses.replace(BUILTIN["h100"], name="drifting", overlap=0.0, wait_s=2e-4,
-                              wait_share=0.1, wait_cap_s=2e-3)
-    cand = Candidate.make({"fsdp": 4, "tensor": 2})
-    plain = estimate(TINY, cand, chips="h100:8", global_batch=16, seq=128)
-    assert "collective waits" not in plain.breakdown
-    est = estimate(TINY, cand, chips="drifting:8", catalog={"drifting": cpu}, global_batch=16,
-                   seq=128)
-    executions = sum(r["executions"] for r in est.collectives)
-    compute = est.compute_s
-    segment = compute / executions
-    want = executions * min(2e-4 + 0.1 * segment, 2e-3)
-    assert executions > 10 and est.breakdown["collective waits"] == pytest.approx(want)
-    assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s, rel=1e-6)
-    # one collective after a long computation waits the cap, not a share of it
-    assert collective_waits(cpu, 1, 10.0) == 2e-3
-    assert collective_waits(cpu, 0, 10.0) == 0.0
