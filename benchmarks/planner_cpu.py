@@ -163,6 +163,14 @@ def median_figures(entries: list[dict]) -> dict:
     return out
 
 
+def describe_calibrations(entries: list[dict]) -> str:
+    """The figures that drift, each as its values over ``entries`` (in giga units)."""
+    shown = (("f32 GFLOP/s", "f32_flops", ".1f"), ("memory GB/s", "hbm_bw", ".2f"),
+             ("saved GB/s", "saved_bw", ".3f"), ("collective GB/s", "ici_bw", ".2f"))
+    return "; ".join(f"{label} " + ", ".join(f"{e[key] / 1e9:{fmt}}" for e in entries)
+                     for label, key, fmt in shown)
+
+
 def ranks(values: dict[str, float]) -> dict[str, int]:
     """1 for the smallest value."""
     return {n: i + 1 for i, n in enumerate(sorted(values, key=values.get))}
@@ -218,12 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         # median of the calibration before the rounds and one at the start of each.
         figures = median_figures(calibrations)
         chip = chip_from_mapping(args.name, figures)
-        print("\ncalibrations (before the rounds, then one a round): f32 GFLOP/s "
-              + ", ".join(f"{c['f32_flops'] / 1e9:.1f}" for c in calibrations)
-              + "; memory GB/s " + ", ".join(f"{c['hbm_bw'] / 1e9:.2f}" for c in calibrations)
-              + "; saved GB/s " + ", ".join(f"{c['saved_bw'] / 1e9:.3f}" for c in calibrations)
-              + "; collective GB/s "
-              + ", ".join(f"{c['ici_bw'] / 1e9:.2f}" for c in calibrations), flush=True)
+        print("\ncalibrations (before the rounds, then one a round): "
+              + describe_calibrations(calibrations), flush=True)
     predicted = {n: predict_layout(layouts[n], chip) for n in names}
     measured = {n: statistics.median(v) for n, v in times.items()}
     pred = {n: predicted[n]["step_s"] for n in names}
