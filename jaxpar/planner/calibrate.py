@@ -55,6 +55,8 @@ ACCELERATOR_GRID = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
 LARGE_FLOPS = 2 * 128 * 256 * 1024  # shapes at least this big set the peak (CPU)
 ACCELERATOR_LARGE_FLOPS = 2 * 4096 ** 3  # and on a GPU or TPU
 TILES = (1, 8, 16, 32, 64, 128)
+MAX_OPERAND_COPIES = 256
+"""The most operand copies a matmul timing cycles through (see :func:`measure_matmuls`)."""
 
 
 def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: int
@@ -88,10 +90,16 @@ def _mesh(devices: Sequence[Any], shape: tuple[int, ...], names: tuple[str, ...]
 
 
 def measure_matmuls(devices: Sequence[Any], grid: Sequence[tuple[int, int, int]],
-                    dtypes: Sequence[str], target_s: float, repeats: int
-                    ) -> list[dict[str, Any]]:
+                    dtypes: Sequence[str], target_s: float, repeats: int,
+                    working_set_bytes: float = 0.0) -> list[dict[str, Any]]:
     """Per-device seconds of each ``(m, k, n)`` matmul of ``grid`` in each dtype, every
-    device computing its own at once."""
+    device computing its own at once.
+
+    ``working_set_bytes``: each device cycles through as many copies of its operands as
+    fill this many bytes (at most :data:`MAX_OPERAND_COPIES`), one copy an iteration, so
+    that the operands come from memory as a training step's do (every layer its own
+    weights and activations) instead of from the caches; 0 or a single copy's size
+    reuses one pair of operands."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -102,24 +110,31 @@ def measure_matmuls(devices: Sequence[Any], grid: Sequence[tuple[int, int, int]]
     rows = []
     for dtype in dtypes:
         for m, k, nn in grid:
-            def local(r, x, w):
-                def body(_, c):
+            pair = (m * k + k * nn) * jnp.dtype(dtype).itemsize
+            copies = int(min(max(math.ceil(working_set_bytes / pair), 1),
+                             MAX_OPERAND_COPIES))
+
+            def local(r, xs, ws, copies=copies):
+                def body(i, c):
                     s, _y = c
+                    j = i % copies
+                    x = jax.lax.dynamic_index_in_dim(xs, j, keepdims=False)
+                    w = jax.lax.dynamic_index_in_dim(ws, j, keepdims=False)
                     y = jnp.dot(x * s, w, preferred_element_type=x.dtype)
                     return (s + y[0, 0] * 1e-30).astype(x.dtype), y
-                s0 = jnp.ones((), x.dtype)
-                out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+                s0 = jnp.ones((), xs.dtype)
+                out = jnp.zeros((xs.shape[1], ws.shape[2]), xs.dtype)
                 return jax.lax.fori_loop(0, r, body, (s0, out))[1]
 
             fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")),
                                        out_specs=P("d"), check_vma=False))
-            x = jax.device_put(jnp.ones((n * m, k), dtype) * 0.01,
+            x = jax.device_put(jnp.ones((n * copies, m, k), dtype) * 0.01,
                                NamedSharding(mesh, P("d")))
-            w = jax.device_put(jnp.ones((n * k, nn), dtype) * 0.01,
+            w = jax.device_put(jnp.ones((n * copies, k, nn), dtype) * 0.01,
                                NamedSharding(mesh, P("d")))
             t, r = _time_loop(fn, (x, w), target_s, repeats)
             rows.append({"dtype": dtype, "m": m, "k": k, "n": nn, "seconds": t, "loops": r,
-                         "flops_per_s": 2 * m * k * nn / t})
+                         "operand_copies": copies, "flops_per_s": 2 * m * k * nn / t})
     return rows
 
 
@@ -371,7 +386,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     hbm_bw = memory["bytes_per_s"]
     saved = measure_saved(devices, (1 << 18) if quick else (1 << 20))
     grid = QUICK_GRID if quick else MATMUL_GRID + (ACCELERATOR_GRID if accelerator else ())
-    matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats)
+    matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats,
+                              working_set_bytes=4 * elements)
     fit = fit_matmuls(matmuls, hbm_bw,
                       ACCELERATOR_LARGE_FLOPS if accelerator and not quick else LARGE_FLOPS)
     colls: list[dict[str, Any]] = []
