@@ -9,7 +9,12 @@ cores, that is the host's rate split among them.
   ``f32_flops`` and ``peak_flops`` are the median rates of the large shapes (the
   sustained rate, robust to a timing disturbed by other work; on a GPU or TPU the grid
   adds matmuls up to 8192 wide, and only those of at least 2 x 4096^3 FLOPs count as
-  large: a 1024-wide matmul leaves an H100 mostly idle);
+  large: a 1024-wide matmul leaves an H100 mostly idle); every timed iteration takes
+  the next of several copies of its operands, which together fill the memory
+  measurement's working set, so operands come from memory as a step's do (each layer its
+  own weights and activations): on the 2-core host of ``benchmarks/planner_cpu.py``
+  cache-resident operands ran 10-30% faster (grid medians 24-27 against 18-24 GFLOP/s in
+  float32) and the smallest shape, memory-bound once its weights stream, 2-3x faster;
   ``matmul_tile`` and ``op_overhead_s`` are fitted (least squares on log time) so that
   :func:`jaxpar.planner.roofline.matmul_time`, with ``matmul_efficiency`` 1, reproduces
   the whole grid;

@@ -21,13 +21,6 @@ from jaxpar.planner.prediction import candidate_from_config, spec_from_config
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "planner_cpu.json"
 TOLERANCE = 0.25
 
-# One of 14 layouts is still outside 1 +- 25% (expert=4 x fsdp=2 at 0.748, 2026-11-27:
-# the layouts running the most collectives a step are the most under-predicted). strict:
-# once a fix makes the test pass, remove the marker.
-NOT_YET = pytest.mark.xfail(strict=True, reason="the MoE layout under-predicted by 25.2% on "
-                            "XLA:CPU (many collectives a step)")
-
-
 @pytest.fixture(scope="module")
 def results():
     data = json.loads(RESULTS.read_text())
@@ -50,7 +43,6 @@ def test_at_least_eight_layouts(results):
     assert len(results[1]) >= 8
 
 
-@NOT_YET
 def test_each_prediction_within_tolerance(results):
     predicted, measured = results
     off = {n: round(predicted[n] / measured[n], 2) for n in measured
