@@ -25,7 +25,9 @@ Each operation one device runs is priced on its chip (:class:`~jaxpar.planner.ca
   accumulation buffer per microbatch; and the optimizer update over the local shard of
   the state (:func:`update_bytes`);
 * what a remat policy recomputes is priced again as forward work (``full``: the whole
-  layer; see :func:`recomputed_parts`).
+  layer; see :func:`recomputed_parts`), with the elementwise work around the rerun
+  matmuls (the norm and RoPE of ``qkv``, the norm and activation of the MLP, the residual
+  adds of ``wo`` and ``down``).
 
 Everything is per device. :func:`compute_times` returns the forward and backward time of
 one layer for one microbatch, the embedding, head and loss per microbatch, and the update
@@ -197,12 +199,20 @@ def _attention(chip: Chip, spec: ModelSpec, loc: Local, kind: str, act: int,
     return fwd, bwd, fwd
 
 
-def _elementwise_bytes(spec: ModelSpec, loc: Local, act: int) -> float:
+def _elementwise_bytes(spec: ModelSpec, loc: Local, act: int,
+                      parts: tuple[str, ...] = ("qkv", "wo", "gate_up", "down")) -> float:
     """HBM bytes of one layer's forward norms, residual adds, RoPE and gated activation,
     per microbatch (the residual stream split over ``tensor`` under sequence
-    parallelism)."""
+    parallelism), or of those that rerun with the matmuls ``parts`` (a remat policy's
+    :func:`recomputed_parts`): the norm before ``qkv`` and the RoPE on its output rerun
+    with ``qkv``, the norm before ``gate_up`` with ``gate_up``, each residual add with
+    the projection it adds (``wo``, ``down``), the gated activation between ``gate_up``
+    and ``down`` with either."""
     d = spec.d_model / loc.residual_split
-    per_token = 8 * d + 2 * (loc.heads + loc.kv_heads) * spec.head_dim + 3 * loc.ff_per_token
+    per_token = (2 * d * (("qkv" in parts) + ("wo" in parts) + ("gate_up" in parts)
+                          + ("down" in parts))
+                 + 2 * (loc.heads + loc.kv_heads) * spec.head_dim * ("qkv" in parts)
+                 + 3 * loc.ff_per_token * ("gate_up" in parts or "down" in parts))
     return per_token * loc.tokens * act
 
 
@@ -258,8 +268,10 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
     redo = sum(parts[p][0] for p in recomputed if p in parts and p != "attention")
     if "attention" in recomputed:
         redo += a_redo
-    if "down" in recomputed:  # the whole layer reruns: elementwise work and experts too
-        redo += elem + experts[0]
+    # The elementwise work feeding and following the rerun matmuls reruns with them.
+    redo += memory_time(chip, _elementwise_bytes(spec, loc, act, recomputed))
+    if "down" in recomputed:  # the MLP reruns: the routed experts too
+        redo += experts[0]
     summary = {name: f + b for name, (f, b) in parts.items()}
     summary["experts"] = experts[0] + experts[1]
     summary["elementwise"] = ELEMENTWISE_PASSES * elem

@@ -1,7 +1,8 @@
 """The roofline price of each operation: a matmul as the slower of its FLOPs at the chip's
 sustained rate (dimensions padded to the MXU tile) and its bytes at HBM speed, float32 at
-the f32 rate, streaming work, what remat policies rerun, and the optimizer update's bytes
-(all checked against the formulas of the module docstring worked out by hand)."""
+the f32 rate, streaming work, what remat policies rerun (with the elementwise work around
+it), and the optimizer update's bytes (all checked against the formulas of the module
+docstring worked out by hand)."""
 
 import dataclasses
 
@@ -9,13 +10,18 @@ import pytest
 
 import jaxpar
 from jaxpar.planner import BUILTIN, Candidate
+from jaxpar.planner.candidate import local_sizes
+from jaxpar.planner.layout import layout
+from jaxpar.planner.model import from_transformer
 from jaxpar.planner.roofline import (
+    compute_times,
     matmul_time,
     memory_time,
     recomputed_parts,
     update_bytes,
     update_time,
 )
+from tests.planner.cases import TINY
 
 
 def test_v6e_head_dim_padding_and_memory_bound_matmuls():
@@ -105,3 +111,22 @@ def test_update_bytes_follow_the_optimizer_state():
     h100 = BUILTIN["h100"]
     assert update_time(h100, adam_mixed, 1000, 0) == pytest.approx(
         34_000 / (3350e9 * 0.6))
+
+
+@pytest.mark.parametrize(("parts", "matmul", "elementwise"), [
+    # (rerun parts, the rerun matmul (m, k, n) per token row, elementwise elements a token)
+    (("wo",), (64, 64), 2 * 64),  # the residual add after the attention projection
+    (("qkv",), (64, 16 * (4 + 2 + 2)), 2 * 64 + 2 * (4 + 2) * 16),  # the norm and RoPE
+    (("gate_up",), (64, 2 * 256), 2 * 64 + 3 * 256),  # the norm and the gated activation
+])
+def test_recomputation_reruns_the_elementwise_work_around_its_matmuls(parts, matmul,
+                                                                       elementwise):
+    spec, chip = from_transformer(TINY), BUILTIN["tpu-v5p"]
+    cand = Candidate.make({"data": 1})
+    loc = local_sizes(spec, layout(spec, cand.sizes, cand.rules, cand.zero_stage), cand, 2, 16)
+    times = compute_times(spec, loc, cand, chip, attention="xla", causal=1.0,
+                          recomputed=parts, local_state=0, local_grads=0)
+    tokens, act = 2 * 16, 2  # bfloat16 compute
+    assert times.parts["recompute"] == pytest.approx(
+        matmul_time(chip, tokens, *matmul, act_bytes=act)
+        + memory_time(chip, elementwise * tokens * act))
