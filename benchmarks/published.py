@@ -89,7 +89,7 @@ def model_config(run: dict) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
-SOFTWARE = {"xla": 1.0, "megatron": 0.98, "pytorch": 0.98}
+SOFTWARE = {"xla": 1.0, "megatron": 0.96, "pytorch": 0.96}
 """How fast each implementation family runs the same matmuls, relative to XLA (what jaxpar
 runs, so the planner uses 1): a factor on the chip's ``matmul_efficiency``, fitted on the
 fit half with the chips' efficiencies (``--fit``). Without it one figure per GPU would

@@ -200,6 +200,7 @@ BUILTIN: dict[str, Chip] = {
     "tpu-v7": Chip("tpu-v7", 2307e12, 192 * GiB, 540 * GB, 100 * _GBPS, 9216,
                    hbm_bw=7380 * GB, matmul_tile=256, torus_dims=3, ici_links=6,
                    ici_link_bw=90 * GB, host_bw=32 * GB,
+                   matmul_efficiency=0.86, memory_efficiency=0.9,
                    fp8_flops=4614e12, source="cloud.google.com/tpu/docs/tpu7x"),
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s dense bf16, 19.5 TFLOP/s FP32, 80 GB
     # HBM2e at 2039 GB/s, NVLink 600 GB/s (300 each way); DGX A100: 8 GPUs per NVLink
@@ -217,7 +218,7 @@ BUILTIN: dict[str, Chip] = {
     # channels each).
     "h100": Chip("h100", 989e12, 80 * GB, 450 * GB, 400 * _GBPS, 8, hbm_bw=3350 * GB,
                  f32_flops=67e12, matmul_tile=128, ici_latency_s=5e-6, dcn_latency_s=1e-5,
-                 host_bw=64 * GB, matmul_efficiency=0.64, memory_efficiency=0.6,
+                 host_bw=64 * GB, matmul_efficiency=0.64, memory_efficiency=0.7,
                  host_bytes=2000 * GB / 8, host_mem_bw=_DDR5_4800_2S / 8,
                  int8_flops=1979e12, fp8_flops=1979e12,
                  source="NVIDIA H100 datasheet; DGX H100 user guide"),

@@ -110,7 +110,7 @@ def test_update_bytes_follow_the_optimizer_state():
         4 * 8 * 500)
     h100 = BUILTIN["h100"]
     assert update_time(h100, adam_mixed, 1000, 0) == pytest.approx(
-        34_000 / (3350e9 * 0.6))
+        34_000 / (3350e9 * 0.7))
 
 
 @pytest.mark.parametrize(("parts", "matmul", "elementwise"), [
