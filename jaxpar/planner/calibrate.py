@@ -374,7 +374,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     (:class:`~jaxpar.planner.catalog.Chip`, without ``name``) plus ``measurements``, the
     raw timings and how well the fitted figures reproduce them.
 
-    ``quick`` runs a smaller grid with shorter timings (a few seconds, for tests).
+    ``quick`` runs a smaller grid with shorter timings and smaller working sets (a few
+    seconds, for tests).
     """
     import jax
 
@@ -392,7 +393,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, quick: bool = False) -> d
     saved = measure_saved(devices, (1 << 18) if quick else (1 << 20))
     grid = QUICK_GRID if quick else MATMUL_GRID + (ACCELERATOR_GRID if accelerator else ())
     matmuls = measure_matmuls(devices, grid, ("float32", "bfloat16"), target, repeats,
-                              working_set_bytes=4 * elements)
+                              working_set_bytes=(1 if quick else 4) * elements)
     fit = fit_matmuls(matmuls, hbm_bw,
                       ACCELERATOR_LARGE_FLOPS if accelerator and not quick else LARGE_FLOPS)
     colls: list[dict[str, Any]] = []
