@@ -99,6 +99,15 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+    """Custom calls of a compiled program by target (``tpu_custom_call``: a Pallas/Mosaic
+    kernel compiled for a TPU), e.g. ``{"tpu_custom_call": 8}``."""
+    return dict(sorted(Counter(_CUSTOM_CALL.findall(hlo_text)).items()))
+
+
 def count_collectives(hlo_text: str) -> Counter:
     """``Counter`` of collective kinds in the HLO text."""
     return Counter(c.kind for c in parse_collectives(hlo_text))
@@ -227,16 +236,41 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s
                     r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
 _CALLED = re.compile(r"\b(calls|body|branch_computations|called_computations)="
                      r"(\{[^}]*\}|%?[\w.\-]+)")
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"^\w+\[([\d,]*)\]")
 _NAME = re.compile(r"%?([\w.\-]+)")
+
+
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")
+_WINDOW = re.compile(r"window=\{size=([\dx]+)(?: pad=([\d_x]+))?")
+
+
+def _conv_dot(rest: str) -> tuple[list[int], int]:
+    """A TPU ``convolution`` that computes a ``dot_general``: (the lhs dimensions it
+    contracts, the window positions each output sums over). The lhs's feature dimension
+    (``f`` in ``dim_labels``) is contracted; a spatial dimension is contracted over its
+    window unless the window is padded by its size minus one on both sides, the form in
+    which the TPU compiler writes a batch dimension (each output sees one position)."""
+    labels = _DIM_LABELS.search(rest)
+    contracting = [labels[1].index("f")] if labels and "f" in labels[1] else []
+    window = 1
+    if w := _WINDOW.search(rest):
+        sizes = _ints(w[1].replace("x", ","))
+        pads = w[2].split("x") if w[2] else ["0_0"] * len(sizes)
+        for size, pad in zip(sizes, pads, strict=False):
+            lo, hi = (int(x) for x in pad.split("_"))
+            window *= 1 if (lo, hi) == (size - 1, size - 1) else size
+    return contracting, window
 
 
 def matmul_flops(hlo_text: str) -> dict[str, int]:
     """FLOPs of every ``dot`` in an optimized HLO module, each loop body counted per trip.
 
     XLA's own cost analysis (:func:`flops`) counts a ``while`` loop's body once, so a model
-    whose layers run under ``lax.scan`` looks ``n_layers`` times cheaper than it is. Here
+    whose layers run under ``lax.scan`` looks ``n_layers`` times cheaper than it is (the
+    TPU compiler writes dots as ``convolution``s: those are counted too, see
+    :func:`_conv_dot`). Here
     each computation is weighted by how often it runs: a ``while`` body by its
     ``known_trip_count`` (once when XLA does not know it), fusions and calls by their
     caller. A dot costs ``2 x output elements x contracted size``.
@@ -246,6 +280,7 @@ def matmul_flops(hlo_text: str) -> dict[str, int]:
     shapes: dict[str, list[int]] = {}
     dots: list[tuple[str, str, str, list[int]]] = []
     callers: dict[str, list[tuple[str, int]]] = {}
+    bounds: dict[str, list[int]] = {}
     comp = entry = None
     loops = unknown = 0
     for line in hlo_text.splitlines():
@@ -262,16 +297,34 @@ def matmul_flops(hlo_text: str) -> dict[str, int]:
         if m["op"] == "dot":
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
             dots.append((comp, m["name"], _NAME.match(rest.lstrip())[1],
-                         _ints(contracting[1]) if contracting else []))
+                         _ints(contracting[1]) if contracting else [], 1))
+        elif m["op"] == "convolution" and "dot_general" in rest:
+            dots.append((comp, m["name"], _NAME.match(rest.lstrip())[1], *_conv_dot(rest)))
+        if m["op"] == "constant" and (c := re.match(r"(\d+)\)", rest)) and "s32[]" in m["type"]:
+            bounds.setdefault(comp, []).append(int(c[1]))
         for kind, target in _CALLED.findall(rest):
-            factor = 1
+            factor: int | str = 1
             if kind == "body":
                 loops += 1
                 trip = _TRIP.search(rest)
-                factor = int(trip[1]) if trip else 1
-                unknown += trip is None
+                cond = _CONDITION.search(rest)
+                factor = int(trip[1]) if trip else (cond[1] if cond else 1)
             for callee in _NAME.findall(target):
                 callers.setdefault(callee, []).append((comp, factor))
+
+    def trips(factor: int | str) -> int:
+        """A loop's trip count; without XLA's ``known_trip_count`` (the TPU compiler's
+        loops), the bound its condition compares the counter with (``i < n``)."""
+        nonlocal unknown
+        if isinstance(factor, int):
+            return factor
+        found = bounds.get(factor, [])
+        if len(found) == 1:
+            return found[0]
+        unknown += 1
+        return 1
+
+    callers = {k: [(c, trips(f)) for c, f in v] for k, v in callers.items()}
 
     runs: dict[str, int] = {}
 
@@ -284,8 +337,9 @@ def matmul_flops(hlo_text: str) -> dict[str, int]:
         return runs[name]
 
     total = 0
-    for comp_name, out, lhs, contracting in dots:
-        k = int(np.prod([shapes[lhs][d] for d in contracting])) if lhs in shapes else 1
+    for comp_name, out, lhs, contracting, window in dots:
+        k = window * (int(np.prod([shapes[lhs][d] for d in contracting]))
+                      if lhs in shapes else 1)
         total += 2 * int(np.prod(shapes.get(out, [0]))) * k * times(comp_name)
     return {"flops": total, "dots": len(dots), "loops": loops,
             "loops_without_trip_count": unknown}

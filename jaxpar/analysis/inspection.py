@@ -1,17 +1,30 @@
-"""``jaxpar inspect``'s report: a config's training step compiled on this machine, read
-back (collectives by mesh axis, memory, FLOPs, each parameter's stored sharding) and set
-beside the planner's prediction for the same layout.
+"""``jaxpar inspect``'s and ``jaxpar compile``'s report: a config's training step compiled
+ahead of time, read back (collectives by mesh axis, memory, FLOPs, each parameter's stored
+sharding) and set beside the planner's prediction for the same layout.
+
+The step is built from shapes alone (:func:`compile_step`): the model, the optimizer state
+and the batch are ``jax.ShapeDtypeStruct``s with the plan's shardings, so it compiles for
+this machine's devices or for a TPU slice that is not here (:mod:`jaxpar.analysis.targets`),
+and it is the program ``jaxpar train`` runs: the same Trainer lowers it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar.analysis.hlo import collective_table, flops, matmul_flops, memory_stats
-from jaxpar.config.assembly import assemble
+from jaxpar.analysis.hlo import (
+    collective_table,
+    custom_calls,
+    flops,
+    matmul_flops,
+    memory_stats,
+)
+from jaxpar.analysis.targets import Target, cpu_target
+from jaxpar.config.assembly import Assembly, assemble
 from jaxpar.parallel import schedules
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.mesh import describe
@@ -54,13 +67,18 @@ def param_rows(trainer: Any) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["path"])
 
 
-def planner_prediction(config: Any, n_devices: int) -> tuple[dict[str, Any] | None, str]:
-    """``jaxpar.planner.predict(config, n_devices)`` or ``(None, why)`` when unavailable."""
+def planner_prediction(config: Any, n_devices: int, target: Target | None = None
+                       ) -> tuple[dict[str, Any] | None, str]:
+    """``jaxpar.planner.predict(config, n_devices)`` (for a TPU target, its accelerator
+    forms and chip figures) or ``(None, why)`` when unavailable."""
     try:
         from jaxpar.planner import predict
     except ImportError as err:
         return None, f"no planner prediction: jaxpar.planner is not available ({err})"
     try:
+        if target is not None and target.platform != "cpu":
+            return predict(config, n_devices, backend=target.platform,
+                           machine=target.machine), ""
         return predict(config, n_devices), ""
     except Exception as err:  # noqa: BLE001 - a planner failure must not hide the measurement
         return None, f"no planner prediction: {type(err).__name__}: {err}"
@@ -118,29 +136,56 @@ def _timeline_text(schedule: Schedule | None) -> str:
             "inputs held")
 
 
-def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
-    """Build the run's trainer, compile one train step without running it, and report.
+def for_slices(config: Any, slices: int) -> Any:
+    """``config`` for a target of ``slices`` slices: a mesh that names no DCN axis puts the
+    slices on ``data`` (data parallelism across slices, as a multislice run would)."""
+    import dataclasses
 
-    Returns a JSON-ready dict with ``params`` (see :func:`param_rows`), ``memory``
-    (:func:`memory_stats` plus ``total_bytes``), ``collectives`` (:func:`collective_table`),
-    ``flops`` (per device, :func:`matmul_flops`; XLA's cost-analysis figure, which counts
-    loop bodies once, is in ``flops_detail``), ``predicted`` (the planner's prediction or
-    None), ``comparison`` (measured beside predicted), ``param_count``, ``header`` and
-    ``notes``.
+    if slices <= 1 or config.mesh.dcn() is not None:
+        return config
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, dcn_data=slices))
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """One training step compiled ahead of time, and what it was built from."""
+
+    run: Assembly
+    target: Target
+    batch: Any
+    """The global batch's shape (a ``jax.ShapeDtypeStruct`` with its sharding)."""
+    lowered: Any
+    compiled: Any
+    compile_s: float
+
+
+def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
+    """Build ``config``'s training step from shapes alone and compile it for ``target``
+    (default: this machine's devices).
+
+    The run is assembled abstractly (:func:`jaxpar.config.assembly.assemble` with
+    ``abstract=True``: model, LoRA, optimizer state, ZeRO, offload, precision, remat,
+    quantization and pipeline schedule as ``jaxpar train`` builds them, with nothing
+    allocated), the global batch is a ``ShapeDtypeStruct``, and the Trainer's own step is
+    lowered and compiled. Compiling for a TPU slice uses the TPU compiler on this host.
     """
     import time
 
     import jax
 
-    run = assemble(config)
-    trainer, plan = run.trainer, run.plan
-    rows = config.train.global_batch // jax.process_count()
-    # Compilation needs only the batch's shape and dtype (what make_loader's batches have).
-    batch = np.zeros((rows, config.train.seq_len + 1), np.int32)
+    target = target or cpu_target()
+    config = for_slices(config, target.slices)
+    run = assemble(config, target.devices, abstract=True)
+    trainer = run.trainer
+    shape = (config.train.global_batch, config.train.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.plan.batch_sharding(2))
     start = time.perf_counter()
-    compiled = trainer.lower(batch).compile()
-    compile_s = time.perf_counter() - start
+    lowered = trainer.lower(batch)
+    compiled = lowered.compile()
+    return CompiledStep(run, target, batch, lowered, compiled, time.perf_counter() - start)
 
+
+def _memory(compiled: Any, target: Target) -> dict[str, Any]:
     memory = memory_stats(compiled)
     if memory:
         # Outputs that alias donated arguments take no extra space.
@@ -149,11 +194,37 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
         memory["host_total_bytes"] = (memory["host_argument_bytes"]
                                       + memory["host_output_bytes"]
                                       - memory["host_alias_bytes"] + memory["host_temp_bytes"])
+        memory["hbm_bytes"] = int(target.hbm_bytes)
+        memory["fits"] = memory["total_bytes"] <= target.hbm_bytes
+    return memory
+
+
+def inspect_config(config: Any, *, source: str = "defaults",
+                   target: Target | None = None) -> dict[str, Any]:
+    """Compile one train step for ``target`` (default: this machine's devices) without
+    running it (:func:`compile_step`), and report it (:func:`step_report`)."""
+    return step_report(compile_step(config, target), source=source)
+
+
+def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, Any]:
+    """What a compiled step holds, beside the planner's prediction.
+
+    Returns a JSON-ready dict with ``params`` (see :func:`param_rows`), ``memory``
+    (:func:`memory_stats` plus ``total_bytes``, the device's ``hbm_bytes`` and whether the
+    step ``fits``), ``collectives`` (:func:`collective_table`), ``flops`` (per device,
+    :func:`matmul_flops`; XLA's cost-analysis figure, which counts loop bodies once, is in
+    ``flops_detail``), ``predicted`` (the planner's prediction or None), ``comparison``
+    (measured beside predicted), ``param_count``, ``header`` and ``notes``.
+    """
+    run, compiled, target = step.run, step.compiled, step.target
+    config = run.config
+    trainer, plan = run.trainer, run.plan
+    memory = _memory(compiled, target)
     hlo = compiled.as_text()
     collectives = collective_table(hlo, plan.mesh)
     matmuls = matmul_flops(hlo)
     params = param_rows(trainer)
-    predicted, note = planner_prediction(config, plan.mesh.size)
+    predicted, note = planner_prediction(config, plan.mesh.size, target)
     predicted = _jsonable(predicted) if predicted is not None else None
     notes = [note] if note else []
     if matmuls["loops_without_trip_count"]:
@@ -168,7 +239,10 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
         "header": {
             "config": source,
             "n_devices": plan.mesh.size,
-            "platform": jax.devices()[0].platform,
+            "platform": target.platform,
+            "target": target.name,
+            "device_kind": target.device_kind,
+            "slices": target.slices,
             "mesh": describe(plan.mesh),
             "mesh_shape": dict(plan.mesh.shape),
             "plan": (f"rules {config.plan.rules}, zero {plan.zero_stage}, precision "
@@ -180,9 +254,10 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
                      + (f", {plan.quantize} matmuls" if plan.quantize != "none" else "")
                      + (f", {plan.quantize_gather} weight gathers"
                         if plan.quantize_gather != "none" else "")),
+            "attention": config.model.attention,
             "global_batch": config.train.global_batch,
             "seq_len": config.train.seq_len,
-            "compile_s": compile_s,
+            "compile_s": step.compile_s,
             "pipeline": schedule.describe() if schedule is not None else "",
             "pipeline_timeline": _timeline_text(schedule),
         },
@@ -196,6 +271,7 @@ def inspect_config(config: Any, *, source: str = "defaults") -> dict[str, Any]:
         "flops": matmuls["flops"],
         "flops_detail": {"matmul_flops": matmuls["flops"], "xla_cost_analysis": flops(compiled),
                          "dots": matmuls["dots"], "loops": matmuls["loops"]},
+        "kernels": custom_calls(hlo),
         "predicted": predicted,
         "comparison": {
             "collectives": compare_collectives(collectives, (predicted or {}).get("collectives"),

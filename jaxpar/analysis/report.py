@@ -72,15 +72,35 @@ def fmt_axes(axes: Sequence[Any] | None) -> str:
     return ", ".join("-" if a is None else str(a) for a in axes) or "-"
 
 
+def fit_line(memory: dict[str, Any]) -> str:
+    """``fits: 71.30 GiB of 95.00 GiB per device (75%)``, or why it does not fit: the
+    compiler's own breakdown of the bytes a device needs."""
+    total, hbm = memory["total_bytes"], memory["hbm_bytes"]
+    if memory.get("fits", total <= hbm):
+        return (f"fits: {fmt_bytes(total)} of {fmt_bytes(hbm)} per device "
+                f"({100 * total / hbm:.0f}%)")
+    return (f"does not fit: {fmt_bytes(total)} needed of {fmt_bytes(hbm)} per device "
+            f"(arguments {fmt_bytes(memory['argument_bytes'])}, outputs "
+            f"{fmt_bytes(memory['output_bytes'] - memory['alias_bytes'])} beyond the donated "
+            f"arguments, temporaries {fmt_bytes(memory['temp_bytes'])})")
+
+
 def render_inspection(report: dict[str, Any]) -> str:
     """The human-readable form of :func:`jaxpar.analysis.inspection.inspect_config`'s report."""
     out: list[str] = []
     head = report["header"]
-    out.append(f"jaxpar inspect: {head['config']} on {head['n_devices']} {head['platform']} "
-               f"devices, mesh {head['mesh']}")
+    if head.get("platform", "cpu") == "cpu":
+        out.append(f"jaxpar inspect: {head['config']} on {head['n_devices']} "
+                   f"{head['platform']} devices, mesh {head['mesh']}")
+    else:
+        slices = head.get("slices", 1)
+        out.append(f"jaxpar compile: {head['config']} for {head['target']} "
+                   f"({head['n_devices']} {head.get('device_kind', '')} devices, {slices} "
+                   f"slice{'s' * (slices > 1)}; the TPU compiler, run here), mesh {head['mesh']}")
     out.append(f"  model {report['param_count']:,} params; {head['plan']}")
-    out.append(f"  batch {head['global_batch']} x {head['seq_len']} tokens; one train step "
-               f"compiled in {head['compile_s']:.1f} s (not run)")
+    out.append(f"  batch {head['global_batch']} x {head['seq_len']} tokens, attention "
+               f"{head.get('attention', 'auto')}; one train step compiled in "
+               f"{head['compile_s']:.1f} s (not run)")
     if head.get("pipeline"):
         out.append(f"  {head['pipeline']}")
     if head.get("pipeline_timeline"):
@@ -119,6 +139,8 @@ def render_inspection(report: dict[str, Any]) -> str:
         p = pmem.get("host_bytes" if key == "host_total_bytes" else key)
         mrows.append((label, fmt_bytes(mem[key]), fmt_bytes(p), fmt_ratio(p, mem[key])))
     out.append(table(["", "measured", "predicted", "pred/meas"], mrows, right=(1, 2, 3)))
+    if mem.get("hbm_bytes"):
+        out.append("  " + fit_line(mem))
 
     out.append("\nCollectives in the optimized HLO (per device, one step)")
     rows_c = report["comparison"]["collectives"]
@@ -150,6 +172,10 @@ def render_inspection(report: dict[str, Any]) -> str:
     if step is not None:
         frows.append(("step time (s), not run", "-", f"{step:.4g}", "-"))
     out.append(table(["", "measured", "predicted", "pred/meas"], frows, right=(1, 2, 3)))
+    kernels = report.get("kernels") or {}
+    if kernels.get("tpu_custom_call"):
+        out.append(f"\nPallas/Mosaic kernels compiled for the TPU: "
+                   f"{kernels['tpu_custom_call']} tpu_custom_call(s)")
     for note in report.get("notes", []):
         out.append(f"\nnote: {note}")
     return "\n".join(out)

@@ -3,6 +3,7 @@
 ``jaxpar train --config configs/tiny.yaml [--devices N] [--out DIR] [--resume] [key=value ...]``
 ``jaxpar plan --model configs/llama-7b.yaml --chips tpu-v5p:256 --global-batch 512 --seq 4096``
 ``jaxpar inspect --config configs/tiny.yaml --devices 8 [--json]``
+``jaxpar compile --target tpu-v5p:4x4x4 [--slices N] --config RUN.yaml [--json] [--save DIR]``
 ``jaxpar calibrate [--out chip.yaml] [--name NAME] [--devices N] [--quick]``
 ``jaxpar launch --processes 2 --devices-per-process 4 -- train --config ...``
 ``jaxpar sample --run runs/tiny --prompt "def " [--max-tokens 64] [--temperature 0] [--top-k 0]``
@@ -34,6 +35,7 @@ from jaxpar.errors import JaxparError, JaxparWarning, RunStopped
 
 COMMANDS: dict[str, Callable] = {
     "train": train.command, "plan": plan.command, "inspect": inspection.command,
+    "compile": inspection.command,
     "calibrate": calibrate.command, "launch": launch.command, "sample": sample.command,
     "convert": convert.command, "export": export.command,
 }

@@ -1,25 +1,66 @@
-"""``jaxpar inspect``: compile a config's training step and print what XLA did."""
+"""``jaxpar inspect`` and ``jaxpar compile``: compile a config's training step, for this
+machine's devices or for a TPU slice that is not here, and print what XLA did."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
-from jaxpar.analysis.inspection import inspect_config
-from jaxpar.analysis.report import render_inspection
 from jaxpar.config.schema import load_config
 from jaxpar.config.validate import check_config
+from jaxpar.errors import JaxparError
 from jaxpar.runs.distributed import simulate_devices
+from jaxpar.storage.folders import check_writable
+
+
+def _checked_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths that cannot be written, before anything is compiled."""
+    if getattr(args, "dump_hlo", None):
+        check_writable(Path(args.dump_hlo), "--dump-hlo", file=True)
+    if getattr(args, "save", None):
+        save = Path(args.save)
+        if save.exists() and (not save.is_dir() or any(save.iterdir())):
+            raise JaxparError(f"--save {args.save!r} exists and is not an empty folder; "
+                              "choose a new one")
+        check_writable(save, "--save")
 
 
 def command(args: argparse.Namespace) -> int:
-    """``jaxpar inspect``: print the report of :func:`inspect_config` as tables or JSON."""
-    simulate_devices(args.devices)
+    """``jaxpar inspect`` / ``jaxpar compile``: print the report of
+    :func:`~jaxpar.analysis.inspection.inspect_config` as tables or JSON."""
+    target_text = getattr(args, "target", None)
+    tpu = target_text is not None and target_text.strip().lower() not in ("cpu", "local")
+    if tpu and args.devices:
+        raise JaxparError("--devices simulates CPU devices: it goes with --target cpu, not "
+                          f"--target {target_text}")
     config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
     check_config(config)
-    report = inspect_config(config, source=args.config or "defaults")
+    _checked_outputs(args)
+    if tpu:  # compile-only: this host's TPU backend (if any) is not needed
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_devices(args.devices)
+    from jaxpar.analysis.inspection import compile_step, step_report
+    from jaxpar.analysis.report import render_inspection
+    from jaxpar.analysis.targets import parse_target
+
+    target = parse_target(target_text, args.slices)
+    step = compile_step(config, target)
+    report = step_report(step, source=args.config or "defaults")
+    if args.dump_hlo:
+        Path(args.dump_hlo).write_text(step.compiled.as_text())
+    if getattr(args, "save", None):
+        from jaxpar.analysis.executables import save_compiled
+
+        save_compiled(step, Path(args.save))
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(render_inspection(report))
+        if args.dump_hlo:
+            print(f"\nwrote the compiled program's HLO to {args.dump_hlo}")
+        if getattr(args, "save", None):
+            print(f"wrote the compiled step to {args.save}: jaxpar train --compiled "
+                  f"{args.save} runs it on {target.name}")
     return 0

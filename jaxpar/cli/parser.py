@@ -118,8 +118,37 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                          help="mesh overrides change only the axes given (default: they "
                               "replace the config's mesh)")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_target(inspect)
     inspect.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     inspect.set_defaults(command="inspect")
+
+    compile_ = sub.add_parser(
+        "compile", help="compile one train step for a TPU slice you do not have (or this "
+                        "machine) and report memory against HBM, collectives and FLOPs")
+    compile_.add_argument("--config", help="YAML config file")
+    compile_.add_argument("--devices", type=device_count, help="with --target cpu: simulate "
+                                                               "N CPU devices")
+    compile_.add_argument("--keep-mesh", action="store_true",
+                          help="mesh overrides change only the axes given")
+    compile_.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_target(compile_, required=True)
+    compile_.add_argument("--save", metavar="DIR",
+                          help="write the compiled executable, its config and versions to DIR "
+                               "(jaxpar train --compiled DIR runs it on the target)")
+    compile_.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    compile_.set_defaults(command="compile")
+
+
+def _add_target(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--target", required=required,
+                        help="devices to compile for: tpu-GEN:TOPOLOGY (e.g. tpu-v5p:4x4x4, "
+                             "tpu-v6e:2x4; the TPU compiler runs here, no TPU needed) or cpu "
+                             "(this machine)" + ("" if required else "; default: cpu"))
+    parser.add_argument("--slices", type=int, default=1,
+                        help="TPU slices joined by DCN (a mesh without DCN axes puts them on "
+                             "data)")
+    parser.add_argument("--dump-hlo", metavar="PATH",
+                        help="write the compiled program's optimized HLO text to PATH")
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
@@ -156,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--keep-mesh", action="store_true",
                        help="mesh overrides change only the axes given (default: they "
                             "replace the config's mesh)")
+    train.add_argument("--compiled", metavar="DIR",
+                       help="run the step jaxpar compile --save DIR compiled ahead of time "
+                            "(refused when the config, devices or versions differ)")
     train.add_argument("--coordinator", help="multi-process: coordinator host:port")
     train.add_argument("--num-processes", type=int, help="multi-process: process count")
     train.add_argument("--process-id", type=int, help="multi-process: this process's index")

@@ -27,7 +27,7 @@ from jaxpar.hf import load
 from jaxpar.models.transformer import Transformer
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding.mesh import make_mesh
-from jaxpar.sharding.partitioning import init_sharded
+from jaxpar.sharding.partitioning import abstract_sharded, init_sharded
 from jaxpar.sharding.plan import Plan, knobs
 from jaxpar.sharding.rules import preset
 from jaxpar.training.diloco import DiLoCo
@@ -132,7 +132,7 @@ class Assembly:
     config: Config
 
 
-def assemble(config: Config, devices: Any = None) -> Assembly:
+def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> Assembly:
     """Mesh, plan, sharded model (built-in or ``model.factory``), initial weights
     (``init_from``), LoRA, trainable filter, optimizer and loss from a config, after
     :func:`jaxpar.config.validate.check_config` has checked it for the devices given.
@@ -140,6 +140,11 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     With ``config.init_from``, the model's weights come from that run's newest checkpoint
     (see :func:`jaxpar.checkpoint.checkpointer.load_weights`), or with ``hf:PATH`` from a
     Hugging Face folder (see :func:`jaxpar.hf.load`); the optimizer starts fresh.
+
+    With ``abstract``, the model (LoRA included) and the trainer's state are shapes with
+    their shardings only (:func:`jaxpar.sharding.partitioning.abstract_sharded`): nothing
+    is allocated or read, and ``devices`` may be devices this process cannot run on (a
+    TPU topology's). The trainer's step can then be lowered and compiled, not run.
     """
     config = with_hf_model(config)
     n_devices = len(devices) if devices is not None else jax.device_count()
@@ -149,14 +154,22 @@ def assemble(config: Config, devices: Any = None) -> Assembly:
     schedule = pipeline_schedule(config, mesh)
     loss_fn = loss_function(config)
     hf = hf_folder(config.init_from)
-    if hf is not None:  # a Hugging Face model, read straight into the plan's shardings
+    if abstract:  # initial weights do not change the program: shapes come from the config
+        def build() -> nnx.Module:
+            model = model_factory(config, schedule)()
+            with plan.activate():
+                return lora_lib.apply_config(model, config.lora, rngs=config.train.seed)
+
+        model = abstract_sharded(build, plan)
+    elif hf is not None:  # a Hugging Face model, read straight into the plan's shardings
         model = load(hf, plan=plan, pipeline=schedule, config=config.model.transformer())
     else:
         model = init_sharded(model_factory(config, schedule), plan)
-    if config.init_from and hf is None:  # weights of an earlier run, before LoRA wraps them
+    if config.init_from and hf is None and not abstract:  # an earlier run's weights, then LoRA
         load_weights(model, config.init_from, stages=mesh.shape["stage"])
-    with plan.activate():
-        lora_lib.apply_config(model, config.lora, rngs=config.train.seed, plan=plan)
+    if not abstract:
+        with plan.activate():
+            lora_lib.apply_config(model, config.lora, rngs=config.train.seed, plan=plan)
     trainable = lora_lib.select_trainable(model, config.train.trainable)
     trainer = Trainer(model, make_optimizer(config.train), plan, loss_fn=loss_fn,
                       trainable=trainable)

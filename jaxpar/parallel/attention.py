@@ -40,6 +40,15 @@ Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
 
 
+def target_platform() -> str:
+    """The platform the program being traced is for: the active plan's devices' (a TPU
+    slice compiled for from this host, say), else JAX's default backend."""
+    plan = current_plan()
+    if plan is not None:
+        return plan.mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
 def resolve(implementation: str, dtype: jnp.dtype) -> str:
     """The concrete implementation ``auto`` stands for on this backend and dtype."""
     if implementation not in IMPLEMENTATIONS:
@@ -47,7 +56,7 @@ def resolve(implementation: str, dtype: jnp.dtype) -> str:
                           f"{list(IMPLEMENTATIONS)}")
     if implementation != "auto":
         return implementation
-    backend = jax.default_backend()
+    backend = target_platform()
     if backend == "tpu":
         return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -195,13 +204,14 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
     plan that splits the sequence or head_dim is an error. If the kv heads are not split
     like the query heads (too few to divide), they are repeated until they are.
 
-    ``interpret``: run the kernel in Pallas interpret mode; default: off a TPU only.
+    ``interpret``: run the kernel in Pallas interpret mode; default: when the program is
+    not for a TPU (:func:`target_platform`).
     """
     n, kvh = q.shape[2], k.shape[2]
     if n % kvh:
         raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target_platform() != "tpu"
     local = functools.partial(_splash_local, window=int(window), block=int(block),
                               interpret=bool(interpret))
     plan = current_plan()

@@ -146,6 +146,17 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
 
 
+def compile_only(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s devices can only be compiled for, not run on: a topology
+    description's devices (a TPU slice this host is not part of), which no backend of this
+    process has."""
+    device = mesh.devices.flat[0]
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend of that platform here
+        return True
+
+
 def is_explicit(mesh: Mesh) -> bool:
     """Whether the mesh's axes are ``Explicit`` (sharding in types) rather than ``Auto``."""
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

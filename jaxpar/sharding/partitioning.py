@@ -28,7 +28,8 @@ from jaxpar.sharding.plan import Plan
 
 M = TypeVar("M", bound=nnx.Module)
 
-__all__ = ["HeadSplitWarning", "ReplicationWarning", "init_sharded", "linen_shardings",
+__all__ = ["HeadSplitWarning", "ReplicationWarning", "abstract_sharded", "init_sharded",
+           "is_abstract", "linen_shardings",
            "logical_names", "mostly_replicated", "param_table", "prepare_model",
            "replication_report", "split_heads", "state_shardings", "variable_spec",
            "warn_if_heads_split", "warn_if_replicated"]
@@ -98,6 +99,34 @@ def init_sharded(model_factory: Callable[[], M], plan: Plan) -> M:
     model = nnx.merge(graphdef, state)
     warn_if_replicated(plan, abstract_state)
     return model
+
+
+def abstract_sharded(model_factory: Callable[[], M], plan: Plan) -> M:
+    """The model :func:`init_sharded` would create, with no memory behind it.
+
+    Every variable holds a ``jax.ShapeDtypeStruct`` carrying the sharding the plan gives
+    it, so the model (and a :class:`~jaxpar.Trainer` built from it) can be lowered and
+    compiled for devices that are not attached to this machine, such as the devices of a
+    TPU topology description (:mod:`jaxpar.analysis.targets`). The factory runs only
+    under abstract evaluation: nothing is computed or allocated.
+    """
+    build_model = lambda: prepare_model(model_factory(), plan)
+    with plan.activate():
+        abstract = nnx.eval_shape(build_model)
+        graphdef, abstract_state = nnx.split(abstract)
+        shardings = state_shardings(plan, abstract_state)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract_state, shardings)
+    warn_if_replicated(plan, abstract_state)
+    return nnx.merge(graphdef, state)
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` (a model, a state) holds shapes only (``jax.ShapeDtypeStruct``s)."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[str, Any]:

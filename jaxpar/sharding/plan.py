@@ -37,7 +37,7 @@ from jaxpar.sharding import quantization
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.annotations import pairs
-from jaxpar.sharding.mesh import describe, is_explicit
+from jaxpar.sharding.mesh import compile_only, describe, is_explicit
 from jaxpar.sharding.precision import Policy
 from jaxpar.sharding.rules import LogicalNames, Rules, axes_entry, entry_axes
 
@@ -323,11 +323,18 @@ class Plan:
         With ``mesh_context`` the mesh is also JAX's current mesh (``jax.set_mesh``), which
         model code that calls ``reshard`` or ``with_sharding_constraint`` with a bare
         ``PartitionSpec`` needs; the Trainer runs every step so. It is off by default
-        because ``nnx.eval_shape`` under a mesh reads logical names as mesh axes."""
+        because ``nnx.eval_shape`` under a mesh reads logical names as mesh axes. A mesh
+        of devices that can only be compiled for (a TPU topology's) is set as the abstract
+        mesh alone."""
         token = _ACTIVE.set(self)
+        if not mesh_context:
+            context = contextlib.nullcontext()
+        elif compile_only(self.mesh):  # no memory behind it: only its abstract mesh is set
+            context = jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+        else:
+            context = jax.set_mesh(self.mesh)
         try:
-            with (nnx.use_eager_sharding(False),
-                  jax.set_mesh(self.mesh) if mesh_context else contextlib.nullcontext()):
+            with nnx.use_eager_sharding(False), context:
                 yield self
         finally:
             _ACTIVE.reset(token)

@@ -258,3 +258,24 @@ def write_fault(err: BaseException) -> str | None:
             return "no space left on device" if "28" in text else text.lower()
         err = err.__cause__ or err.__context__
     return None
+
+
+def check_writable(path: str | Path, what: str, *, file: bool = False) -> None:
+    """Refuse, in one line naming ``what``, an output path that cannot be written: a file
+    expected where a folder stands (``file``), or no write permission on the nearest
+    existing folder. Checked before any work, so nothing is computed for nothing.
+
+    Raises:
+      JaxparError: naming ``what`` and the path.
+    """
+    path = Path(path)
+    if file and path.is_dir():
+        raise JaxparError(f"{what} {str(path)!r} is a folder; name a file")
+    parent = path if path.is_dir() else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise JaxparError(f"{what} {str(path)!r}: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise JaxparError(f"{what} {str(path)!r}: cannot write in {str(parent)!r} "
+                          "(permission denied or a read-only file system)")

@@ -173,6 +173,10 @@ class DiLoCo:
             return state
 
         with self.plan.activate():
+            if self.trainer.abstract:  # shapes only: the program can be compiled, not run
+                return jax.tree.map(
+                    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                    jax.eval_shape(build, inner), sh)
             return jax.jit(build, out_shardings=sh)(inner)
 
     @property

@@ -33,6 +33,7 @@ from jaxpar.parallel import compression, offload, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
 from jaxpar.sharding.partitioning import (
+    is_abstract,
     prepare_model,
     state_shardings,
     warn_if_heads_split,
@@ -147,6 +148,11 @@ class Trainer:
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
+        self.abstract = is_abstract((params, frozen))
+        """Whether the model holds shapes only (:func:`jaxpar.sharding.partitioning.
+        abstract_sharded`): the state is then ``jax.ShapeDtypeStruct``s with their
+        shardings, and the step can be lowered and compiled (:meth:`lower`) for devices
+        that are not attached, but not run."""
         self.replication = warn_if_replicated(plan, nnx.state(model))
         warn_if_heads_split(plan, model)
         with plan.activate():
@@ -215,8 +221,11 @@ class Trainer:
     def _initial_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:
         """The state placed by :attr:`state_shardings`: copies, never the caller's buffers
         (the step donates its state, and the model the caller holds, or another Trainer
-        built from it, must stay valid)."""
+        built from it, must stay valid). For an abstract model, the same state's shapes,
+        each with its sharding."""
         sh = self.state_shardings
+        if self.abstract:
+            return self._abstract_state(params, frozen)
         master = jax.device_put(self.policy.cast_to_params(params),
                                 sh.get("master", sh["params"]), may_alias=False)
         state = {"frozen": jax.device_put(frozen, sh["frozen"], may_alias=False),
@@ -236,13 +245,37 @@ class Trainer:
                                           out_shardings=sh["grad_error"])(params)
         return state
 
+    def _abstract_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:
+        """The shapes and dtypes :meth:`_initial_state` would give, with their shardings."""
+        def values(params, frozen):
+            master = self.policy.cast_to_params(params)
+            state = {"frozen": frozen, "opt_state": self.optimizer.init(master),
+                     "step": jnp.zeros((), jnp.int32), "params": master}
+            if self.policy.mixed:
+                state.update(params=self.policy.cast_to_compute(master), master=master)
+            if self.loss_scale is not None:
+                state["loss_scale"] = self.loss_scale.init()
+            if "grad_error" in self.state_shardings:
+                state["grad_error"] = compression.zero_errors(params, self.plan)
+            return state
+
+        shapes = jax.eval_shape(values, params, frozen)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def _concrete(self, what: str) -> None:
+        if self.abstract:
+            raise JaxparError(f"this Trainer holds shapes only (an abstract model): it can "
+                              f"lower and compile its step, not {what}")
+
     def batch_shardings(self, batch: Batch) -> Any:
         """The sharding of each leaf of a (global) batch like ``batch``."""
         return jax.tree.map(lambda x: self.plan.batch_sharding(np.ndim(x)), batch)
 
     def _steps(self, batch: Batch) -> CompiledSteps:
         """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
-        key = jax.tree.structure(batch), tuple(np.ndim(x) for x in jax.tree.leaves(batch))
+        key = jax.tree.structure(batch), tuple(len(np.shape(x)) if not hasattr(x, "ndim")
+                                               else x.ndim for x in jax.tree.leaves(batch))
         if key not in self._compiled:
             batch_sh = self.batch_shardings(batch)
             state_sh, rep = self.state_shardings, self.plan.replicated
@@ -435,6 +468,7 @@ class Trainer:
 
     def gradients(self, batch: Batch) -> Any:
         """The gradients one step would apply, laid out as the ZeRO stage stores them."""
+        self._concrete("compute gradients")
         batch = self._as_global(batch)
         with self.plan.activate(mesh_context=True):
             return self._steps(batch).gradients(self.state, batch)
@@ -486,10 +520,15 @@ class Trainer:
             raise JaxparError("the batch is empty: it has no arrays")
         if all(isinstance(x, jax.Array) for x in leaves):
             return batch
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):  # a global batch's shape
+            return jax.tree.map(lambda x: x if x.sharding is not None else jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=self.plan.batch_sharding(x.ndim)), batch)
         return self.global_batch(batch)
 
     def lower(self, batch: Batch):
-        """``jax.stages.Lowered`` of one train step on a batch like ``batch`` (for inspection)."""
+        """``jax.stages.Lowered`` of one train step on a batch like ``batch`` (for
+        inspection and ahead-of-time compilation): arrays, or ``jax.ShapeDtypeStruct``s of
+        the global batch. This is the program :meth:`step` runs."""
         batch = self._as_global(batch)
         with self.plan.activate(mesh_context=True):
             return self._steps(batch).train.lower(self.state, batch)
@@ -572,6 +611,7 @@ class Trainer:
         (scalars: ``loss``, ``grad_norm``, with fp16 ``loss_scale`` and ``skipped``) stay on
         the devices until fetched (``jax.device_get``), so the host can prepare the next
         batch, or dispatch the next steps, while this one runs."""
+        self._concrete("run it")
         batch = self._as_global(batch)
         self._check_token_ids(batch)
         if not self._loss_checked:
@@ -592,6 +632,7 @@ class Trainer:
 
     def eval_loss(self, batch: Batch) -> float:
         """Loss on a batch without updating anything (the model in eval mode)."""
+        self._concrete("evaluate")
         batch = self._as_global(batch)
         self._check_token_ids(batch)
         with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
@@ -605,6 +646,7 @@ class Trainer:
         out may share them: the snapshot stays valid after further steps (it does not
         follow them; ask again for newer weights), and a new Trainer built from it leaves
         this one intact. It costs one copy of the model's weights while it is held."""
+        self._concrete("hand out weights")
         state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
                              (self.state["params"], self.state["frozen"]))
         return nnx.merge(self._graphdef, *state)
