@@ -11,6 +11,7 @@ and it is the program ``jaxpar train`` runs: the same Trainer lowers it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,10 @@ from jaxpar.analysis.hlo import (
     matmul_flops,
     memory_stats,
 )
+from jaxpar.analysis.report import fmt_bytes
 from jaxpar.analysis.targets import Target, cpu_target
 from jaxpar.config.assembly import Assembly, assemble
+from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.mesh import describe
@@ -146,6 +149,22 @@ def for_slices(config: Any, slices: int) -> Any:
     return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, dcn_data=slices))
 
 
+class StepDoesNotFit(JaxparError):
+    """The TPU compiler refused the step: its temporaries exceed the device's HBM."""
+
+    def __init__(self, message: str, temp_bytes: float, hbm_bytes: float):
+        super().__init__(message)
+        self.temp_bytes, self.hbm_bytes = temp_bytes, hbm_bytes
+
+
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGT]?)\)")
+
+
+def _bytes(value: str, unit: str) -> float:
+    return float(value) * 1024 ** " KMGT".index(unit or " ")
+
+
 @dataclasses.dataclass
 class CompiledStep:
     """One training step compiled ahead of time, and what it was built from."""
@@ -181,7 +200,19 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.plan.batch_sharding(2))
     start = time.perf_counter()
     lowered = trainer.lower(batch)
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # noqa: BLE001 - the TPU compiler's "does not fit" is an answer
+        m = _OOM.search(str(err))
+        if m is None:
+            raise
+        temp, hbm = _bytes(m[1], m[2]), _bytes(m[3], m[4])
+        raise StepDoesNotFit(
+            f"does not fit {target.name}: the TPU compiler needs {fmt_bytes(temp)} of "
+            f"temporaries a device, beyond the {fmt_bytes(hbm)} of HBM it can use (mesh "
+            f"{describe(run.plan.mesh)}, remat {run.plan.remat}, zero "
+            f"{run.plan.zero_stage}); try plan.remat=full, a higher plan.zero_stage, more "
+            "microbatches or more chips", temp, hbm) from None
     return CompiledStep(run, target, batch, lowered, compiled, time.perf_counter() - start)
 
 

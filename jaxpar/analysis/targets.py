@@ -175,3 +175,28 @@ def parse_target(text: str | None, slices: int = 1) -> Target:
             raise JaxparError("--slices needs a TPU --target (e.g. tpu-v5e:2x2 --slices 2)")
         return cpu_target()
     return tpu_target(text, slices)
+
+
+def topology_for(kind: str, chips: int) -> str:
+    """A slice shape of ``chips`` chips for a catalog kind, as the TPU tooling names it:
+    ``tpu-v6e`` and 256 -> ``16x16``, ``tpu-v5p`` and 512 -> ``8x8x8`` (the most cubic
+    shape of powers of two, or a multiple of 4 along the last dimension).
+
+    Raises:
+      JaxparError: for a kind that is not a TPU, or a count no slice has.
+    """
+    gen = next((g for g, k in CATALOG_KIND.items() if k == kind), None)
+    if gen is None:
+        raise JaxparError(f"{kind!r} is not a TPU kind the compiler knows "
+                          f"({', '.join(sorted(CATALOG_KIND.values()))})")
+    dims = [1] * TORUS_DIMS[gen]
+    left, i = chips, 0
+    while left % 2 == 0 and left > 1:  # grow the smallest dimension first
+        i = min(range(len(dims)), key=lambda d: (dims[d], -d))
+        dims[i] *= 2
+        left //= 2
+    if left > 1:
+        dims[-1] *= left
+    if math.prod(dims) != chips:
+        raise JaxparError(f"no {kind} slice of {chips} chips")
+    return "x".join(str(d) for d in sorted(dims, key=lambda d: (d == 1, d)))

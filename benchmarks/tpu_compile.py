@@ -1,0 +1,168 @@
+"""The planner against the TPU compiler, at pod scale, on this CPU host.
+
+For published runs of ``benchmarks/published_runs.yaml`` (model, layout, batch, sequence,
+remat and the TPU slice they ran on), jaxpar's training step of the same model and layout
+is built from shapes alone and compiled for that slice by libtpu's compiler
+(``jaxpar.analysis.inspection.compile_step``; no TPU is needed), then set beside the
+planner's prediction: memory per device, whether it fits the chip's HBM, collective bytes,
+and the compile time.
+
+A published ``recompute=...`` policy (MaxText's custom lists, which recompute most of a
+layer and offload the rest of what they keep to host memory) has no jaxpar equivalent: the
+step is compiled with ``full`` remat (only each layer's input kept on the device), and the
+planner is asked about that same policy, so both sides describe one program. A step the
+TPU compiler refuses (its temporaries beyond HBM) is a row that does not fit, with the
+temporaries the compiler reported.
+
+    python benchmarks/tpu_compile.py                 # the default selection, ~30 min
+    python benchmarks/tpu_compile.py --only 0,16     # rows by index in the YAML
+    python benchmarks/tpu_compile.py --save benchmarks/results/tpu_compile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from published import candidate, load_runs, model_config  # noqa: E402
+
+from jaxpar.analysis.inspection import (  # noqa: E402
+    StepDoesNotFit,
+    compile_step,
+    for_slices,
+    planner_prediction,
+    step_report,
+)
+from jaxpar.analysis.report import fmt_bytes, table  # noqa: E402
+from jaxpar.analysis.targets import topology_for, tpu_target  # noqa: E402
+from jaxpar.config.schema import Config, from_dict  # noqa: E402
+from jaxpar.sharding.mesh import MESH_AXES  # noqa: E402
+
+DEFAULT = (
+    "tpu-recipes Llama3.1-8B v6e-8 seq8192 bf16",
+    "tpu-recipes Mistral-7B v6e-8 seq8192 bf16",
+    "tpu-recipes Llama3.1-8B v6e-256 seq8192 bf16",
+    "tpu-recipes Llama3.1-70B v6e-256 seq8192 bf16",
+    "tpu-recipes Llama2-70B v6e-256 seq4096 bf16",
+    "MaxText tiering Llama2-70B v5p 512 chips seq4096 bf16",
+    "MaxText 32B synthetic 1x v5p-128 seq2048 bf16",
+    "MaxText 64B synthetic 2x v5p-128 seq2048 bf16",
+    "MaxText 16B synthetic 2x v5e-256 seq2048 bf16",
+    "MaxText 22B synthetic 1x v4-128 seq1024 bf16",
+    "MaxText 128B synthetic 1x v5e-256 seq2048 bf16",
+)
+"""Runs compiled by default: Llama 3.1 8B and 70B and Llama 2 70B on v6e, Mistral 7B, a
+tensor-parallel v5p run, a multislice v5p and v5e run, v4, and a 70B on 512 v5p chips."""
+
+JAXPAR_REMAT = {"none": "none", "full": "full"}
+
+
+def run_config(run: dict) -> Config:
+    """The published run as a jaxpar run config (bf16 compute, f32 master weights)."""
+    cand = candidate(run)
+    model = {**model_config(run).__dict__, "loss_chunk": 1024}
+    remat = JAXPAR_REMAT.get(run.get("remat", "none"), "full")
+    return from_dict(Config, {
+        "model": model,
+        "mesh": {**{a: dict(cand.ici).get(a, 1) for a in MESH_AXES},
+                 **{f"dcn_{a}": dict(cand.dcn).get(a, 1) for a in MESH_AXES}},
+        "plan": {"rules": "fsdp_tp", "zero_stage": run.get("zero_stage", 0), "remat": remat,
+                 "microbatches": run.get("microbatches", 1),
+                 "precision": "params=float32,compute=bfloat16,output=float32"},
+        "train": {"global_batch": run["global_batch"], "seq_len": run["seq"]},
+    })
+
+
+def measure(run: dict) -> dict:
+    kind, count = run["chips"].split(":")
+    slices = run.get("slices", 1)
+    name = f"{kind}:{topology_for(kind, int(count) // slices)}"
+    target = tpu_target(name, slices)
+    start = time.perf_counter()
+    config = run_config(run)
+    try:
+        report = step_report(compile_step(config, target), source=run["name"])
+    except StepDoesNotFit as err:
+        pred, _ = planner_prediction(for_slices(config, slices), len(target.devices), target)
+        return {"name": run["name"], "target": name, "slices": slices, "mesh": "-",
+                "remat": config.plan.remat, "compiler_bytes": None,
+                "compiler_temp_at_least": err.temp_bytes,
+                "planner_bytes": (pred or {}).get("memory", {}).get("total_bytes"),
+                "hbm_bytes": err.hbm_bytes, "fits": False, "compiler_collective_bytes": None,
+                "planner_collective_bytes": sum(c.get("bytes_per_device", 0) for c in
+                                                (pred or {}).get("collectives", [])),
+                "splash_kernels": None, "compile_s": time.perf_counter() - start,
+                "wall_s": time.perf_counter() - start}
+    mem, pred = report["memory"], (report["predicted"] or {})
+    pmem = pred.get("memory", {})
+    coll = sum(c["bytes_per_device"] or 0 for c in report["collectives"])
+    pcoll = sum(c.get("bytes_per_device", 0) for c in pred.get("collectives", []))
+    return {"name": run["name"], "target": name, "slices": slices,
+            "mesh": report["header"]["mesh"], "remat": run_config(run).plan.remat,
+            "compiler_bytes": mem["total_bytes"], "planner_bytes": pmem.get("total_bytes"),
+            "hbm_bytes": mem["hbm_bytes"], "fits": mem["fits"],
+            "planner_fits": (pmem.get("total_bytes") or 0) <= mem["hbm_bytes"],
+            "temp_bytes": mem["temp_bytes"], "argument_bytes": mem["argument_bytes"],
+            "compiler_collective_bytes": coll, "planner_collective_bytes": pcoll,
+            "splash_kernels": report["kernels"].get("tpu_custom_call", 0),
+            "compile_s": report["header"]["compile_s"],
+            "wall_s": time.perf_counter() - start}
+
+
+def render(rows: list[dict]) -> str:
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
+    body = [(r["name"][:46], r["target"] + (f" x{r['slices']}" if r["slices"] > 1 else ""),
+             fmt_bytes(r["planner_bytes"]),
+             fmt_bytes(r["compiler_bytes"]) if r["compiler_bytes"] else
+             f"> {fmt_bytes(r['compiler_temp_at_least'])}",
+             ratio(r["planner_bytes"], r["compiler_bytes"]),
+             f"{'yes' if r['fits'] else 'NO'} ({fmt_bytes(r['hbm_bytes'])})",
+             fmt_bytes(r["planner_collective_bytes"]), fmt_bytes(r["compiler_collective_bytes"]),
+             ratio(r["planner_collective_bytes"], r["compiler_collective_bytes"]),
+             f"{r['compile_s']:.0f}") for r in rows]
+    within = sum(1 for r in rows if r["planner_bytes"] and r["compiler_bytes"]
+                 and abs(r["planner_bytes"] / r["compiler_bytes"] - 1) <= 0.10)
+    fits = sum(r["fits"] for r in rows)
+    return (table(["run", "target", "planner mem", "compiler mem", "ratio", "fits HBM",
+                   "planner coll", "compiler coll", "ratio", "compile s"], body,
+                  right=(2, 3, 4, 6, 7, 8, 9))
+            + f"\n\n{within} of {len(rows)} within 10% on memory; {fits} of {len(rows)} "
+              "fit their chips under jaxpar")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated row indices of published_runs.yaml")
+    parser.add_argument("--save", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    runs = load_runs()
+    if args.only:
+        chosen = [runs[int(i)] for i in args.only.split(",")]
+    else:
+        by_name = {r["name"]: r for r in runs}
+        chosen = [by_name[n] for n in DEFAULT]
+    rows = []
+    for run in chosen:
+        rows.append(measure(run))
+        r = rows[-1]
+        print(f"{r['name']}: compiler {fmt_bytes(r['compiler_bytes'] or r.get('compiler_temp_at_least'))}, planner "
+              f"{fmt_bytes(r['planner_bytes'])}, compiled in {r['compile_s']:.0f} s",
+              flush=True)
+        if args.save:
+            Path(args.save).write_text(json.dumps(rows, indent=1))
+    print()
+    print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
