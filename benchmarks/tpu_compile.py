@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for run in chosen:
         rows.append(measure(run))
         r = rows[-1]
-        print(f"{r['name']}: compiler {fmt_bytes(r['compiler_bytes'] or r.get('compiler_temp_at_least'))}, planner "
+        got = r["compiler_bytes"] or r.get("compiler_temp_at_least")
+        print(f"{r['name']}: compiler {fmt_bytes(got)}, planner "
               f"{fmt_bytes(r['planner_bytes'])}, compiled in {r['compile_s']:.0f} s",
               flush=True)
         if args.save:

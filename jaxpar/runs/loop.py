@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.analysis.executables import load_compiled
 from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.config.assembly import build_trainer
 from jaxpar.config.schema import Config
@@ -255,8 +256,8 @@ def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
 
 
 def train(config: Config, out_dir: str | Path | None = None, *, progress: bool = True,
-          resume: bool = False, max_steps: int | None = None
-          ) -> tuple[Trainer, list[dict[str, Any]]]:
+          resume: bool = False, max_steps: int | None = None,
+          compiled: str | Path | None = None) -> tuple[Trainer, list[dict[str, Any]]]:
     """Train ``config`` up to ``config.train.steps`` steps; returns the trainer and the
     metrics of the steps this call trained.
 
@@ -269,6 +270,8 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
         is none. ``metrics.jsonl`` is continued without repeating steps.
       max_steps: stop after this many steps in this call (saving a checkpoint first), as a
         time-boxed session on preemptible machines would.
+      compiled: a folder of ``jaxpar compile --save``: its executable runs the steps
+        (refused when it was compiled for another config, devices or versions).
 
     Raises:
       JaxparError: for a bad run folder (see :func:`check_run_folder`) or config, or bad
@@ -276,6 +279,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
+    executable = load_compiled(compiled, config, jax.devices()) if compiled else None
     # One writer per run folder: process 0 of a run holds its lock until the run ends.
     lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
             if out_dir is not None and jax.process_index() == 0 else None)
@@ -290,7 +294,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
         lock.acquire()
     try:
         return _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
-                      max_steps=max_steps)
+                      max_steps=max_steps, executable=executable)
     finally:
         if lock is not None:
             lock.release()
@@ -344,11 +348,18 @@ def _due(step: int, end: int, config: Config, ckpt: Checkpointer | None,
 
 def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
            holdout: TokenLoader | None, *,
-           progress: bool, resume: bool, max_steps: int | None
+           progress: bool, resume: bool, max_steps: int | None,
+           executable: tuple[Any, tuple] | None = None
            ) -> tuple[Trainer, list[dict[str, Any]]]:
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = _checked_trainer(config, loader)
+    if executable is not None:
+        if not isinstance(trainer, Trainer):
+            raise JaxparError("--compiled runs one compiled step: it does not combine with "
+                              "diloco.sync_every")
+        trainer.use_compiled(jax.ShapeDtypeStruct(executable[1], np.int32), executable[0])
+        _say("running the step compiled ahead of time (--compiled)")
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
             if out is not None else None)
     history: list[dict[str, Any]] = []

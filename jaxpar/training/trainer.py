@@ -272,10 +272,21 @@ class Trainer:
         """The sharding of each leaf of a (global) batch like ``batch``."""
         return jax.tree.map(lambda x: self.plan.batch_sharding(np.ndim(x)), batch)
 
+    @staticmethod
+    def _batch_key(batch: Batch) -> Any:
+        return jax.tree.structure(batch), tuple(len(np.shape(x)) if not hasattr(x, "ndim")
+                                                else x.ndim for x in jax.tree.leaves(batch))
+
+    def use_compiled(self, batch: Batch, executable: Callable) -> None:
+        """Run ``executable``, this trainer's step compiled ahead of time (``jaxpar compile
+        --save``, :mod:`jaxpar.analysis.executables`), for batches shaped like ``batch``
+        instead of compiling the step."""
+        self._concrete("run a compiled step")
+        self._compiled[self._batch_key(batch)] = self._steps(batch)._replace(train=executable)
+
     def _steps(self, batch: Batch) -> CompiledSteps:
         """The jitted train, eval and gradient functions for batches shaped like ``batch``."""
-        key = jax.tree.structure(batch), tuple(len(np.shape(x)) if not hasattr(x, "ndim")
-                                               else x.ndim for x in jax.tree.leaves(batch))
+        key = self._batch_key(batch)
         if key not in self._compiled:
             batch_sh = self.batch_shardings(batch)
             state_sh, rep = self.state_shardings, self.plan.replicated

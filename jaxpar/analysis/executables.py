@@ -1,0 +1,108 @@
+"""Compiled training steps saved to a folder and loaded back: ``jaxpar compile --save DIR``
+compiles a run's step for its target ahead of time (a TPU slice, from this host), and
+``jaxpar train --compiled DIR`` on that target runs it without compiling.
+
+The folder holds the serialized executable (``jax.experimental.serialize_executable``),
+the run config it was compiled from, the target and the versions of jax, jaxlib, libtpu
+and jaxpar. Loading refuses, in one line, an executable whose config, devices or versions
+differ from the run's: an executable compiled for other shapes or another compiler would
+fail at the first step, or worse, run a different program.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxpar.analysis.inspection import CompiledStep
+from jaxpar.config.schema import Config, from_dict
+from jaxpar.errors import JaxparError
+
+EXECUTABLE = "executable.pkl"
+MANIFEST = "manifest.json"
+CONFIG = "config.yaml"
+
+
+def versions() -> dict[str, str]:
+    """The versions of the packages a compiled executable depends on."""
+    out = {}
+    for name in ("jax", "jaxlib", "libtpu", "jaxpar"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def _devices(devices: Any) -> dict[str, Any]:
+    return {"n_devices": len(devices), "device_kind": str(devices[0].device_kind),
+            "platform": devices[0].platform}
+
+
+def save_compiled(step: CompiledStep, folder: Path) -> None:
+    """Write ``step``'s executable, config, target and versions into ``folder``."""
+    from jax.experimental.serialize_executable import serialize
+
+    payload, in_tree, out_tree = serialize(step.compiled)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / EXECUTABLE).write_bytes(pickle.dumps(
+        {"payload": payload, "in_tree": in_tree, "out_tree": out_tree}))
+    step.run.config.save(folder / CONFIG)
+    manifest = {"target": step.target.name, "topology": step.target.topology,
+                "slices": step.target.slices, **_devices(step.target.devices),
+                "batch": {"shape": list(step.batch.shape), "dtype": str(step.batch.dtype)},
+                "versions": versions()}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out = []
+        for key in sorted(set(saved) | set(now)):
+            out += _differences(saved.get(key), now.get(key), f"{prefix}{key}.")
+        return out
+    return [] if saved == now else [f"{prefix[:-1]}={now!r} (compiled with {saved!r})"]
+
+
+def load_compiled(folder: str | Path, config: Config, devices: Any) -> tuple[Any, tuple]:
+    """The executable saved in ``folder`` for ``config`` on ``devices``, and the global
+    batch shape it takes.
+
+    Raises:
+      JaxparError: one line, for a folder that holds no compiled step, or a config,
+        device set or package version that differs from the one it was compiled for.
+    """
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() or not (folder / EXECUTABLE).is_file():
+        raise JaxparError(f"--compiled {str(folder)!r} holds no compiled step (write one "
+                          "with jaxpar compile --save)")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    saved = from_dict(Config, yaml.safe_load((folder / CONFIG).read_text()))
+    changed = _differences(saved.to_dict(), config.to_dict())
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise JaxparError(f"--compiled {str(folder)!r} was compiled for another config: "
+                          f"{changed[0]}{more}")
+    here = _devices(devices)
+    for key in ("n_devices", "device_kind", "platform"):
+        if manifest[key] != here[key]:
+            raise JaxparError(
+                f"--compiled {str(folder)!r} was compiled for {manifest['target']} "
+                f"({manifest['n_devices']} {manifest['device_kind']} devices); this run has "
+                f"{here['n_devices']} {here['device_kind']} devices")
+    now = versions()
+    for name, version in manifest["versions"].items():
+        if now.get(name) != version:
+            raise JaxparError(f"--compiled {str(folder)!r} was compiled with {name} "
+                              f"{version}; this run has {name} {now.get(name)}: compile "
+                              "it again here")
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    parts = pickle.loads((folder / EXECUTABLE).read_bytes())
+    executable = deserialize_and_load(parts["payload"], parts["in_tree"], parts["out_tree"])
+    return executable, tuple(manifest["batch"]["shape"])
