@@ -90,16 +90,12 @@ def measure(run: dict) -> dict:
     try:
         report = step_report(compile_step(config, target), source=run["name"])
     except StepDoesNotFit as err:
-        pred, _ = planner_prediction(for_slices(config, slices), len(target.devices), target)
         return {"name": run["name"], "target": name, "slices": slices, "mesh": "-",
                 "remat": config.plan.remat, "compiler_bytes": None,
-                "compiler_temp_at_least": err.temp_bytes,
-                "planner_bytes": (pred or {}).get("memory", {}).get("total_bytes"),
-                "hbm_bytes": err.hbm_bytes, "fits": False, "compiler_collective_bytes": None,
-                "planner_collective_bytes": sum(c.get("bytes_per_device", 0) for c in
-                                                (pred or {}).get("collectives", [])),
-                "splash_kernels": None, "compile_s": time.perf_counter() - start,
-                "wall_s": time.perf_counter() - start}
+                "compiler_temp_at_least": err.temp_bytes, "hbm_bytes": err.hbm_bytes,
+                "fits": False, "compiler_collective_bytes": None, "splash_kernels": None,
+                "compile_s": time.perf_counter() - start,
+                "wall_s": time.perf_counter() - start, **planner_figures(run, name, slices)}
     mem, pred = report["memory"], (report["predicted"] or {})
     pmem = pred.get("memory", {})
     coll = sum(c["bytes_per_device"] or 0 for c in report["collectives"])
@@ -114,6 +110,23 @@ def measure(run: dict) -> dict:
             "splash_kernels": report["kernels"].get("tpu_custom_call", 0),
             "compile_s": report["header"]["compile_s"],
             "wall_s": time.perf_counter() - start}
+
+
+def planner_figures(run: dict, target_name: str, slices: int) -> dict:
+    """The planner's memory and collective bytes per device for the run's jaxpar step."""
+    target = tpu_target(target_name, slices)
+    pred, note = planner_prediction(for_slices(run_config(run), slices), len(target.devices),
+                                    target)
+    if pred is None:
+        raise RuntimeError(note)
+    return {"planner_bytes": pred["memory"]["total_bytes"],
+            "planner_collective_bytes": sum(c.get("bytes_per_device", 0)
+                                            for c in pred["collectives"])}
+
+
+def replan(row: dict, run: dict) -> dict:
+    """A saved row with the current planner's figures."""
+    return {**row, **planner_figures(run, row["target"], row["slices"])}
 
 
 def render(rows: list[dict]) -> str:
@@ -143,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated row indices of published_runs.yaml")
     parser.add_argument("--save", help="write the rows as JSON here")
+    parser.add_argument("--replan", metavar="JSON",
+                        help="print a saved table with the planner's figures computed anew "
+                             "(the compiler's as saved): no compiling")
     args = parser.parse_args(argv)
     runs = load_runs()
+    if args.replan:
+        rows = [replan(row, {r["name"]: r for r in runs}[row["name"]])
+                for row in json.loads(Path(args.replan).read_text())]
+        print(render(rows))
+        return 0
     if args.only:
         chosen = [runs[int(i)] for i in args.only.split(",")]
     else:

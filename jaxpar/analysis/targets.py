@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -131,6 +132,9 @@ def tpu_target(text: str, slices: int = 1) -> Target:
     why = tpu_compiler_missing()
     if why:
         raise JaxparError(f"--target {text!r}: {why}")
+    # Compiling needs no TPU, so several processes may load libtpu at once (its lock file
+    # guards a TPU's exclusive use).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     topology = f"{gen}:{m['topo']}"

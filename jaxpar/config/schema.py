@@ -138,7 +138,11 @@ class TrainConfig:
     on the first ``eval_batches`` batches of the held-out data; 0 turns it off.
     ``loss``: ``package.module:function`` with ``fn(model, batch) -> scalar``; empty means
     next-token cross-entropy (:func:`jaxpar.training.trainer.lm_loss`). ``profile_steps``:
-    ``[a, b]`` writes a ``jax.profiler`` trace of steps a..b to ``OUT/profile``."""
+    ``[a, b]`` writes a ``jax.profiler`` trace of steps a..b to ``OUT/profile``.
+    ``compile_cache``: JAX's persistent compilation cache (see
+    :mod:`jaxpar.runs.compile_cache`): ``auto`` (``~/.cache/jaxpar/xla``, or
+    ``$JAX_COMPILATION_CACHE_DIR``), ``off``, or a folder; a rerun loads its compiled step
+    from there instead of compiling it again."""
 
     steps: int = 200
     global_batch: int = 16
@@ -155,6 +159,7 @@ class TrainConfig:
     eval_batches: int = 4
     loss: str = ""
     profile_steps: tuple = ()
+    compile_cache: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,9 +297,18 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         loss_work = loss_working_bytes(spec, loc, seq)
     else:
         saved = layer_work = loss_work = 0.0
-    # Gradients: the backward pass accumulates them in the compute layout (f32 on CPU,
-    # compute dtype elsewhere); with gradient accumulation an f32 running sum as well.
-    grads = lay.total("compute") * (4 if backend == "cpu" else c)
+    # Gradients: XLA:CPU accumulates them whole, in the compute layout, in f32 (its
+    # reductions are all-reduces followed by a slice). The TPU and GPU compilers reduce
+    # each layer's gradients as the backward loop produces them (a reduce-scatter to the
+    # stored layout): the step holds the reduced gradients, in the compute dtype, and one
+    # layer's before reduction (measured with the TPU compiler: benchmarks/tpu_compile.py).
+    # With gradient accumulation an f32 running sum as well.
+    if backend == "cpu":
+        grads = lay.total("compute") * 4
+    else:
+        reduced = lay.total("zero") if stage >= 2 else lay.total("base")
+        layers = max(spec.n_layers / lay.sizes.get("stage", 1), 1)
+        grads = (reduced + (lay.total("compute") - reduced) / layers) * c
     if cand.microbatches > 1:
         grads += base * 4
     # The update: clipped gradients and Adam's new moments in the optimizer's layout (on

@@ -36,6 +36,7 @@ from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
 from jaxpar.data.tokenizer import load_tokenizer, vocab_size
 from jaxpar.errors import JaxparError, RunStopped
+from jaxpar.runs import compile_cache
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import ReplicaClient
@@ -114,7 +115,7 @@ def _changed_keys(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") 
     """Config keys that differ, ignoring layout-only sections a resume may change."""
     out = []
     for key in sorted(set(saved) | set(now)):
-        if not prefix and key in _LAYOUT_SECTIONS:
+        if (not prefix and key in _LAYOUT_SECTIONS) or f"{prefix}{key}" in _FREE_KEYS:
             continue
         a, b = saved.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
@@ -125,6 +126,8 @@ def _changed_keys(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") 
 
 
 _LAYOUT_SECTIONS = ("mesh", "plan", "pipeline", "checkpoint")
+_FREE_KEYS = ("train.compile_cache",)
+"""Keys a resume may change outside the layout sections: they change no result."""
 
 
 def _say(text: str) -> None:
@@ -279,6 +282,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
+    compile_cache.enable(config.train.compile_cache)
     executable = load_compiled(compiled, config, jax.devices()) if compiled else None
     # One writer per run folder: process 0 of a run holds its lock until the run ends.
     lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
@@ -351,6 +355,17 @@ def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
            progress: bool, resume: bool, max_steps: int | None,
            executable: tuple[Any, tuple] | None = None
            ) -> tuple[Trainer, list[dict[str, Any]]]:
+    with compile_cache.CompileWatch() as compiling:
+        return _train_watched(config, out_dir, loader, holdout, progress=progress,
+                              resume=resume, max_steps=max_steps, executable=executable,
+                              compiling=compiling)
+
+
+def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoader,
+                   holdout: TokenLoader | None, *, progress: bool, resume: bool,
+                   max_steps: int | None, executable: tuple[Any, tuple] | None,
+                   compiling: compile_cache.CompileWatch
+                   ) -> tuple[Trainer, list[dict[str, Any]]]:
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = _checked_trainer(config, loader)
@@ -405,6 +420,9 @@ def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
             if not (due.any or window.full):
                 continue
             rows = window.fetch(step)  # waits for the steps in flight
+            if not history:  # the first step compiled the step (or found it in the cache)
+                rows[0].update(compiling.metrics())
+                _say(compiling.describe())
             _act(due, rows[-1], trainer, config, ckpt, holdout, end)
             for row in rows:
                 history.append(row)

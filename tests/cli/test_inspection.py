@@ -49,15 +49,18 @@ REPORT = {
 
 
 def test_the_command_hands_the_config_over_and_prints_json_or_tables(monkeypatch, capsys):
-    """inspect_config (compiling a step) is replaced: what the command passes it and
-    prints is checked, fast."""
+    """compile_step and step_report (compiling a step) are replaced: what the command
+    passes them and prints is checked, fast."""
+    from jaxpar.analysis import inspection
+
     seen = []
 
-    def fake_inspect(config, *, source):
-        seen.append((config, source))
+    def fake_report(step, *, source):
+        seen.append((step, source))
         return REPORT
 
-    monkeypatch.setattr(cli.inspection, "inspect_config", fake_inspect)
+    monkeypatch.setattr(inspection, "compile_step", lambda config, target: config)
+    monkeypatch.setattr(inspection, "step_report", fake_report)
     assert cli.main(["inspect", "--json", "train.steps=7"]) == 0
     assert json.loads(capsys.readouterr().out) == REPORT
     (config, source), = seen

@@ -1,0 +1,88 @@
+"""Compiling for a TPU that is not here (jaxpar.analysis.targets, compile_step): the TPU
+compiler from libtpu, on this CPU host, against the planner; splash attention compiled as
+the real Mosaic kernel."""
+
+import pytest
+
+from jaxpar.analysis import targets
+from jaxpar.analysis.hlo import custom_calls
+from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
+from jaxpar.config.schema import load_config
+from jaxpar.errors import JaxparError
+
+pytest.importorskip("libtpu", reason="the TPU compiler (pip install 'jax[tpu]')")
+
+SMALL = ["model.n_layers=2", "model.d_model=1024", "model.d_ff=2048", "model.n_heads=8",
+         "model.n_kv_heads=8", "model.vocab_size=512", "model.max_seq_len=256",
+         "train.global_batch=8", "train.seq_len=256", "plan.remat=full",
+         "plan.precision=params=float32,compute=bfloat16,output=float32", "mesh.data=1",
+         "mesh.fsdp=-1"]
+
+
+def test_topologies_give_the_slices_devices():
+    v5e = targets.tpu_target("tpu-v5e:2x2")
+    assert (len(v5e.devices), v5e.device_kind, v5e.chips) == (4, "TPU v5 lite", 4)
+    assert v5e.hbm_bytes == 16e9
+    two = targets.tpu_target("tpu-v5p:2x2x1", slices=2)
+    assert len(two.devices) == 8 and {d.slice_index for d in two.devices} == {0, 1}
+    assert targets.topology_for("tpu-v6e", 256) == "16x16"
+    assert targets.topology_for("tpu-v5p", 512) == "8x8x8"
+    assert targets.topology_for("tpu-v5p", 4) == "2x2x1"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("tpu-v9:2x2", "must name a TPU slice"),
+    ("tpu-v5p:2x2", "a v5p slice has 3 topology dimensions"),
+    ("tpu-v5e:3x5", "the TPU compiler refuses topology 'v5e:3x5'"),
+])
+def test_bad_targets_are_one_line(text, says):
+    with pytest.raises(JaxparError, match=says) as err:
+        targets.tpu_target(text)
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_tpu_compiler_names_the_package(monkeypatch):
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(JaxparError, match=r"pip install 'jax\[tpu\]=="):
+        targets.tpu_target("tpu-v5e:2x2")
+
+
+@pytest.fixture(scope="module")
+def v5e_step():
+    config = load_config("configs/tiny.yaml", [*SMALL, "model.attention=auto"])
+    return compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+
+
+def test_the_step_compiles_for_a_tpu_with_splash_as_the_mosaic_kernel(v5e_step):
+    """auto attention on a TPU target is splash, compiled (not interpreted): the forward
+    kernel and the two backward ones are TPU custom calls."""
+    assert v5e_step.compiled.input_shardings[0]  # a real executable for 4 TPU devices
+    assert custom_calls(v5e_step.compiled.as_text()).get("tpu_custom_call", 0) >= 3
+
+
+@pytest.mark.parametrize("topology", ["tpu-v5e:2x2", "tpu-v5p:2x2x1"])
+def test_compiled_memory_against_the_planner(topology, v5e_step):
+    """The state (arguments) is the planner's to the byte's rounding; the compiler's whole
+    footprint stays within the planner's (which is conservative for small models: the
+    TPU compiler updates the optimizer state in place, and fuses most of a small layer's
+    working set); both say it fits."""
+    step = (v5e_step if topology == "tpu-v5e:2x2" else
+            compile_step(load_config("configs/tiny.yaml", SMALL),
+                         targets.tpu_target(topology)))
+    report = step_report(step)
+    mem, pred = report["memory"], report["predicted"]["memory"]
+    assert mem["fits"] and pred["total_bytes"] < mem["hbm_bytes"]
+    assert pred["argument_bytes"] == pytest.approx(mem["argument_bytes"], rel=0.02)
+    assert mem["total_bytes"] <= pred["total_bytes"] <= 3 * mem["total_bytes"]
+    fsdp = [c for c in report["collectives"] if c["axes"] == ["fsdp"]]
+    assert {c["kind"] for c in fsdp} >= {"all-gather"}
+    assert report["flops"] == pytest.approx(report["comparison"]["predicted_flops"], rel=0.25)
+
+
+def test_a_step_beyond_hbm_is_refused_with_the_compilers_figures():
+    config = load_config("configs/tiny.yaml", [*SMALL, "model.d_model=4096", "model.d_ff=16384",
+                                               "model.n_layers=8", "plan.remat=none",
+                                               "train.global_batch=64"])
+    with pytest.raises(StepDoesNotFit, match="does not fit tpu-v5e:2x2: the TPU compiler "
+                                             "needs .* of temporaries a device"):
+        compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
