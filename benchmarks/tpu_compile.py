@@ -7,10 +7,11 @@ is built from shapes alone and compiled for that slice by libtpu's compiler
 planner's prediction: memory per device, whether it fits the chip's HBM, collective bytes,
 and the compile time.
 
-A published ``recompute=...`` policy (MaxText's custom lists, which recompute most of a
-layer and offload the rest of what they keep to host memory) has no jaxpar equivalent: the
-step is compiled with ``full`` remat (only each layer's input kept on the device), and the
-planner is asked about that same policy, so both sides describe one program. A step the
+Remat: MaxText's policies become jaxpar's closest (:func:`jaxpar_remat`): a custom list
+that offloads the decoder layer's input to the host becomes ``offload:layer_input`` (the
+layer's input in host memory, the rest recomputed), ``minimal`` becomes
+``dots_with_no_batch_dims_saveable``, other recompute lists ``full``. The planner is
+asked about that same policy, so both sides describe one program. A step the
 TPU compiler refuses (its temporaries beyond HBM) is a row that does not fit, with the
 temporaries the compiler reported.
 
@@ -57,21 +58,37 @@ DEFAULT = (
     "MaxText 16B synthetic 2x v5e-256 seq2048 bf16",
     "MaxText 22B synthetic 1x v4-128 seq1024 bf16",
     "MaxText 128B synthetic 1x v5e-256 seq2048 bf16",
+    "tpu-recipes Llama3.1-70B tpu7x-4x4x4 (64 chips) seq8192 bf16",
 )
 """Runs compiled by default: Llama 3.1 8B and 70B and Llama 2 70B on v6e, Mistral 7B, a
-tensor-parallel v5p run, a multislice v5p and v5e run, v4, and a 70B on 512 v5p chips."""
+tensor-parallel v5p run, a multislice v5p and v5e run, v4, a 70B on 512 v5p chips, and a
+70B on 64 TPU7x chips."""
 
-JAXPAR_REMAT = {"none": "none", "full": "full"}
+def jaxpar_remat(run: dict) -> str:
+    """The jaxpar remat policy closest to the run's own (MaxText's names in
+    ``remat_source``): layer inputs offloaded to the host -> ``offload:layer_input`` (the
+    rest recomputed), ``minimal`` -> ``dots_with_no_batch_dims_saveable``, no remat ->
+    ``none``, anything else -> ``full``."""
+    source = str(run.get("remat_source", run.get("remat", "none")))
+    if "offload decoder_layer_input" in source:
+        return "offload:layer_input"
+    if source == "minimal":
+        return "dots_with_no_batch_dims_saveable"
+    return "none" if run.get("remat", "none") == "none" else "full"
 
 
-def run_config(run: dict) -> Config:
-    """The published run as a jaxpar run config (bf16 compute, f32 master weights)."""
+def run_config(run: dict, devices_per_chip: int = 1) -> Config:
+    """The published run as a jaxpar run config (bf16 compute, f32 master weights); on
+    chips that expose two devices (TPU7x's two TensorCores), its largest in-slice axis
+    spans both."""
     cand = candidate(run)
+    ici = {a: dict(cand.ici).get(a, 1) for a in MESH_AXES}
+    ici[max(ici, key=ici.get)] *= devices_per_chip
     model = {**model_config(run).__dict__, "loss_chunk": 1024}
-    remat = JAXPAR_REMAT.get(run.get("remat", "none"), "full")
+    remat = jaxpar_remat(run)
     return from_dict(Config, {
         "model": model,
-        "mesh": {**{a: dict(cand.ici).get(a, 1) for a in MESH_AXES},
+        "mesh": {**ici,
                  **{f"dcn_{a}": dict(cand.dcn).get(a, 1) for a in MESH_AXES}},
         "plan": {"rules": "fsdp_tp", "zero_stage": run.get("zero_stage", 0), "remat": remat,
                  "microbatches": run.get("microbatches", 1),
@@ -86,7 +103,7 @@ def measure(run: dict) -> dict:
     name = f"{kind}:{topology_for(kind, int(count) // slices)}"
     target = tpu_target(name, slices)
     start = time.perf_counter()
-    config = run_config(run)
+    config = run_config(run, len(target.devices) // target.chips)
     try:
         report = step_report(compile_step(config, target), source=run["name"])
     except StepDoesNotFit as err:
@@ -115,8 +132,8 @@ def measure(run: dict) -> dict:
 def planner_figures(run: dict, target_name: str, slices: int) -> dict:
     """The planner's memory and collective bytes per device for the run's jaxpar step."""
     target = tpu_target(target_name, slices)
-    pred, note = planner_prediction(for_slices(run_config(run), slices), len(target.devices),
-                                    target)
+    config = run_config(run, len(target.devices) // target.chips)
+    pred, note = planner_prediction(for_slices(config, slices), len(target.devices), target)
     if pred is None:
         raise RuntimeError(note)
     return {"planner_bytes": pred["memory"]["total_bytes"],

@@ -16,6 +16,10 @@ import tempfile
 import jax
 import pytest
 
+# The TPU compiler (libtpu) is installed for the tests that compile for TPU topologies;
+# nothing runs on a TPU here, so JAX (and every jaxpar subprocess) starts on the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 jax.config.update("jax_num_cpu_devices", 8)
 # The programs here are tiny: compiling them, mostly LLVM optimising the CPU code, costs far
 # more than running them. LLVM optimisation off halves the suite; the HLO passes (SPMD

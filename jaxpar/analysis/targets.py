@@ -140,7 +140,8 @@ def tpu_target(text: str, slices: int = 1) -> Target:
     topology = f"{gen}:{m['topo']}"
     try:
         desc = topologies.get_topology_desc(
-            platform="tpu", topology_name=topology, chip_config_name="default",
+            platform="tpu", topology_name=topology,
+            chip_config_name="megacore" if gen == "v4" else "default",
             chips_per_host_bounds=_host_bounds(dims), num_slices=slices)
     except Exception as err:  # noqa: BLE001 - libtpu's refusal is the user's answer
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -104,6 +104,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                            "without it (auto, the default), or always")
     plan.add_argument("--top", type=int, default=5, help="plans to show")
     plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
+    plan.add_argument("--verify", type=int, default=0, metavar="K",
+                      help="compile the first K plans with the TPU compiler (TPU chips only; "
+                           "no TPU needed), drop those it says do not fit, and print its "
+                           "memory beside the planner's")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="model overrides, e.g. model.n_layers=40")

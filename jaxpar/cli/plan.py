@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from jaxpar.errors import JaxparError
 from jaxpar.planner import slices
@@ -112,6 +113,48 @@ def breakdown_text(row: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def verified(plans: list, rows: list[dict], base: Any, machine: Any,
+             args: argparse.Namespace) -> tuple[list, list[dict]]:
+    """``--verify K``: the first K plans compiled for the machine's TPU slices by the TPU
+    compiler (:func:`jaxpar.analysis.inspection.compile_step`); a plan the compiler says
+    does not fit is dropped, and each kept row gets ``compiler_bytes`` beside the
+    planner's ``memory_per_device_bytes``. Plans after the first K are kept unverified."""
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
+    from jaxpar.analysis.report import fmt_bytes
+    from jaxpar.analysis.targets import topology_for, tpu_target
+
+    kind = machine.chip.name
+    if not kind.startswith("tpu-"):
+        raise JaxparError(f"--verify compiles with the TPU compiler: --chips {args.chips} is "
+                          "not a TPU kind")
+    target = tpu_target(f"{kind}:{topology_for(kind, machine.per_slice)}", machine.slices)
+    keep_plans, keep_rows = [], []
+    for i, (est, row) in enumerate(zip(plans, rows, strict=True), 1):
+        if i > args.verify:
+            keep_plans.append(est)
+            keep_rows.append(row)
+            continue
+        config = run_config(est, base, None, args.global_batch, args.seq)
+        try:
+            memory = step_report(compile_step(config, target))["memory"]
+        except StepDoesNotFit as err:
+            print(f"verify #{i}: dropped, the TPU compiler needs more than "
+                  f"{fmt_bytes(err.temp_bytes)} of temporaries ({fmt_bytes(err.hbm_bytes)} "
+                  f"of HBM); the planner said {fmt_bytes(row['memory_per_device_bytes'])}")
+            continue
+        ratio = row["memory_per_device_bytes"] / memory["total_bytes"]
+        print(f"verify #{i}: the TPU compiler needs {fmt_bytes(memory['total_bytes'])} a "
+              f"device, the planner {fmt_bytes(row['memory_per_device_bytes'])} (x{ratio:.2f})"
+              + ("" if memory["fits"] else "; dropped: it does not fit"))
+        if memory["fits"]:
+            keep_plans.append(est)
+            keep_rows.append(dict(row, compiler_bytes=memory["total_bytes"]))
+    return keep_plans, keep_rows
+
+
 def command(args: argparse.Namespace) -> int:
     """Run ``jaxpar plan`` with the parsed CLI arguments; returns the exit code."""
     overrides = list(args.overrides or [])
@@ -129,6 +172,8 @@ def command(args: argparse.Namespace) -> int:
                  top=args.top, context=_allowed(args.context), expert=_allowed(args.expert),
                  offload=offload, quantize=args.quantize)
     rows = [to_dict(p, args.global_batch, args.seq) for p in plans]
+    if args.verify:
+        plans, rows = verified(plans, rows, resolved.config, machine, args)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

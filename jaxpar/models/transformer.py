@@ -224,6 +224,9 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array
                  ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """The layer's output; with experts, also the router statistics of this layer."""
+        # Named so that a remat policy can keep the layer's input in host memory
+        # (plan.remat=offload:layer_input): the backward pass reads it from there.
+        x = checkpoint_name(x, "layer_input")
         # The sublayers see the whole sequence: under sequence parallelism this is where
         # the split residual is all-gathered (and their outputs reduce-scattered back).
         x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos)

@@ -127,6 +127,8 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     if remat == "none":
         per_token = (scores + probs + act * (6 * f + 6 * dr + 2 * n * h + 2 * k * h)
                      + _moe_saved(spec, loc, act, True))
+    elif remat.startswith(OFFLOAD) and "layer_input" in offloaded_names(remat):
+        per_token = 0.0  # the block input, the only thing kept, is in host memory
     elif remat == "full" or remat.startswith(OFFLOAD):
         per_token = act * dr
     elif remat in ("dots_saveable", "offload_dots"):
@@ -147,8 +149,8 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
     """Bytes per layer a remat policy saves to host memory instead of the device.
 
     ``offload:<names>``: per token, ``attention`` (the attention output before its
-    projection, ``heads x head_dim``), ``attention_out`` and ``mlp_out`` (``d_model``,
-    the residual stream's share under sequence parallelism) and ``mlp_hidden`` (the
+    projection, ``heads x head_dim``), ``layer_input``, ``attention_out`` and ``mlp_out``
+    (``d_model``, the residual stream's share under sequence parallelism) and ``mlp_hidden`` (the
     MLP's hidden width, or a mixture of experts' routed slots and shared experts).
     ``offload_dots``: what ``dots_with_no_batch_dims_saveable`` keeps, less the block
     input that stays on the device. Other policies: nothing.
@@ -157,7 +159,7 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
     if names:
         dr = spec.d_model / loc.residual_split
         width = {"attention": loc.heads * spec.head_dim, "attention_out": dr,
-                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr}
+                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr, "layer_input": dr}
         return act * sum(width.get(n, 0.0) for n in names) * loc.tokens
     if remat == "offload_dots":
         kept = saved_activation_bytes(spec, loc, seq, "dots_with_no_batch_dims_saveable", act,

@@ -1,7 +1,7 @@
 """Rematerialization policies by name, applied per transformer block.
 
-The reference model tags activations with ``checkpoint_name`` (``attention``,
-``attention_out``, ``mlp_hidden``, ``mlp_out``); a policy decides which of a block's
+The reference model tags activations with ``checkpoint_name`` (``layer_input``,
+``attention``, ``attention_out``, ``mlp_hidden``, ``mlp_out``); a policy decides which of a block's
 intermediates are kept for the backward pass and which are recomputed. Two policies keep
 activations in host memory instead: ``offload_dots`` (every matmul output without a batch
 dimension) and ``offload:<name>,<name>`` (the named ones; everything else is recomputed).
@@ -30,7 +30,7 @@ POLICIES: dict[str, Any] = {
 
 OFFLOAD = "offload:"
 """Prefix of the policies that save named activations to host memory."""
-NAMES = ("attention", "attention_out", "mlp_hidden", "mlp_out")
+NAMES = ("attention", "attention_out", "mlp_hidden", "mlp_out", "layer_input")
 """The checkpoint names the reference model (and its mixture-of-experts layer) tags."""
 VALID = (f"choose one of {sorted(POLICIES)}, or {OFFLOAD}<names> with names among "
          f"{', '.join(NAMES)} (comma-separated) to save those to host memory")

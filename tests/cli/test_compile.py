@@ -1,0 +1,106 @@
+"""``jaxpar compile`` (jaxpar.cli.inspection) for a TPU slice that is not here, its saved
+executable run by ``jaxpar train --compiled``, ``jaxpar plan --verify``, and the
+persistent compilation cache of ``jaxpar train`` (jaxpar.runs.compile_cache)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxpar import cli
+from tests.cli.test_train import SMALL_RUN, jaxpar_cli
+
+pytest.importorskip("libtpu", reason="the TPU compiler (pip install 'jax[tpu]')")
+
+TINY = ["model.n_layers=2", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2",
+        "model.d_ff=512", "train.global_batch=8", "train.seq_len=128", "mesh.data=1",
+        "mesh.fsdp=-1"]
+
+
+def test_compile_for_a_tpu_prints_memory_against_hbm(capsys, tmp_path):
+    hlo = tmp_path / "step.hlo"
+    assert cli.main(["compile", "--target", "tpu-v6e:2x2", "--config", "configs/tiny.yaml",
+                     "--dump-hlo", str(hlo), *TINY, "model.attention=splash"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("jaxpar compile: configs/tiny.yaml for tpu-v6e:2x2 (4 TPU v6 lite "
+                          "devices, 1 slice; the TPU compiler, run here), mesh fsdp=4")
+    assert "  fits: " in out and " of 29.80 GiB per device (" in out
+    assert "Pallas/Mosaic kernels compiled for the TPU: 3 tpu_custom_call(s)" in out
+    assert 'custom_call_target="tpu_custom_call"' in hlo.read_text()
+
+
+def test_compile_json_has_the_inspect_keys_and_hbm(capsys):
+    args = ["--config", "configs/tiny.yaml", *TINY, "train.global_batch=4"]
+    assert cli.main(["compile", "--target", "tpu-v5e:2x2", "--json", *args]) == 0
+    tpu = json.loads(capsys.readouterr().out)
+    assert cli.main(["inspect", "--json", *args, "mesh.fsdp=4", "mesh.tensor=2"]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert set(tpu) == set(cpu) and set(tpu["memory"]) == set(cpu["memory"])
+    assert tpu["memory"]["hbm_bytes"] == 16e9 and tpu["memory"]["fits"] is True
+    assert tpu["header"]["platform"] == "tpu" and tpu["header"]["device_kind"] == "TPU v5 lite"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--target", "tpu-v5q:2x2"], "must name a TPU slice as tpu-GEN:TOPOLOGY"),
+    (["--target", "tpu-v5e:2x2", "--devices", "8"], "--devices simulates CPU devices"),
+    (["--target", "cpu", "--slices", "2"], "--slices needs a TPU --target"),
+    (["--target", "tpu-v5e:2x2", "--dump-hlo", "."], "--dump-hlo '.' is a folder"),
+])
+def test_bad_compile_arguments_are_one_line(args, says, capsys):
+    assert cli.main(["compile", "--config", "configs/tiny.yaml", *args, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+def test_a_saved_step_trains_as_the_jitted_one_and_refuses_another_config(tmp_path):
+    saved = tmp_path / "aot"
+    proc = jaxpar_cli("compile", "--target", "cpu", "--devices", "8", "--config",
+                      "configs/tiny.yaml", "--save", str(saved), *SMALL_RUN)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in saved.iterdir()} == {"executable.pkl", "manifest.json",
+                                                  "config.yaml"}
+    runs = {}
+    for name, extra in (("jit", []), ("aot", ["--compiled", str(saved)])):
+        out = tmp_path / name
+        proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "8",
+                          "--out", str(out), *extra, *SMALL_RUN)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").open()]
+    assert "running the step compiled ahead of time" in proc.stdout
+    assert runs["aot"] == runs["jit"]
+    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "8",
+                      "--compiled", str(saved), *SMALL_RUN, "train.global_batch=16")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"jaxpar: error: --compiled {str(saved)!r} was compiled for another config: "
+        "train.global_batch=16 (compiled with 8)")
+    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4",
+                      "--compiled", str(saved), *SMALL_RUN)
+    assert proc.returncode == 2 and "compiled for cpu (8 cpu devices)" in proc.stderr
+
+
+def test_a_second_run_loads_its_step_from_the_compile_cache(tmp_path):
+    cache = tmp_path / "cache"
+    firsts = []
+    for name in ("one", "two"):
+        proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "8",
+                          "--out", str(tmp_path / name), *SMALL_RUN,
+                          f"train.compile_cache={cache}")
+        assert proc.returncode == 0, proc.stderr
+        firsts.append(json.loads((tmp_path / name / "metrics.jsonl").open().readline()))
+    assert firsts[0]["compile_cache_misses"] > 0 and firsts[0]["compile_s"] > 0
+    assert firsts[1]["compile_cache_hits"] >= firsts[0]["compile_cache_misses"]
+    assert firsts[1]["compile_cache_misses"] == 0
+    assert firsts[1]["compile_s"] < firsts[0]["compile_s"] / 3  # programs the cache skips
+    assert any(Path(cache).iterdir())
+
+
+def test_plan_verify_compiles_the_plans_for_the_tpu(capsys):
+    assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "tpu-v5e:4",
+                     "--global-batch", "8", "--seq", "128", "--top", "2",
+                     "--verify", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "verify #1: the TPU compiler needs " in out and "verify #2" not in out
+    assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "h100:8",
+                     "--global-batch", "8", "--seq", "128", "--verify", "1"]) == 2
+    assert "--verify compiles with the TPU compiler" in capsys.readouterr().err
