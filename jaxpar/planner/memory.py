@@ -176,7 +176,8 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     recomputed softmax, its gradient and the logits' gradient, plus two more d_ff-sized
     and several d_model-sized gradients. Flash-style ``attention`` holds those for one key
     block at a time (``heads x attention_block`` per token), plus f32 copies of q, the
-    output's gradient and the q, k, v gradients it accumulates. ``allgather`` holds them
+    output's gradient and the q, k, v gradients it accumulates; splash keeps its blocks
+    in the TPU's on-chip memory, so only the copies count. ``allgather`` holds them
     against the whole sequence, with the gathered keys and values and their f32
     gradients; ``ring`` for one half-block pair at a time, with two key/value blocks in
     flight and (when ``remat`` recomputes the layer) the ring's per-step carries.
@@ -184,7 +185,9 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     """
     d, h = spec.d_model, spec.head_dim
     n, k = loc.heads, loc.kv_heads
-    if attention in FLASH_ATTENTION:
+    if attention == "splash":  # the kernel's score tiles live in the TPU's VMEM
+        score = 4 * (4 * n * h + 2 * k * h)
+    elif attention in FLASH_ATTENTION:
         block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
         score = 3 * n * block * 4 + 4 * (4 * n * h + 2 * k * h)
     elif attention == "ring":
@@ -305,12 +308,17 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     # stored layout): the step holds the reduced gradients, in the compute dtype, and one
     # layer's before reduction (measured with the TPU compiler: benchmarks/tpu_compile.py).
     # With gradient accumulation an f32 running sum as well.
+    # Weights outside the layer loop (the embedding, the output head) have their whole
+    # gradient at once before it is reduced.
     if backend == "cpu":
         grads = lay.total("compute") * 4
     else:
-        reduced = lay.total("zero") if stage >= 2 else lay.total("base")
         layers = max(spec.n_layers / lay.sizes.get("stage", 1), 1)
-        grads = (reduced + (lay.total("compute") - reduced) / layers) * c
+        grads = 0.0
+        for p in lay.placed:
+            reduced = p.zero if stage >= 2 else p.base
+            whole = (p.compute - reduced) / (layers if "layers" in p.tensor.names else 1)
+            grads += (reduced + whole) * c
     if cand.microbatches > 1:
         grads += base * 4
     # The update: clipped gradients and Adam's new moments in the optimizer's layout (on
@@ -342,8 +350,13 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         copy = sum((p.zero if cand.zero_stage >= 3 else p.base) * lay.sizes["data"]
                    for p in lay.placed if "data" in p.store_dp_axes)
         gathered += copy * (c + 4)
-    temp = (grads + saved + gathered
-            + max(layer_work + stream + staging + update_device, loss_work))
+    if backend == "tpu":
+        # The TPU compiler updates the optimizer state in place, after the backward pass
+        # has freed its working set (measured: benchmarks/tpu_compile.py).
+        peak = max(layer_work + stream + staging, update_device, loss_work)
+    else:
+        peak = max(layer_work + stream + staging + update_device, loss_work)
+    temp = grads + saved + gathered + peak
     argument = params + master + opt + batch - off.optimizer - off.params
     host = off.optimizer + off.params + host_act
     return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
