@@ -90,7 +90,10 @@ def run_config(run: dict, devices_per_chip: int = 1) -> Config:
         "model": model,
         "mesh": {**ici,
                  **{f"dcn_{a}": dict(cand.dcn).get(a, 1) for a in MESH_AXES}},
+        # MaxText's rules split the residual stream's embedding over the tensor axis; the
+        # same bytes per device here are sequence parallelism's split.
         "plan": {"rules": "fsdp_tp", "zero_stage": run.get("zero_stage", 0), "remat": remat,
+                 "sequence_parallel": ici["tensor"] > 1,
                  "microbatches": run.get("microbatches", 1),
                  "precision": "params=float32,compute=bfloat16,output=float32"},
         "train": {"global_batch": run["global_batch"], "seq_len": run["seq"]},
@@ -125,6 +128,7 @@ def measure(run: dict) -> dict:
             "temp_bytes": mem["temp_bytes"], "argument_bytes": mem["argument_bytes"],
             "compiler_collective_bytes": coll, "planner_collective_bytes": pcoll,
             "splash_kernels": report["kernels"].get("tpu_custom_call", 0),
+            "collectives": report["comparison"]["collectives"],
             "compile_s": report["header"]["compile_s"],
             "wall_s": time.perf_counter() - start}
 
@@ -169,6 +173,14 @@ def render(rows: list[dict]) -> str:
               "fit their chips under jaxpar")
 
 
+def save(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` into the table at ``path``, replacing rows of the same run."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    new = {r["name"]: r for r in rows}
+    merged = [new.pop(r["name"], r) for r in old] + list(new.values())
+    path.write_text(json.dumps(merged, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated row indices of published_runs.yaml")
@@ -197,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt_bytes(r['planner_bytes'])}, compiled in {r['compile_s']:.0f} s",
               flush=True)
         if args.save:
-            Path(args.save).write_text(json.dumps(rows, indent=1))
+            save(Path(args.save), rows)
     print()
     print(render(rows))
     return 0

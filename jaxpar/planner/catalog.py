@@ -168,10 +168,11 @@ BUILTIN: dict[str, Chip] = {
                    int8_flops=275e12,
                    source="cloud.google.com/tpu/docs/v4; ISCA 2023 TPU v4 paper; "
                           "jax-ml.github.io/scaling-book (TPUs)"),
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s (libtpu's
+    # compiler, refusing a step, gives 15.75 GiB of it to a program), ICI
     # 1600 Gbps over 4 links (2D torus), pod of 256, DCN 6.4 Tbps per pod (25 Gbps a chip);
     # MXU 128x128. Host: ct5lp-hightpu-8t VMs, 384 GB for 8 chips.
-    "tpu-v5e": Chip("tpu-v5e", 197e12, 16 * GB, 1600 * _GBPS, 25 * _GBPS, 256,
+    "tpu-v5e": Chip("tpu-v5e", 197e12, 16 * GiB, 1600 * _GBPS, 25 * _GBPS, 256,
                     hbm_bw=819 * GB, matmul_tile=128, torus_dims=2, ici_links=4,
                     ici_link_bw=45 * GB, host_bw=16 * GB, host_bytes=384 * GB / 8,
                     host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.86, memory_efficiency=1.0,
@@ -184,10 +185,11 @@ BUILTIN: dict[str, Chip] = {
                     ici_link_bw=90 * GB, host_bw=16 * GB, host_bytes=448 * GB / 4,
                     host_mem_bw=_DDR5_4800_2S / 4, matmul_efficiency=0.76, memory_efficiency=0.7,
                     int8_flops=918e12, source="cloud.google.com/tpu/docs/v5p; scaling-book (TPUs)"),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, ICI
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GB/s (libtpu's
+    # compiler gives a program 31.25 GiB of it), ICI
     # 3584 Gbps over 4 links (2D torus), pod of 256, DCN 25.6 Tbps per pod (100 Gbps a
     # chip); MXU 256x256. Host: 1536 GiB of DRAM for 8 chips.
-    "tpu-v6e": Chip("tpu-v6e", 918e12, 32 * GB, 3584 * _GBPS, 100 * _GBPS, 256,
+    "tpu-v6e": Chip("tpu-v6e", 918e12, 32 * GiB, 3584 * _GBPS, 100 * _GBPS, 256,
                     hbm_bw=1640 * GB, matmul_tile=256, torus_dims=2, ici_links=4,
                     ici_link_bw=90 * GB, host_bw=32 * GB, host_bytes=1536 * GiB / 8,
                     host_mem_bw=_DDR5_4800_2S / 8, matmul_efficiency=0.84, memory_efficiency=1.0,

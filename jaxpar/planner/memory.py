@@ -176,8 +176,8 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     recomputed softmax, its gradient and the logits' gradient, plus two more d_ff-sized
     and several d_model-sized gradients. Flash-style ``attention`` holds those for one key
     block at a time (``heads x attention_block`` per token), plus f32 copies of q, the
-    output's gradient and the q, k, v gradients it accumulates; splash keeps its blocks
-    in the TPU's on-chip memory, so only the copies count. ``allgather`` holds them
+    output's gradient and the q, k, v gradients it accumulates (splash, with the layers'
+    inputs offloaded: the copies only). ``allgather`` holds them
     against the whole sequence, with the gathered keys and values and their f32
     gradients; ``ring`` for one half-block pair at a time, with two key/value blocks in
     flight and (when ``remat`` recomputes the layer) the ring's per-step carries.
@@ -185,7 +185,10 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     """
     d, h = spec.d_model, spec.head_dim
     n, k = loc.heads, loc.kv_heads
-    if attention == "splash":  # the kernel's score tiles live in the TPU's VMEM
+    if attention == "splash" and "layer_input" in offloaded_names(remat):
+        # With the layers' inputs in host memory the TPU compiler keeps no score-sized
+        # block buffers in HBM (measured: benchmarks/tpu_compile.py; with the inputs on
+        # the device its peak holds them, as for the other flash kernels).
         score = 4 * (4 * n * h + 2 * k * h)
     elif attention in FLASH_ATTENTION:
         block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
@@ -303,15 +306,15 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     else:
         saved = layer_work = loss_work = 0.0
     # Gradients: XLA:CPU accumulates them whole, in the compute layout, in f32 (its
-    # reductions are all-reduces followed by a slice). The TPU and GPU compilers reduce
+    # reductions are all-reduces followed by a slice); the GPU figure is the same layout
+    # in the compute dtype (not measured against a compiler yet). The TPU compiler reduces
     # each layer's gradients as the backward loop produces them (a reduce-scatter to the
     # stored layout): the step holds the reduced gradients, in the compute dtype, and one
-    # layer's before reduction (measured with the TPU compiler: benchmarks/tpu_compile.py).
-    # With gradient accumulation an f32 running sum as well.
-    # Weights outside the layer loop (the embedding, the output head) have their whole
-    # gradient at once before it is reduced.
-    if backend == "cpu":
-        grads = lay.total("compute") * 4
+    # layer's before reduction; weights outside the layer loop (the embedding, the output
+    # head) have their whole gradient at once before it is reduced (measured:
+    # benchmarks/tpu_compile.py). With gradient accumulation an f32 running sum as well.
+    if backend != "tpu":
+        grads = lay.total("compute") * (4 if backend == "cpu" else c)
     else:
         layers = max(spec.n_layers / lay.sizes.get("stage", 1), 1)
         grads = 0.0

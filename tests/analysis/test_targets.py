@@ -22,7 +22,7 @@ SMALL = ["model.n_layers=2", "model.d_model=1024", "model.d_ff=2048", "model.n_h
 def test_topologies_give_the_slices_devices():
     v5e = targets.tpu_target("tpu-v5e:2x2")
     assert (len(v5e.devices), v5e.device_kind, v5e.chips) == (4, "TPU v5 lite", 4)
-    assert v5e.hbm_bytes == 16e9
+    assert v5e.hbm_bytes == 16 * 2**30
     two = targets.tpu_target("tpu-v5p:2x2x1", slices=2)
     assert len(two.devices) == 8 and {d.slice_index for d in two.devices} == {0, 1}
     assert targets.topology_for("tpu-v6e", 256) == "16x16"

@@ -24,7 +24,7 @@ def test_compile_for_a_tpu_prints_memory_against_hbm(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("jaxpar compile: configs/tiny.yaml for tpu-v6e:2x2 (4 TPU v6 lite "
                           "devices, 1 slice; the TPU compiler, run here), mesh fsdp=4")
-    assert "  fits: " in out and " of 29.80 GiB per device (" in out
+    assert "  fits: " in out and " of 32.00 GiB per device (" in out
     assert "Pallas/Mosaic kernels compiled for the TPU: 3 tpu_custom_call(s)" in out
     assert 'custom_call_target="tpu_custom_call"' in hlo.read_text()
 
@@ -36,7 +36,7 @@ def test_compile_json_has_the_inspect_keys_and_hbm(capsys):
     assert cli.main(["inspect", "--json", *args, "mesh.fsdp=4", "mesh.tensor=2"]) == 0
     cpu = json.loads(capsys.readouterr().out)
     assert set(tpu) == set(cpu) and set(tpu["memory"]) == set(cpu["memory"])
-    assert tpu["memory"]["hbm_bytes"] == 16e9 and tpu["memory"]["fits"] is True
+    assert tpu["memory"]["hbm_bytes"] == 16 * 2**30 and tpu["memory"]["fits"] is True
     assert tpu["header"]["platform"] == "tpu" and tpu["header"]["device_kind"] == "TPU v5 lite"
 
 

@@ -62,10 +62,12 @@ def test_70b_at_128k_on_v5p_uses_context_parallelism():
     assert best.candidate.context > 1 and 131072 % (2 * best.candidate.context) == 0
     assert "context parallelism" in best.reason and "context=1" in best.reason
     # Without a context axis a whole 128k sequence sits on each device: the best such plan
-    # must recompute whole layers to fit, and is slower.
+    # must recompute part of each layer to fit (splash keeps no score-sized buffers, so
+    # saving the attention and MLP outputs, split by sequence parallelism, fits), and is
+    # slower.
     flat = plan("configs/llama-70b.yaml", chips="tpu-v5p:512", global_batch=64, seq=131072,
                 top=1, context=1)[0]
-    assert flat.candidate.context == 1 and flat.candidate.remat == "full"
+    assert flat.candidate.context == 1 and flat.candidate.remat != "none"
     assert flat.step_time_s > best.step_time_s
     assert (flat.memory["activation_bytes"] + flat.memory["working_bytes"]
             > best.memory["activation_bytes"] + best.memory["working_bytes"])
