@@ -140,14 +140,18 @@ def planner_figures(run: dict, target_name: str, slices: int) -> dict:
     pred, note = planner_prediction(for_slices(config, slices), len(target.devices), target)
     if pred is None:
         raise RuntimeError(note)
-    return {"planner_bytes": pred["memory"]["total_bytes"],
+    return {"planner_bytes": pred["memory"]["total_bytes"], "catalog_hbm_bytes": target.hbm_bytes,
             "planner_collective_bytes": sum(c.get("bytes_per_device", 0)
                                             for c in pred["collectives"])}
 
 
 def replan(row: dict, run: dict) -> dict:
-    """A saved row with the current planner's figures."""
-    return {**row, **planner_figures(run, row["target"], row["slices"])}
+    """A saved row with the current planner's figures (and the catalog's HBM)."""
+    out = {**row, **planner_figures(run, row["target"], row["slices"])}
+    if out["compiler_bytes"]:
+        out["hbm_bytes"] = out["catalog_hbm_bytes"]
+        out["fits"] = out["compiler_bytes"] <= out["hbm_bytes"]
+    return out
 
 
 def render(rows: list[dict]) -> str:

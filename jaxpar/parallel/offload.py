@@ -27,6 +27,7 @@ accelerator.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -101,7 +102,24 @@ def on_host(fn: Any) -> Any:
     """``fn`` compiled to run on the host (``compute_on("device_host")``). Its arguments
     are given in device memory (XLA places the transfers): tracing it on host-typed arrays
     would trip over constants the function creates in device memory."""
-    return compute_on("device_host")(jax.jit(fn))
+    return host_compute(jax.jit(fn))
+
+
+def host_compute(fn: Any, *, wrap: Any = None) -> Any:
+    """``fn`` under ``compute_on("device_host")`` in either of JAX's call conventions:
+    ``compute_on(compute_type)`` returning a decorator (JAX 0.10), or
+    ``compute_on(f, *, compute_type, out_memory_spaces)`` (JAX 0.11, which asks where the
+    results go: device memory, as JAX 0.10 returns them; the step's output shardings then
+    put the offloaded state back in host memory). ``wrap`` replaces JAX's ``compute_on``
+    (for tests of both conventions)."""
+    wrap = compute_on if wrap is None else wrap
+    try:
+        params = inspect.signature(wrap).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "out_memory_spaces" in params:
+        return wrap(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
+    return wrap("device_host")(fn)
 
 
 def stream_layer(layer_state: Any) -> Any:

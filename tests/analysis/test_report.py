@@ -91,7 +91,7 @@ def test_render_inspection_matches_the_expected_text():
     expected = [
         "jaxpar inspect: configs/tiny.yaml on 8 cpu devices, mesh data=2 x fsdp=4 (8 devices)",
         "  model 1,234,567 params; rules fsdp_tp",
-        "  batch 16 x 32 tokens; one train step compiled in 1.3 s (not run)",
+        "  batch 16 x 32 tokens, attention auto; one train step compiled in 1.3 s (not run)",
         "",
         # 16384 + 512 bytes = 16.5 KiB
         "Parameters: 2 arrays, 1,234,567 values, 16.50 KiB per device",

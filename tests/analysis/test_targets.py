@@ -86,3 +86,24 @@ def test_a_step_beyond_hbm_is_refused_with_the_compilers_figures():
     with pytest.raises(StepDoesNotFit, match="does not fit tpu-v5e:2x2: the TPU compiler "
                                              "needs .* of temporaries a device"):
         compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+
+
+LIGHT = ["model.n_layers=1", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2",
+         "model.d_ff=512", "model.vocab_size=256", "train.global_batch=4", "train.seq_len=256",
+         "model.attention=splash"]
+
+
+def test_splash_compiles_for_a_tpu_under_tensor_parallelism():
+    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=1", "mesh.fsdp=2",
+                                               "mesh.tensor=2"])
+    step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+    assert custom_calls(step.compiled.as_text()).get("tpu_custom_call", 0) >= 3
+
+
+def test_context_parallelism_says_splash_is_not_used_and_compiles_for_a_tpu():
+    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=2", "mesh.context=2",
+                                               "plan.context_attention=ring"])
+    with pytest.warns(UserWarning, match="model.attention='splash' is not used under context "
+                                         "parallelism"):
+        step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+    assert step.compiled.as_text()

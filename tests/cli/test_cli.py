@@ -22,7 +22,8 @@ def test_each_command_runs_its_module():
                "calibrate": cli.calibrate, "launch": cli.launch, "sample": cli.sample,
                "convert": cli.convert, "export": cli.export}
     commands = cli.COMMANDS
-    assert commands == {name: module.command for name, module in modules.items()}
+    assert commands == {"compile": cli.inspection.command,  # inspect for any target
+                        **{name: module.command for name, module in modules.items()}}
 
 
 def test_the_command_gets_the_parsed_arguments_and_its_status_is_returned(monkeypatch):

@@ -7,7 +7,8 @@ import pytest
 
 from jaxpar.cli.parser import build_parser, device_count, parse_args
 
-COMMANDS = {"train", "plan", "inspect", "calibrate", "launch", "sample", "convert", "export"}
+COMMANDS = {"train", "plan", "inspect", "compile", "calibrate", "launch", "sample", "convert",
+            "export"}
 """The commands the README's usage lists."""
 
 

@@ -307,3 +307,23 @@ def test_planner_prices_activation_offload_like_its_on_device_twin_on_cpu():
         "save_attention_and_mlp_outputs")["temp_bytes"]
     assert predicted("offload_dots")["temp_bytes"] == predicted(
         "dots_with_no_batch_dims_saveable")["temp_bytes"]
+
+
+def test_host_compute_speaks_both_compute_on_conventions():
+    """JAX 0.10's compute_on(compute_type) -> decorator, and JAX 0.11's keyword-only
+    compute_on(f, *, compute_type, out_memory_spaces): the same function reaches both."""
+    calls = []
+
+    def old_style(compute_type):
+        calls.append(("old", compute_type))
+        return lambda f: ("wrapped", f)
+
+    def new_style(f=None, *, compute_type, out_memory_spaces, compiler_options=None):
+        calls.append(("new", compute_type, out_memory_spaces))
+        return ("wrapped", f)
+
+    fn = lambda x: x
+    assert offload.host_compute(fn, wrap=old_style) == ("wrapped", fn)
+    assert offload.host_compute(fn, wrap=new_style) == ("wrapped", fn)
+    assert calls == [("old", "device_host"),
+                     ("new", "device_host", jax.memory.Space.Device)]
