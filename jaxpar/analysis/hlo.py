@@ -300,7 +300,8 @@ def matmul_flops(hlo_text: str) -> dict[str, int]:
                          _ints(contracting[1]) if contracting else [], 1))
         elif m["op"] == "convolution" and "dot_general" in rest:
             dots.append((comp, m["name"], _NAME.match(rest.lstrip())[1], *_conv_dot(rest)))
-        if m["op"] == "constant" and (c := re.match(r"(\d+)\)", rest)) and "s32[]" in m["type"]:
+        if (m["op"] == "constant" and (c := re.match(r"(\d+)\)", rest))
+                and m["type"][:5] in ("s32[]", "u32[]")):
             bounds.setdefault(comp, []).append(int(c[1]))
         for kind, target in _CALLED.findall(rest):
             factor: int | str = 1
