@@ -299,8 +299,38 @@ def chip_from_mapping(name: str, entry: Mapping[str, Any], *, where: str = "") -
         except (TypeError, ValueError):
             raise JaxparError(f"catalog entry {name!r}: {key}={value!r} is not a number"
                               ) from None
+    for key, value in values.items():
+        problem = _field_problem(key, value)
+        if problem:
+            raise JaxparError(f"catalog entry {name!r}{f' in {where}' if where else ''}: "
+                              f"{key}={value!r} {problem}")
     values.setdefault("source", where)
     return Chip(name=str(name), **values)
+
+
+_POSITIVE = ("peak_flops", "hbm_bytes", "ici_bw", "dcn_bw", "domain", "hbm_bw", "host_bw",
+             "matmul_tile", "matmul_efficiency", "memory_efficiency",
+             "collective_efficiency")
+"""Chip figures that must be above zero (a rate, a size, a share of a peak)."""
+
+
+def _field_problem(key: str, value: Any) -> str:
+    """Why a catalog figure is impossible (empty when it is fine): every number finite,
+    rates, sizes and efficiencies positive, the rest not negative, ``overlap`` a share,
+    ``torus_dims`` 0 (switched), 2 or 3."""
+    if isinstance(value, str):
+        return ""
+    if not math.isfinite(value):
+        return "must be a finite number"
+    if key == "torus_dims" and value not in (0, 2, 3):
+        return "must be 0 (a switched fabric), 2 or 3"
+    if key == "overlap" and not 0 <= value <= 1:
+        return "must be between 0 and 1"
+    if key in _POSITIVE and value <= 0:
+        return "must be positive"
+    if value < 0:
+        return "must not be negative"
+    return ""
 
 
 def load_catalog(path: str | Path | None) -> dict[str, Chip]:
@@ -315,6 +345,8 @@ def load_catalog(path: str | Path | None) -> dict[str, Chip]:
     if path is None:
         return chips
     p = Path(path)
+    if p.is_dir():
+        raise JaxparError(f"catalog file {str(p)!r} is a folder; give a YAML file")
     if not p.is_file():
         raise JaxparError(f"catalog file {str(p)!r} does not exist")
     try:
@@ -330,6 +362,11 @@ def load_catalog(path: str | Path | None) -> dict[str, Chip]:
         base: dict[str, Any] = {}
         if "base" in entry:
             parent = resolve_kind(str(entry.pop("base")), chips)
+            if parent not in chips:  # "cpu": its figures depend on the device count
+                raise JaxparError(
+                    f"catalog entry {name!r} in {p}: base {parent!r} has no fixed figures "
+                    "(they depend on the device count); write them out, as jaxpar "
+                    "calibrate does")
             base = {k: v for k, v in dataclasses.asdict(chips[parent]).items() if k != "name"}
         chips[str(name)] = chip_from_mapping(str(name), {**base, **entry}, where=str(p))
     return chips

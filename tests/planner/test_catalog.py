@@ -166,6 +166,15 @@ def test_catalog_file_adds_a_chip_of_its_own(tmp_path):
     ("lab:\n  peak_flops: 1.0e15\n  hbm_bytes: 1.0e9\n", r"'lab' lacks \['ici_bw', 'dcn_bw',"),
     ("lab:\n  base: tpu-v5p\n  hbm_bytes: lots\n", "'lab': hbm_bytes='lots' is not a number"),
     ("lab:\n  base: tpu-v9\n", "unknown chip kind 'tpu-v9'"),
+    ("lab:\n  base: tpu-v5p\n  peak_flops: 0\n", r"'lab' in .*: peak_flops=0.0 must be positive"),
+    ("lab:\n  base: tpu-v5p\n  domain: 0\n", "domain=0 must be positive"),
+    ("lab:\n  base: tpu-v5p\n  hbm_bw: -3.0e12\n", "hbm_bw=-3000000000000.0 must be positive"),
+    ("lab:\n  base: tpu-v5p\n  dcn_bw: -1.0e10\n", "dcn_bw=-10000000000.0 must be positive"),
+    ("lab:\n  base: tpu-v5p\n  host_bw: .nan\n", "host_bw=nan must be a finite number"),
+    ("lab:\n  base: tpu-v5p\n  ici_latency_s: -1\n", "ici_latency_s=-1.0 must not be negative"),
+    ("lab:\n  base: tpu-v5p\n  overlap: 2\n", "overlap=2.0 must be between 0 and 1"),
+    ("lab:\n  base: tpu-v5p\n  torus_dims: 4\n", "torus_dims=4 must be 0"),
+    ("cpu2:\n  base: cpu\n", "base 'cpu' has no fixed figures"),
 ])
 def test_bad_catalog_files_name_the_culprit(tmp_path, text, message):
     path = tmp_path / "chips.yaml"
@@ -177,3 +186,14 @@ def test_bad_catalog_files_name_the_culprit(tmp_path, text, message):
 def test_missing_catalog_file(tmp_path):
     with pytest.raises(jaxpar.JaxparError, match="nope.yaml' does not exist"):
         load_catalog(tmp_path / "nope.yaml")
+    with pytest.raises(jaxpar.JaxparError, match="is a folder; give a YAML file"):
+        load_catalog(tmp_path)
+
+
+def test_builtin_chips_pass_the_catalog_checks():
+    import dataclasses
+
+    from jaxpar.planner.catalog import chip_from_mapping
+    for name, chip in {**BUILTIN, "cpu": cpu_chip(8)}.items():
+        fields = {k: v for k, v in dataclasses.asdict(chip).items() if k != "name"}
+        assert chip_from_mapping(name, fields) == chip
