@@ -13,6 +13,7 @@ import yaml
 from jaxpar.errors import JaxparError
 from jaxpar.planner.calibrate import calibrate, default_name, summary, write_entry
 from jaxpar.runs.distributed import simulate_devices
+from jaxpar.storage.folders import check_writable
 
 
 def command(args: argparse.Namespace) -> int:
@@ -23,6 +24,7 @@ def command(args: argparse.Namespace) -> int:
             raise JaxparError(f"--out {args.out}: folder {str(folder)!r} does not exist")
         if Path(args.out).is_dir():
             raise JaxparError(f"--out {args.out} is a folder; give a file name")
+        check_writable(Path(args.out), "--out", file=True)  # before minutes of measuring
     if args.name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._\-]*", args.name):
         raise JaxparError(f"--name {args.name!r}: use lower-case letters, digits, '.', '_' "
                           "and '-'")

@@ -104,6 +104,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                            "without it (auto, the default), or always")
     plan.add_argument("--top", type=int, default=5, help="plans to show")
     plan.add_argument("--write", metavar="FILE", help="write the winner as a run config")
+    plan.add_argument("--force", action="store_true",
+                      help="with --write: replace an existing file")
     plan.add_argument("--verify", type=int, default=0, metavar="K",
                       help="compile the first K plans with the TPU compiler (TPU chips only; "
                            "no TPU needed), drop those it says do not fit, and print its "

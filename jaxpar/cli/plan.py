@@ -16,6 +16,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.planner import slices
 from jaxpar.planner.api import estimate, plan, resolve_model, run_config, to_dict
 from jaxpar.planner.catalog import parse_chips
+from jaxpar.storage.folders import check_writable
 
 
 def _gib(b: float) -> str:
@@ -113,6 +114,18 @@ def breakdown_text(row: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _check_write(path: Path, *, force: bool) -> None:
+    """Refuse a ``--write`` target that cannot be written, or that exists (without
+    ``--force``), before anything is planned."""
+    if path.is_dir():
+        raise JaxparError(f"--write {str(path)!r} is a folder; name a file")
+    if not path.parent.is_dir():
+        raise JaxparError(f"--write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    if path.exists() and not force:
+        raise JaxparError(f"--write {str(path)!r} exists; pass --force to replace it")
+    check_writable(path, "--write", file=True)
+
+
 def verified(plans: list, rows: list[dict], base: Any, machine: Any,
              args: argparse.Namespace) -> tuple[list, list[dict]]:
     """``--verify K``: the first K plans compiled for the machine's TPU slices by the TPU
@@ -165,6 +178,8 @@ def command(args: argparse.Namespace) -> int:
                         ("--top", args.top), ("--slices", args.slices)):
         if value < 1:
             raise JaxparError(f"{flag} {value}: must be at least 1")
+    if args.write:
+        _check_write(Path(args.write), force=args.force)
     resolved = resolve_model(args.model, overrides)
     machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
     offload = args.offload

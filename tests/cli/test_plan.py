@@ -102,3 +102,15 @@ def test_bad_numbers_are_one_line(extra, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == f"jaxpar: error: {message}\n"
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_write_refuses_an_existing_file_unless_forced(tmp_path, capsys):
+    target = tmp_path / "plan.yaml"
+    target.write_text("keep: me\n")
+    args = ["plan", "--model", "configs/tiny.yaml", "--chips", "cpu:8", "--global-batch", "8",
+            "--seq", "128", "--top", "1", "--write", str(target)]
+    assert main(args) == 2
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert target.read_text() == "keep: me\n"
+    assert main([*args, "--force"]) == 0
+    assert "mesh:" in target.read_text()
