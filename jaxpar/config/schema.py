@@ -141,8 +141,8 @@ class TrainConfig:
     ``[a, b]`` writes a ``jax.profiler`` trace of steps a..b to ``OUT/profile``.
     ``compile_cache``: JAX's persistent compilation cache (see
     :mod:`jaxpar.runs.compile_cache`): ``auto`` (``~/.cache/jaxpar/xla``, or
-    ``$JAX_COMPILATION_CACHE_DIR``), ``off``, or a folder; a rerun loads its compiled step
-    from there instead of compiling it again."""
+    ``$JAX_COMPILATION_CACHE_DIR``), ``off``, or a folder; a rerun loads its compiled
+    step out of that folder instead of compiling it again."""
 
     steps: int = 200
     global_batch: int = 16

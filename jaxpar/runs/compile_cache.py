@@ -4,8 +4,8 @@ what a run spent compiling.
 ``train.compile_cache`` chooses the folder: ``auto`` (the default) is
 ``$JAX_COMPILATION_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/jaxpar/xla`` (``~/.cache``
 without it); ``off`` turns the cache off; anything else is the folder. A second run of the
-same program (same model, layout, shapes, jax version and devices) loads its compiled step
-from there instead of compiling it. :class:`CompileWatch` counts, from JAX's monitoring
+same program (same model, layout, shapes, jax version and devices) loads its compiled
+step out of that folder instead of compiling it. :class:`CompileWatch` counts, from JAX's monitoring
 events, the seconds spent compiling and the programs found in the cache.
 """
 
