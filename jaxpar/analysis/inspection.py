@@ -142,8 +142,6 @@ def _timeline_text(schedule: Schedule | None) -> str:
 def for_slices(config: Any, slices: int) -> Any:
     """``config`` for a target of ``slices`` slices: a mesh that names no DCN axis puts the
     slices on ``data`` (data parallelism across slices, as a multislice run would)."""
-    import dataclasses
-
     if slices <= 1 or config.mesh.dcn() is not None:
         return config
     return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, dcn_data=slices))

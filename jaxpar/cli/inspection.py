@@ -45,22 +45,23 @@ def command(args: argparse.Namespace) -> int:
     from jaxpar.analysis.report import render_inspection
     from jaxpar.analysis.targets import parse_target
 
+    save = getattr(args, "save", None)  # jaxpar compile only
     target = parse_target(target_text, args.slices)
     step = compile_step(config, target)
     report = step_report(step, source=args.config or "defaults")
     if args.dump_hlo:
         Path(args.dump_hlo).write_text(step.compiled.as_text())
-    if getattr(args, "save", None):
+    if save:
         from jaxpar.analysis.executables import save_compiled
 
-        save_compiled(step, Path(args.save))
+        save_compiled(step, Path(save))
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(render_inspection(report))
         if args.dump_hlo:
             print(f"\nwrote the compiled program's HLO to {args.dump_hlo}")
-        if getattr(args, "save", None):
-            print(f"wrote the compiled step to {args.save}: jaxpar train --compiled "
-                  f"{args.save} runs it on {target.name}")
+        if save:
+            print(f"wrote the compiled step to {save}: jaxpar train --compiled {save} "
+                  f"runs it on {target.name}")
     return 0
