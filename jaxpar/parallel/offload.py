@@ -31,8 +31,10 @@ import inspect
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import compute_on as _compute_on_module
 from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding
 
@@ -98,28 +100,38 @@ def to_device(tree: Any) -> Any:
     return to_space(tree, jax.memory.Space.Device)
 
 
-def on_host(fn: Any) -> Any:
-    """``fn`` compiled to run on the host (``compute_on("device_host")``). Its arguments
-    are given in device memory (XLA places the transfers): tracing it on host-typed arrays
-    would trip over constants the function creates in device memory."""
-    return host_compute(jax.jit(fn))
+def on_host(fn: Any, out: jax.memory.Space = jax.memory.Space.Device) -> Any:
+    """``fn`` compiled to run on the host (``compute_on("device_host")``), its results
+    left in memory ``out``. Give it arguments in host memory (:func:`to_host`) for
+    nothing to cross to the device but what it returns there."""
+    return host_compute(jax.jit(fn), out=out)
 
 
-def host_compute(fn: Any, *, wrap: Any = None) -> Any:
-    """``fn`` under ``compute_on("device_host")`` in either of JAX's call conventions:
-    ``compute_on(compute_type)`` returning a decorator (JAX 0.10), or
-    ``compute_on(f, *, compute_type, out_memory_spaces)`` (JAX 0.11, which asks where the
-    results go: device memory, as JAX 0.10 returns them; the step's output shardings then
-    put the offloaded state back in host memory). ``wrap`` replaces JAX's ``compute_on``
-    (for tests of both conventions)."""
-    wrap = compute_on if wrap is None else wrap
+def host_compute(fn: Any, *, out: jax.memory.Space = jax.memory.Space.Device,
+                 wrap: Any = None) -> Any:
+    """``fn`` under ``compute_on("device_host")``, its results in memory ``out``, in
+    either of JAX's call conventions: ``compute_on(f, *, compute_type,
+    out_memory_spaces)`` (JAX 0.11; JAX 0.10 has it as ``compute_on2``), or the older
+    ``compute_on(compute_type)`` context, whose results are in device memory (``out``
+    host then moves them). ``wrap`` replaces JAX's ``compute_on`` (for tests of both
+    conventions)."""
+    if wrap is None:
+        wrap = getattr(_compute_on_module, "compute_on2", None) or compute_on
     try:
         params = inspect.signature(wrap).parameters
     except (TypeError, ValueError):
         params = {}
     if "out_memory_spaces" in params:
-        return wrap(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
-    return wrap("device_host")(fn)
+        return wrap(fn, compute_type="device_host", out_memory_spaces=out)
+    run = wrap("device_host")(fn)
+    if out == jax.memory.Space.Device:
+        return run
+    return lambda *args: to_space(run(*args), out)
+
+
+def to_host(tree: Any) -> Any:
+    """:func:`to_space` to host memory."""
+    return to_space(tree, jax.memory.Space.Host)
 
 
 def stream_layer(layer_state: Any) -> Any:
@@ -155,12 +167,14 @@ def host_bytes(tree: Any) -> tuple[int, int]:
 
 def streamed_mask(state: Any) -> Any:
     """A tree of bools like the ``nnx.State`` ``state``: the weights
-    ``offload_params`` keeps in host memory, those stacked over the ``layers`` axis
-    (LoRA adapters stay on the device: they are small and trained)."""
+    ``offload_params`` keeps in host memory, the matrices stacked over the ``layers``
+    axis. LoRA adapters stay on the device (they are small and trained), and so do the
+    layers' vectors (norm scales, biases: small, and a TPU cannot slice one 16-bit row
+    out of host memory)."""
     def one(variable: nnx.Variable) -> Any:
         names = logical_names(variable) or ()
         stream = (isinstance(variable, nnx.Param) and not isinstance(variable, nnx.LoRAParam)
-                  and bool(names) and names[0] == "layers")
+                  and bool(names) and names[0] == "layers" and jnp.ndim(variable.get_value()) >= 3)
         return variable.replace(stream)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -58,7 +58,8 @@ class Candidate:
     of the optimizer state's bytes (f32 master weights under mixed precision and the
     moments), largest tensors first, kept in host memory and streamed through the
     device for the update, or, with ``host_update`` (only at fraction 1), updated on the
-    host; ``offload_params`` keeps the decoder layers' weights in host memory and streams
+    host (``update_chunk``: the layers a streamed update brings down at a time);
+    ``offload_params`` keeps the decoder layers' weights in host memory and streams
     each layer's shard in as the layer runs. ``remat`` may be ``offload:<names>``: those
     activations are saved to host memory, the rest recomputed.
     """
@@ -83,6 +84,7 @@ class Candidate:
     vocab_over_fsdp: bool = False
     offload_optimizer: float = 0.0
     host_update: bool = False
+    update_chunk: int = 1
     offload_params: bool = False
 
     @staticmethod

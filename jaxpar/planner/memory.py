@@ -329,7 +329,12 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     update = opt_elems * 4
     off = state_offload(spec, lay, cand)
     stream = STREAMED_LAYERS * off.params_per_layer
-    update_device = 0.0 if cand.host_update else update + off.update_transient
+    # A streamed update (offloaded state, updated on the device) takes a slab at a time:
+    # the offloaded tensors' f32 gradients and state come down a slab at a time.
+    kept = 1.0 - off.optimizer / (master + opt) if master + opt else 1.0
+    # Updated on the host, the slabs still pass through device memory (the TPU compiler
+    # slices the host buffers there), the update's own buffers do not.
+    update_device = off.update_transient + (0.0 if cand.host_update else update * kept)
     transient = off.update_transient
     if backend == "cpu":
         # XLA:CPU's host and device memory are one RAM: measured, offload moves the
@@ -362,6 +367,8 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     temp = grads + saved + gathered + peak
     argument = params + master + opt + batch - off.optimizer - off.params
     host = off.optimizer + off.params + host_act
+    if backend != "cpu":  # streamed weights' gradients leave the layer loop to the host
+        host += off.params
     return {"param_bytes": params, "master_bytes": master, "opt_bytes": opt,
             "batch_bytes": batch, "grad_bytes": grads, "activation_bytes": saved,
             "working_bytes": work, "update_bytes": update, "argument_bytes": argument,

@@ -7,8 +7,9 @@ A candidate may keep three kinds of state in host memory (the Plan knobs of
 * **optimizer state** (``offload_optimizer``, a fraction): the f32 master weights (mixed
   precision) and the moments, ZeRO-sharded as usual, the largest tensors first until the
   fraction of their bytes has moved (:func:`optimizer_offload`). Each step the offloaded
-  part streams through the device for the update and back, a tensor at a time, so about
-  :data:`UPDATE_TENSORS` tensors' state is on the device at once; or, with
+  part streams through the device for the update and back, a slab at a time (a layer of
+  the stacked tensors, or a piece of another tensor no larger), so :data:`UPDATE_SLABS`
+  slabs' state is on the device at once; or, with
   ``host_update``, the update runs on the host: the gradients go down, the new working
   weights come up, and the state never enters device memory;
 * **the decoder layers' weights** (``offload_params``): each layer's shard (as stored:
@@ -43,6 +44,7 @@ costs are reported apart (``host_*`` memory keys, ``offload ...`` breakdown term
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxpar.planner.candidate import OPTIMIZER_MOMENTS, Candidate, dtype_bytes
@@ -54,10 +56,11 @@ from jaxpar.planner.roofline import update_bytes, update_time
 STREAMED_LAYERS = 2
 """Layers whose streamed weights are on the device at once: the one running and the next
 one arriving."""
-UPDATE_TENSORS = 2
-"""Offloaded tensors whose optimizer state is on the device at once during a streamed
-update: the one being updated and the next one arriving (the update is elementwise per
-tensor, so it streams tensor by tensor)."""
+UPDATE_SLABS = 2
+"""Slabs of offloaded optimizer state on the device at once during a streamed update
+(:mod:`jaxpar.parallel.streamed_update`): the one being updated and the next one
+arriving. A slab is ``update_chunk`` layers of the stacked tensors' state, or a piece of
+a tensor outside the stack no larger than that."""
 STAGING_LAYERS = 2
 """Layers' offloaded activations in flight on the device (one layer's leaving or
 arriving while the next is computed)."""
@@ -71,10 +74,16 @@ attention and MLP outputs saved to host memory, the rest recomputed (the device 
 what ``full`` keeps)."""
 
 
-def is_streamed(names: tuple[str | None, ...]) -> bool:
-    """Whether a tensor with these logical names is streamed by ``offload_params``:
-    stacked over the ``layers`` axis (see :func:`jaxpar.parallel.offload.streamed_mask`)."""
+def is_stacked(names: tuple[str | None, ...]) -> bool:
+    """Whether a tensor with these logical names is stacked over the ``layers`` axis."""
     return bool(names) and names[0] == "layers"
+
+
+def is_streamed(names: tuple[str | None, ...]) -> bool:
+    """Whether a tensor with these logical names is streamed by ``offload_params``: a
+    matrix (or more) per layer, stacked over the ``layers`` axis (see
+    :func:`jaxpar.parallel.offload.streamed_mask`)."""
+    return is_stacked(names) and len(names) >= 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +128,28 @@ def optimizer_offload(lay: Layout, cand: Candidate) -> tuple[float, float]:
         moved_global += g
         moved += local
         by_tensor[i] = by_tensor.get(i, 0.0) + local
-    transient = sum(sorted(by_tensor.values(), reverse=True)[:UPDATE_TENSORS])
-    return moved, transient
+    return moved, UPDATE_SLABS * update_slab(lay, by_tensor, cand.update_chunk)
+
+
+def update_slab(lay: Layout, by_tensor: dict[int, float], chunk: int = 1) -> float:
+    """Bytes of offloaded state (per device) in the largest slab of a streamed update,
+    sliced as :func:`jaxpar.parallel.streamed_update.plan_slabs` slices it: ``chunk``
+    layers of the stacked tensors (``by_tensor``: each offloaded tensor's bytes), then
+    the largest other tensors alone, in pieces no larger than that, until the remainder
+    is no larger either."""
+    stacked = {i: b for i, b in by_tensor.items() if is_stacked(lay.placed[i].tensor.names)}
+    loose = sorted((b for i, b in by_tensor.items() if i not in stacked), reverse=True)
+    layers = max((lay.placed[i].tensor.shape[0] for i in stacked), default=1)
+    per = max(d for d in range(1, min(chunk, layers) + 1) if layers % d == 0)
+    layer_slab = sum(stacked.values()) * per / layers
+    target = layer_slab or sum(loose) / 8
+    left, pieces = sum(loose), []
+    for b in loose:
+        if left <= target:
+            break
+        left -= b
+        pieces.append(b / math.ceil(b / target))
+    return max([layer_slab, left, *pieces])
 
 
 def streamed_params(spec: ModelSpec, lay: Layout, cand: Candidate) -> tuple[float, float]:
@@ -144,7 +173,7 @@ def state_offload(spec: ModelSpec, lay: Layout, cand: Candidate) -> StateOffload
         return StateOffload()
     opt, transient = optimizer_offload(lay, cand)
     params, per_layer = streamed_params(spec, lay, cand)
-    return StateOffload(opt, 0.0 if cand.host_update else transient, params, per_layer)
+    return StateOffload(opt, transient, params, per_layer)
 
 
 def check(spec: ModelSpec, cand: Candidate) -> str | None:
@@ -304,7 +333,7 @@ def summary(est: Any) -> dict[str, Any]:
             "offload_s": sum(v for k, v in est.breakdown.items() if k.startswith("offload"))}
 
 
-__all__ = ["REMATS", "STAGING_LAYERS", "STATES", "STREAMED_LAYERS", "UPDATE_TENSORS",
+__all__ = ["REMATS", "STAGING_LAYERS", "STATES", "STREAMED_LAYERS", "UPDATE_SLABS",
            "OffloadTimes", "StateOffload", "check", "host_fits", "is_streamed",
            "moved_text", "offload_note", "offload_times", "optimizer_offload",
            "state_offload", "streamed_params", "summary"]

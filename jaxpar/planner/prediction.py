@@ -65,6 +65,7 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           context_attention=config.plan.context_attention,
                           offload_optimizer=float(getattr(config.plan, "offload_optimizer", 0)),
                           host_update=bool(getattr(config.plan, "host_update", False)),
+                          update_chunk=int(getattr(config.plan, "update_chunk", 1)),
                           offload_params=bool(getattr(config.plan, "offload_params", False)))
 
 

@@ -175,6 +175,9 @@ class Plan:
         streamed through device memory for the update (see :mod:`jaxpar.parallel.offload`).
       host_update: with all optimizer state offloaded, run the update on the host
         (ZeRO-Offload): gradients go down, new weights come up.
+      update_chunk: with offloaded optimizer state updated on the device, the layers whose
+        state comes down at a time (tensors outside the layer stack come in pieces no
+        larger; see :mod:`jaxpar.parallel.streamed_update`).
       offload_params: keep the stacked layers' weights in host memory and stream each
         layer's shard to the device as the layer loop reaches it (ZeRO-Infinity).
       quantize: ``int8`` or ``fp8`` matmuls, forward and backward, for the modules whose
@@ -218,6 +221,7 @@ class Plan:
     offload_optimizer: float = knob(0.0, check=lambda v: 0 <= v <= 1,
                                     valid="must be a fraction from 0 (none) to 1 (all)")
     host_update: bool = knob(False)
+    update_chunk: int = knob(1, check=lambda v: v >= 1, valid="must be at least 1")
     offload_params: bool = knob(False)
     quantize: str = knob("none", choices=quantization.MODES)
     quantize_target: str = knob(quantization.DEFAULT_TARGET, check=quantization.is_pattern,

@@ -51,19 +51,24 @@ def _decays(path: tuple, param: Any) -> bool:
             and not any("norm" in n for n in names))
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """Gradients scaled by ``min(1, max_norm / global norm)``: ``optax.clip_by_global_norm``'s
     result (to rounding), as one scalar factor the optimizer's update multiplies in, where
     optax selects between the gradient and a divided copy per element, a pass over every
     gradient that XLA:CPU does not fuse into the update (``benchmarks/overhead.py --clip``
-    measures the difference)."""
-    def update(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
+    measures the difference).
+
+    The norm is the gradients' own unless the update is given ``global_norm`` (an extra
+    argument): the streamed update of offloaded state (:mod:`jaxpar.parallel.
+    streamed_update`) applies the optimizer to a slab of the gradients at a time and
+    passes the norm of all of them."""
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
         factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
         return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def make_optimizer(cfg: OptimizerSettings) -> optax.GradientTransformation:
