@@ -27,6 +27,7 @@ from jaxpar.config.schema import Config, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.models.linen import from_linen
 from jaxpar.parallel import pipeline
+from jaxpar.runs.host_memory import size_host_pool
 from jaxpar.sharding.annotations import annotate, logical_names
 from jaxpar.sharding.layouts import constrain_outputs
 from jaxpar.sharding.mesh import MESH_AXES, make_mesh
@@ -63,6 +64,7 @@ __all__ = [
     "pipeline",
     "plan",
     "planner",
+    "size_host_pool",
     "state_shardings",
 ]
 __version__ = "0.1.0"

@@ -4,13 +4,15 @@ or as one process of several."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import jax
 
 from jaxpar.config.schema import Config, load_config
 from jaxpar.config.validate import check_config, pipeline_for
-from jaxpar.runs.distributed import initialize, simulate_devices
+from jaxpar.runs.distributed import ENV_NUM_PROCESSES, initialize, simulate_devices
+from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
 from jaxpar.runs.loop import check_run_folder, summarize, train
 from jaxpar.sharding.mesh import describe, make_mesh
 
@@ -31,6 +33,10 @@ def checked_train_config(args: argparse.Namespace) -> Config:
 def command(args: argparse.Namespace) -> int:
     """``jaxpar train``: check the config and run folder, start the devices, train."""
     config = checked_train_config(args)
+    gpus = local_gpu_count()
+    if gpus or args.devices:  # GPUs read the pool's size once, as their backend starts
+        size_host_pool(config, args.devices or gpus, args.num_processes or int(
+            os.environ.get(ENV_NUM_PROCESSES) or 1))
     simulate_devices(args.devices)
     initialize(args.coordinator, args.num_processes, args.process_id)
     check_config(config, devices=jax.device_count(), processes=jax.process_count())

@@ -28,6 +28,8 @@ accelerator.
 from __future__ import annotations
 
 import inspect
+import math
+import os
 from typing import Any
 
 import jax
@@ -163,6 +165,42 @@ def host_bytes(tree: Any) -> tuple[int, int]:
             else:
                 device += size
     return device, host
+
+
+GPU_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""What XLA's GPU client sizes its pinned host pool from (GiB, 64 unless set), once, as
+the backend starts (:mod:`jaxpar.runs.host_memory` sets it for ``jaxpar train``)."""
+GPU_POOL_DEFAULT_GIB = 64
+
+
+def pinned_bytes(shapes: Any, shardings: Any) -> int:
+    """Bytes one device's shards of the arrays ``shapes`` (shapes or arrays) hold in host
+    memory, placed by the tree ``shardings``."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+            shardings, is_leaf=lambda v: isinstance(v, NamedSharding)), strict=True):
+        if isinstance(s, NamedSharding) and s.memory_kind == HOST:
+            total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def check_gpu_pool(mesh: Mesh, per_device: int, environ: Any = None) -> None:
+    """Refuse, in one line, offloaded state larger than the GPU runtime's pinned host
+    pool (the state of the mesh's devices in this process, against
+    :data:`GPU_POOL_ENV`); other platforms have no such pool."""
+    environ = os.environ if environ is None else environ
+    if mesh.devices.flat[0].platform != "gpu" or not per_device:
+        return
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    given = environ.get(GPU_POOL_ENV)
+    limit = int(given) if given and given.strip().isdigit() else GPU_POOL_DEFAULT_GIB
+    need = per_device * local
+    if need > limit * 2**30:
+        raise JaxparError(
+            f"the offloaded state needs {need / 2**30:.1f} GiB of pinned host memory in this "
+            f"process, more than the GPU runtime's pool of {limit} GiB ({GPU_POOL_ENV}, read "
+            "when JAX started): set it before JAX starts (jaxpar train does, "
+            "jaxpar.size_host_pool(config, devices) sizes it from a config)")
 
 
 def streamed_mask(state: Any) -> Any:

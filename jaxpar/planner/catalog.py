@@ -44,6 +44,9 @@ from jaxpar.errors import JaxparError
 GB = 1e9
 GiB = 2**30
 _GBPS = GB / 8  # one gigabit per second, in bytes per second
+HOST_POOL_SHARE = 0.8
+"""The share of a host's memory that offloaded state may pin: the rest is the process's
+own (Python, the data pipeline, XLA's host buffers) and the system's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,13 @@ class Chip:
         bf16 peak where the chip has none."""
         rate = {"int8": self.int8_flops, "fp8": self.fp8_flops}.get(mode, 0.0)
         return rate or self.peak_flops
+
+    @property
+    def host_pool_bytes(self) -> float:
+        """Host memory per chip that offloaded state can occupy: the share of the host's
+        memory (:data:`HOST_POOL_SHARE`) jaxpar sizes the runtime's pinned pool to at
+        most (:mod:`jaxpar.runs.host_memory`); 0 where the host's memory is not known."""
+        return HOST_POOL_SHARE * self.host_bytes
 
     @property
     def host_update_bw(self) -> float:

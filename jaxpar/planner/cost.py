@@ -61,9 +61,10 @@ __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTI
 class Estimate:
     """What the cost model says about one candidate (all figures per device).
 
-    ``hbm_bytes`` and ``host_capacity_bytes`` are the chip's device memory and host
-    memory per chip (0: not known); ``fits`` says the memory model's device bytes fit the
-    first and its host bytes (offloaded state) the second, both with headroom."""
+    ``hbm_bytes`` and ``host_capacity_bytes`` are the chip's device memory and the host
+    memory the runtime will pin for it (0: not known); ``fits`` says the memory model's
+    device bytes fit the first and its host bytes (offloaded state) the second, both with
+    headroom."""
 
     candidate: Candidate
     memory: dict[str, float]
@@ -363,7 +364,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     fits = _fits(mem, chip, hbm_headroom)
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
                     mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
-                    breakdown=breakdown, host_capacity_bytes=chip.host_bytes)
+                    breakdown=breakdown, host_capacity_bytes=chip.host_pool_bytes)
 
 
 def _offload_times(spec: ModelSpec, lay: Any, cand: Candidate, chip: Chip, loc: Any, *,

@@ -267,8 +267,10 @@ def offload_times(chip: Chip, cand: Candidate, state: StateOffload, *, activatio
 
 
 def host_fits(memory: dict[str, float], chip: Chip, headroom: float) -> bool:
-    """Whether the host bytes fit the chip's host memory (unknown: not checked)."""
-    return not chip.host_bytes or memory.get("host_bytes", 0.0) <= headroom * chip.host_bytes
+    """Whether the host bytes fit the host memory the runtime will pin for the chip
+    (:attr:`~jaxpar.planner.catalog.Chip.host_pool_bytes`; unknown: not checked)."""
+    return not chip.host_bytes or memory.get("host_bytes", 0.0) <= (
+        headroom * chip.host_pool_bytes)
 
 
 # --- explanation --------------------------------------------------------------------------

@@ -241,6 +241,11 @@ class Trainer:
             mask = offload.largest_first(moved, plan.offload_optimizer)
             for key, part in mask.items():
                 out[key] = offload.in_memory(out[key], part)
+        else:
+            moved = {}
+        moved.update(params=params, frozen=frozen)
+        offload.check_gpu_pool(plan.mesh, offload.pinned_bytes(
+            moved, {k: out[k] for k in moved}))
         return out
 
     def _initial_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:

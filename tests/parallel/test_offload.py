@@ -313,20 +313,38 @@ def test_planner_prices_activation_offload_like_its_on_device_twin_on_cpu():
 
 
 def test_host_compute_speaks_both_compute_on_conventions():
-    """JAX 0.10's compute_on(compute_type) -> decorator, and JAX 0.11's keyword-only
-    compute_on(f, *, compute_type, out_memory_spaces): the same function reaches both."""
+    """JAX 0.10's compute_on(compute_type) context (results in device memory), and JAX
+    0.11's keyword-only compute_on(f, *, compute_type, out_memory_spaces) (0.10's
+    compute_on2): the same function reaches both, its results where it asks."""
     calls = []
 
     def old_style(compute_type):
         calls.append(("old", compute_type))
-        return lambda f: ("wrapped", f)
+        return lambda f: f
 
     def new_style(f=None, *, compute_type, out_memory_spaces, compiler_options=None):
         calls.append(("new", compute_type, out_memory_spaces))
-        return ("wrapped", f)
+        return f
 
-    fn = lambda x: x
-    assert offload.host_compute(fn, wrap=old_style) == ("wrapped", fn)
-    assert offload.host_compute(fn, wrap=new_style) == ("wrapped", fn)
-    assert calls == [("old", "device_host"),
-                     ("new", "device_host", jax.memory.Space.Device)]
+    fn = lambda x: x  # noqa: E731
+    host = jax.memory.Space.Host
+    assert offload.host_compute(fn, wrap=old_style) is fn
+    assert offload.host_compute(fn, wrap=new_style, out=host) is fn
+    moved = offload.host_compute(fn, wrap=old_style, out=host)  # 0.10: moved after
+    assert moved is not fn
+    assert calls == [("old", "device_host"), ("new", "device_host", host),
+                     ("old", "device_host")]
+
+
+def test_host_compute_runs_on_this_jax():
+    """Whichever convention this JAX has, a function computed on the host leaves its
+    result where it is asked to."""
+    mesh = jaxpar.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    sharding = jax.sharding.NamedSharding(mesh, jax.P())
+    x = jax.device_put(jnp.arange(4.0), sharding.with_memory_kind(offload.HOST))
+    for space, kind in ((jax.memory.Space.Host, offload.HOST),
+                        (jax.memory.Space.Device, "device")):
+        double = offload.on_host(lambda v: 2 * v, out=space)
+        got = jax.jit(double)(x)
+        assert got.sharding.memory_kind == kind
+        np.testing.assert_array_equal(np.asarray(got), [0, 2, 4, 6])

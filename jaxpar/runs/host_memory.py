@@ -1,0 +1,104 @@
+"""Host memory for offloaded state, settled before the accelerator runtime starts.
+
+State a plan keeps in host memory (optimizer state, streamed weights, saved activations:
+:mod:`jaxpar.parallel.offload`) lives in memory the runtime pins for DMA. On GPUs XLA
+draws it from one pool per process, 64 GiB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``
+says otherwise, read once when the backend starts: a plan that needs more fails at its
+first step with "Out of host memory", whatever the machine's RAM. :func:`size_host_pool`
+reads the plan's host bytes from the planner, sizes the pool to them (with a margin),
+and refuses in one line, before anything is built, a plan the host cannot hold: more
+than :data:`~jaxpar.planner.catalog.HOST_POOL_SHARE` of its RAM, or more than a pool the
+user set by hand.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+from jaxpar.errors import JaxparError
+from jaxpar.planner.catalog import HOST_POOL_SHARE
+from jaxpar.planner.prediction import predict
+
+GPU_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""The environment variable XLA's GPU client sizes its pinned host pool from (GiB)."""
+MARGIN = 1.1
+"""The pool is the plan's host bytes times this, plus :data:`SLACK_GIB` (staging buffers
+and the allocator's rounding)."""
+SLACK_GIB = 2
+GIB = 2**30
+
+
+def ram_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def local_gpu_count(environ: MutableMapping[str, str] | None = None) -> int:
+    """NVIDIA GPUs this process will see, without starting a runtime:
+    ``CUDA_VISIBLE_DEVICES`` if set, else the ``/dev/nvidiaN`` device files."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return 0 if ids[:1] == ["-1"] else len(ids)
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def offloads(config: Any) -> bool:
+    """Whether ``config``'s plan keeps anything in host memory."""
+    plan = config.plan
+    return bool(plan.offload_optimizer or plan.offload_params
+                or plan.remat == "offload_dots" or plan.remat.startswith("offload:"))
+
+
+def host_bytes_per_process(config: Any, local_devices: int, processes: int = 1) -> float:
+    """The planner's host bytes for ``config`` on ``local_devices`` devices in each of
+    ``processes`` processes: one device's share times the devices of a process."""
+    memory = predict(config, local_devices * processes, backend="gpu")["memory"]
+    return float(memory["host_bytes"]) * local_devices
+
+
+def size_host_pool(config: Any, local_devices: int, processes: int = 1, *,
+                   environ: MutableMapping[str, str] | None = None,
+                   ram: int | None = None) -> int | None:
+    """Size the runtime's pinned host pool for ``config`` (see the module docstring):
+    returns the GiB set in ``environ`` (default ``os.environ``; call before JAX starts
+    its backend), the user's own setting when it suffices, or None when the plan keeps
+    nothing in host memory.
+
+    Raises:
+      JaxparError: the plan's host bytes exceed :data:`HOST_POOL_SHARE` of ``ram``
+        (default: this machine's), or a pool the user set is smaller than them.
+    """
+    environ = os.environ if environ is None else environ
+    if not offloads(config):
+        return None
+    need = host_bytes_per_process(config, max(local_devices, 1), processes)
+    ram = ram_bytes() if ram is None else ram
+    usable = HOST_POOL_SHARE * ram
+    devices = f"{max(local_devices, 1)} device{'s' * (local_devices > 1)}"
+    if need > usable:
+        raise JaxparError(
+            f"the plan keeps {need / GIB:.1f} GiB in host memory per process ({devices}), "
+            f"more than the {usable / GIB:.1f} GiB this host can pin "
+            f"({HOST_POOL_SHARE:.0%} of its {ram / GIB:.1f} GiB of RAM): offload less "
+            "(plan.offload_optimizer, plan.offload_params, plan.remat) or use more hosts")
+    given = environ.get(GPU_POOL_ENV)
+    if given is not None:
+        try:
+            limit = int(given)
+        except ValueError:
+            raise JaxparError(f"{GPU_POOL_ENV}={given!r} is not a whole number of GiB") from None
+        if limit * GIB < need:
+            raise JaxparError(
+                f"{GPU_POOL_ENV}={limit} pins {limit} GiB of host memory, less than the "
+                f"{need / GIB:.1f} GiB the plan keeps there per process: raise it, or unset "
+                "it and jaxpar sizes it")
+        return limit
+    limit = min(math.ceil(need * MARGIN / GIB) + SLACK_GIB, max(int(usable // GIB), 1))
+    environ[GPU_POOL_ENV] = str(limit)
+    return limit
