@@ -360,6 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.chips and not args.dry_run:
         parser.error("--chips plans for another machine: it needs --dry-run")
 
+    from jaxpar.errors import JaxparError
+    from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
+
+    gpus = local_gpu_count()
+    if gpus and not args.dry_run:  # offloaded state: XLA's pinned pool, sized before start
+        try:
+            for name in names:
+                size_host_pool(build_config(args, name, args.devices or gpus, args.remat),
+                               args.devices or gpus)
+        except JaxparError as err:
+            print(f"mfu: {err}", file=sys.stderr)
+            return 2
     # Only the host platform reads this: on a GPU/TPU machine the real devices are used.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices or 8}")
@@ -379,7 +391,6 @@ def main(argv: list[str] | None = None) -> int:
         backend = "cpu" if key == "cpu" else "tpu" if key.startswith("tpu") else "gpu"
     else:
         key, n_plan, backend = chip_key(platform, kind), len(devices), platform
-    from jaxpar.errors import JaxparError
 
     for name in names:
         try:
