@@ -532,3 +532,75 @@ def linen_llama_config(model: LinenLlamaForCausalLM) -> dict:
             "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads,
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
             "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+# --- (g) layers stacked with nnx.vmap and run with nnx.scan, as Flax's scan guide does ----
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, d: int, ff: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, ff, use_bias=False, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))
+        self.down = nnx.Linear(ff, d, use_bias=False, rngs=rngs,
+                               kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class ScanLM(nnx.Module):
+    def __init__(self, d: int = 32, ff: int = 128, layers: int = 4, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs, embedding_init=nnx.with_partitioning(
+            nnx.initializers.normal(1.0), ("vocab", "embed")))
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs: nnx.Rngs) -> ScanBlock:
+            return ScanBlock(d, ff, rngs=rngs)
+
+        self.blocks = stack(rngs)
+        self.head = nnx.Linear(d, VOCAB, use_bias=False, rngs=rngs, kernel_init=(
+            nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"))))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(block: ScanBlock, x: jax.Array) -> jax.Array:
+            return block(x)
+
+        return self.head(run(self.blocks, self.embed(tokens)))
+
+
+# --- (h) explicit sharding with a list of blocks -----------------------------------------
+
+
+class ExplicitBlock(nnx.Module):
+    def __init__(self, d: int, ff: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.2)
+        self.w_in = nnx.Param(init(rngs.params(), (d, ff)), out_sharding=P("fsdp", "tensor"))
+        self.w_out = nnx.Param(init(rngs.params(), (ff, d)), out_sharding=P("tensor", "fsdp"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        rows = P(("data", "fsdp"), None, None)
+        w_in = jax.sharding.reshard(self.w_in[...], P(None, "tensor"))
+        h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x, w_in))
+        w_out = jax.sharding.reshard(self.w_out[...], P("tensor", None))
+        return x + jnp.einsum("bsf,fd->bsd", h, w_out, out_sharding=rows)
+
+
+class ExplicitBlocksLM(nnx.Module):
+    def __init__(self, d: int = 32, ff: int = 128, layers: int = 3, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.3)
+        self.embed = nnx.Param(init(rngs.params(), (VOCAB, d)), out_sharding=P(None, "fsdp"))
+        self.blocks = nnx.List([ExplicitBlock(d, ff, rngs=rngs) for _ in range(layers)])
+        self.head = nnx.Param(init(rngs.params(), (d, VOCAB)), out_sharding=P("fsdp", None))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = jax.sharding.reshard(self.embed[...], P(None, None))
+        x = table.at[tokens].get(out_sharding=P(("data", "fsdp"), None, None))
+        for block in self.blocks:
+            x = block(x)
+        head = jax.sharding.reshard(self.head[...], P(None, None))
+        return jnp.einsum("bsd,dv->bsv", x, head)

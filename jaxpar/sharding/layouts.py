@@ -165,16 +165,22 @@ def pinned(model: nnx.Module) -> list[tuple[str, tuple | None, tuple]]:
 
 def _stacked(module: nnx.Module) -> bool:
     """Whether ``module`` holds its parameters stacked over a leading ``layers`` axis (a
-    block scanned with ``nnx.scan``/``nnx.vmap``)."""
-    found = False
+    block scanned with ``nnx.scan``/``nnx.vmap``): some are named ``layers`` first, and
+    the rest are unnamed with the same leading size (``nnx.vmap`` names only the
+    parameters that had names, a norm's scale often has none)."""
+    layers, unnamed = set(), set()
     for _, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Param):
             value = var.get_value()
-            names = logical_names(var, getattr(value, "ndim", 0))
-            if not names or names[0] != "layers":
+            ndim = getattr(value, "ndim", 0)
+            names = logical_names(var, ndim)
+            if names and names[0] == "layers":
+                layers.add(value.shape[0])
+            elif names or not ndim:
                 return False
-            found = True
-    return found
+            else:
+                unnamed.add(value.shape[0])
+    return len(layers) == 1 and unnamed <= layers
 
 
 def repeated_blocks(model: nnx.Module) -> list[tuple[str, nnx.Module]]:

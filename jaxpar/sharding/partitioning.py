@@ -20,9 +20,11 @@ from flax import nnx
 from flax.core import meta as linen_meta
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.errors import JaxparWarning
+from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.sharding.annotations import annotate, logical_names
+from jaxpar.sharding.block_remat import apply_remat
 from jaxpar.sharding.layouts import AUTO, auto_layouts, constrain_outputs
+from jaxpar.sharding.mesh import is_explicit
 from jaxpar.sharding.paths import path_str
 from jaxpar.sharding.plan import Plan
 
@@ -67,14 +69,24 @@ def state_shardings(plan: Plan, state: nnx.State) -> nnx.State:
 
 
 def prepare_model(model: M, plan: Plan) -> M:
-    """Apply the plan's ``annotations`` (logical names by path) and ``layouts`` (pinned
-    module outputs) to ``model``, in place; returns it."""
+    """Apply the plan's ``annotations`` (logical names by path), ``layouts`` (pinned
+    module outputs) and, to a model jaxpar did not write, its ``remat`` policy (see
+    :mod:`jaxpar.sharding.block_remat`) to ``model``, in place; returns it."""
     if plan.annotations:
         annotate(model, plan.annotations, warn=False)
-    if plan.layouts:
+    if plan.layouts and not (plan.layouts == AUTO and is_explicit(plan.mesh)):
+        # (a model written for explicit sharding types its activations itself)
         layouts = auto_layouts(model) if plan.layouts == AUTO else plan.layouts
         if layouts:
             constrain_outputs(model, layouts)
+    module = type(model).__module__
+    if module == "jaxpar.models.linen":
+        if plan.remat != "none":
+            raise JaxparError(f"plan.remat={plan.remat!r} cannot reach inside a linen model: "
+                              "wrap its blocks in flax.linen.remat (nn.remat) in the model's "
+                              "code, with the policy you want")
+    elif not module.startswith("jaxpar."):  # jaxpar's own models apply the plan's remat
+        apply_remat(model, plan.remat, plan.remat_blocks)
     return model
 
 

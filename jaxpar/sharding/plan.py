@@ -152,6 +152,9 @@ class Plan:
       zero_stage: 0-3: shard optimizer state (1), gradients (2), parameters (3) over the
         data-parallel axes (see :mod:`jaxpar.parallel.zero`).
       remat: rematerialization policy name per block (see :mod:`jaxpar.sharding.remat`).
+      remat_blocks: on a model jaxpar did not write, a regex of the paths of the blocks the
+        remat policy wraps (default: its repeated blocks; see
+        :mod:`jaxpar.sharding.block_remat`).
       microbatches: gradient accumulation: split each batch into this many microbatches and
         apply one update.
       annotations: ``(path regex, logical names)`` pairs applied to the model's variables
@@ -210,6 +213,8 @@ class Plan:
     precision: Policy = knob(Policy(), parse=Policy.parse)
     zero_stage: int = knob(0, choices=(0, 1, 2, 3))
     remat: str = knob("none", check=remat_lib.is_policy, valid=remat_lib.VALID)
+    remat_blocks: str = knob("", check=quantization.is_pattern,
+                             valid="must be a valid regular expression")
     microbatches: int = knob(1, check=lambda v: v >= 1, valid="must be at least 1")
     annotations: tuple = knob(())
     layouts: tuple | str = knob("auto", check=lambda v: not isinstance(v, str) or v == "auto",

@@ -59,7 +59,8 @@ def check(name: str) -> str:
     return name
 
 
-def _policy(name: str) -> Any:
+def policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of the named one (None for ``none``)."""
     if name == "offload_dots":
         return _CP.offload_dot_with_no_batch_dims("device", "pinned_host")
     if name.startswith(OFFLOAD):
@@ -111,7 +112,7 @@ def block_wrapper(name: str, *, prepare: Callable | None = None,
     checkpoint (host-resident weights brought to the device, see
     :func:`jaxpar.parallel.offload.stream_layer`); activations named ``never_save`` are
     then recomputed whatever the policy."""
-    policy = _policy(check(name))
+    chosen = policy(check(name))
     if prepare is None:
-        return None if policy is None else checkpointed(None, policy)
-    return checkpointed(None, never_saving(policy, never_save), prepare)
+        return None if chosen is None else checkpointed(None, chosen)
+    return checkpointed(None, never_saving(chosen, never_save), prepare)

@@ -1,0 +1,108 @@
+"""The plan's remat policy on models jaxpar did not write: their repeated blocks run under
+it (compiled temporaries shrink as on the reference model, offload policies put buffers in
+host memory, compiled for a TPU), training equals one device without remat, dropout state
+still advances, and a model it cannot reach gets one line."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.analysis import targets
+from jaxpar.analysis.hlo import matmul_flops, memory_stats
+from jaxpar.analysis.inspection import compile_step
+from jaxpar.errors import JaxparError
+from jaxpar.sharding.block_remat import remat_blocks
+from tests import user_models as um
+
+MODELS = {
+    # name: (factory, plan knobs, explicit mesh, loss takes a dict batch)
+    "list": (lambda: um.LlamaLike(layers=3, ff=256, rngs=nnx.Rngs(0)),
+             {"annotations": um.LLAMA_ANNOTATIONS}, False),
+    "dropout": (lambda: um.MhaLM(layers=3, ff=256, rngs=nnx.Rngs(0, dropout=1)), {}, False),
+    "scan": (lambda: um.ScanLM(layers=3, ff=256, rngs=nnx.Rngs(0)), {}, False),
+    "explicit": (lambda: um.ExplicitBlocksLM(ff=256, rngs=nnx.Rngs(0)), {}, True),
+}
+
+
+def tokens(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, um.VOCAB, (8, 33)).astype(np.int32)
+
+
+def trainer(model: str, remat: str, sharded: bool = True) -> jaxpar.Trainer:
+    factory, knobs, explicit = MODELS[model]
+    axes = {"fsdp": 4, "tensor": 2} if sharded else {"data": 1}
+    mesh = jaxpar.make_mesh(axes, devices=None if sharded else jax.devices()[:1],
+                            explicit=explicit)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", remat=remat, **knobs)
+    return jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_remat_reaches_the_blocks_and_training_equals_one_device(devices, model):
+    full = trainer(model, "full")
+    blocks = remat_blocks(full.model)
+    assert blocks and all(type(m).__name__ == type(blocks[0][1]).__name__ for _, m in blocks)
+    compiled = {name: t.lower(tokens()).compile()
+                for name, t in (("full", full), ("none", trainer(model, "none")))}
+    flops = {k: matmul_flops(c.as_text())["flops"] for k, c in compiled.items()}
+    assert flops["full"] > flops["none"], flops  # the blocks' forward runs again
+    if model != "dropout":  # (its random bits, not its activations, fill the temporaries)
+        temp = {k: memory_stats(c)["temp_bytes"] for k, c in compiled.items()}
+        assert temp["full"] < temp["none"], temp  # what they saved is recomputed
+    losses = [full.step(tokens(i))["loss"] for i in range(3)]
+    single = trainer(model, "none", sharded=False)
+    np.testing.assert_allclose(losses, [single.step(tokens(i))["loss"] for i in range(3)],
+                               rtol=1e-5)
+
+
+def test_dropout_masks_still_change_from_step_to_step_under_remat(devices):
+    t = trainer("dropout", "full")
+    rng = [np.asarray(jax.tree.leaves(nnx.state(t.model, nnx.RngCount))[0])]
+    t.step(tokens(0))
+    rng.append(np.asarray(jax.tree.leaves(nnx.state(t.model, nnx.RngCount))[0]))
+    assert rng[1] != rng[0]
+
+
+def test_a_model_without_repeated_blocks_is_told_how_to_name_them(devices):
+    mesh = jaxpar.make_mesh({"fsdp": 8}, explicit=True)
+    with pytest.raises(JaxparError, match="no repeated blocks .* plan.remat_blocks") as err:
+        plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", remat="full")
+        jaxpar.init_sharded(lambda: um.ExplicitLM(rngs=nnx.Rngs(0)), plan)
+    assert "\n" not in str(err.value)
+    with pytest.raises(JaxparError, match="no module's path matches"):
+        plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", remat="full", remat_blocks="^nope$")
+        jaxpar.init_sharded(lambda: um.ExplicitBlocksLM(rngs=nnx.Rngs(0)), plan)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", remat="full", remat_blocks=r"^blocks/1$")
+    model = jaxpar.init_sharded(lambda: um.ExplicitBlocksLM(rngs=nnx.Rngs(0)), plan)
+    assert [p for p, _ in remat_blocks(model, r"^blocks/1$")] == ["blocks/1"]
+    assert type(model.blocks[1]) is not type(model.blocks[0])
+
+
+def test_a_linen_model_is_told_to_use_nn_remat(devices):
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 8}), "fsdp", remat="full")
+    with pytest.raises(JaxparError, match="cannot reach inside a linen model: .*nn.remat"):
+        jaxpar.init_sharded(lambda: jaxpar.from_linen(
+            um.LinenGPT(), np.zeros((2, 8), np.int32)), plan)
+
+
+def test_offload_policies_put_a_user_models_activations_in_host_memory_on_a_tpu():
+    annotations = json.dumps([[p, list(n)] for p, n in um.LLAMA_ANNOTATIONS])
+    host = {}
+    for remat in ("none", "offload_dots", "offload:layer_input"):
+        config = jaxpar.load_config(None, [
+            "model.factory=tests.user_models:llama_like", f"plan.annotations={annotations}",
+            "mesh.fsdp=4", "mesh.data=1", "train.global_batch=8", "train.seq_len=128",
+            f"plan.remat={remat}"])
+        step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+        host[remat] = (memory_stats(step.compiled)["host_temp_bytes"],
+                       step.compiled.as_text().count("S(5)"))
+    assert host["none"] == (0, 0)
+    assert all(b > 0 and n > 0 for b, n in (host["offload_dots"], host["offload:layer_input"]))
+    assert host["offload:layer_input"][0] < host["offload_dots"][0]  # one input a layer
