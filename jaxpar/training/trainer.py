@@ -154,6 +154,12 @@ class Trainer:
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
+        if plan.mesh.shape.get("stage", 1) > 1 and self.pipeline_schedule is None:
+            raise JaxparError(
+                f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} "
+                "has no pipeline layout, so the stages would repeat each other's work: "
+                "build jaxpar's Transformer with a pipeline Schedule (jaxpar.pipeline), or "
+                "set the stage axis to 1")
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
         self.abstract = is_abstract((params, frozen))
         """Whether the model holds shapes only (:func:`jaxpar.sharding.partitioning.

@@ -3,11 +3,15 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import jaxpar
 from jaxpar.analysis.hlo import collective_table, count_collectives
+from jaxpar.errors import JaxparError
 from tests.helpers import BATCH, SEQ, SMALL, block_forward_hlo, loader, make_trainer, one_device
+from tests.user_models import LLAMA_ANNOTATIONS, LlamaLike
 
 STEPS = 5
 STRATEGIES = {
@@ -120,3 +124,14 @@ def test_megatron_block_has_one_all_reduce_per_sublayer(capfd, fresh_compile):
     assert count_collectives(hlo) == {"all-reduce": 2}
     assert collective_table(hlo, plan.mesh)[0]["axes"] == ["tensor"]
 
+
+
+def test_stages_on_a_model_without_a_pipeline_layout_are_refused(devices):
+    """A stage axis on a model that cannot be pipelined would have the stages repeat each
+    other's work; the Trainer says so in one line instead of running unpipelined."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"stage": 2, "fsdp": 4}), "fsdp_tp",
+                                   annotations=LLAMA_ANNOTATIONS)
+    model = jaxpar.init_sharded(lambda: LlamaLike(rngs=nnx.Rngs(0)), plan)
+    with pytest.raises(JaxparError, match="stage=2 but LlamaLike has no pipeline layout") as e:
+        jaxpar.Trainer(model, optax.adam(1e-3), plan)
+    assert "\n" not in str(e.value)
