@@ -212,6 +212,9 @@ class LinenModel(nnx.Module):
                                   for name, stream in streams.items()})
         self.rng_counts = nnx.Dict({name: LinenRngCount(stream.count[...])
                                     for name, stream in streams.items()})
+        # The streams' names, apart: a Dict's items can include attributes a library
+        # sets on every module (Qwix does, when it quantizes).
+        self.rng_names = tuple(streams)
         self.linen.to_nnx__rngs = None
         self.linen_modules = tuple((p, cls, spec) for p, (cls, spec) in sorted(seen.items()))
         if mode_arg is None:
@@ -448,8 +451,8 @@ class LinenModel(nnx.Module):
             training = not self.deterministic
             kwargs[self.mode_arg] = training if MODE_ARGS[self.mode_arg] else not training
         keys = {}
-        for name, data in self.rng_keys.items():
-            count = self.rng_counts[name]
+        for name in self.rng_names:
+            data, count = self.rng_keys[name], self.rng_counts[name]
             keys[name] = jax.random.fold_in(jax.random.wrap_key_data(data[...]), count[...])
             count.set_value(count[...] + 1)
         # Applied here rather than through ToNNX's call, to hand the linen module plain

@@ -61,18 +61,63 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def batched(einsum_str: str, n_operands: int) -> bool:
+    """Whether an einsum multiplies anything but an activation by a weight: more or fewer
+    than two operands, or a label both operands and the result carry (a batch dimension:
+    attention's scores and values, a state-space scan), or operands that both broadcast
+    (``...``)."""
+    if n_operands != 2:
+        return True
+    inputs, _, output = einsum_str.replace(" ", "").partition("->")
+    parts = inputs.split(",")
+    if len(parts) != 2:
+        return True
+    if "..." in parts[0] and "..." in parts[1]:
+        return True
+    a, b = (set(p.replace("...", "")) for p in parts)
+    if not output and "->" not in einsum_str:  # implicit: the labels seen once
+        output = "".join(sorted(c for c in a ^ b))
+    return bool(a & b & set(output))
+
+
+def _weight_matmul_provider():
+    """Qwix's quantized-training provider, restricted to weight matmuls: a
+    ``dot_general`` with batch dimensions, or an einsum :func:`batched` calls one, runs
+    in the compute dtype whatever the rules say (no weight is in it)."""
+    import jax
+    import qwix
+
+    class WeightMatmuls(qwix.QtProvider):
+        def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                        preferred_element_type=None, *, out_sharding=None):
+            (_, _), (lhs_batch, rhs_batch) = dimension_numbers
+            if lhs_batch or rhs_batch:
+                return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
+                                           preferred_element_type, out_sharding=out_sharding)
+            return super().dot_general(lhs, rhs, dimension_numbers, precision,
+                                       preferred_element_type, out_sharding=out_sharding)
+
+        def einsum(self, einsum_str, *operands, **kwargs):
+            if batched(einsum_str, len(operands)):
+                return jnp.einsum(einsum_str, *operands, **kwargs)
+            return super().einsum(einsum_str, *operands, **kwargs)
+
+    return WeightMatmuls
+
+
 @functools.cache
 def provider(mode: str, target: str = DEFAULT_TARGET, exclude: str = DEFAULT_EXCLUDE):
     """The Qwix quantized-training provider for ``mode`` (None for ``none``): rules in
     order, the first whose path matches wins: the root module, then ``exclude``, stay
-    in full precision; ``target`` is quantized."""
+    in full precision; ``target`` is quantized. Only weight matmuls are: products with a
+    batch dimension (attention's, a state-space einsum's) never are."""
     import qwix  # imported on use: runs without quantization never load it
 
     if check_mode(mode) == "none":
         return None
     forward, backward = _QTYPES[mode]
     ops = ("dot_general", "einsum")
-    return qwix.QtProvider([
+    return _weight_matmul_provider()([
         qwix.QtRule(module_path="model"),
         qwix.QtRule(module_path=f"model/(?:{exclude})"),
         qwix.QtRule(module_path=f"model/(?:{target})", weight_qtype=forward,

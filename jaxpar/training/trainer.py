@@ -154,6 +154,12 @@ class Trainer:
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
+        if plan.quantize != "none" and type(model).__module__ == "jaxpar.models.linen":
+            raise JaxparError(
+                f"plan.quantize={plan.quantize!r} does not reach a linen model's matmuls "
+                "(Qwix, which quantizes them, sees NNX modules only): quantize the linen "
+                "module with qwix.quantize_model in your own code, or set plan.quantize: "
+                "none")
         if plan.mesh.shape.get("stage", 1) > 1 and self.pipeline_schedule is None:
             raise JaxparError(
                 f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} "

@@ -9,6 +9,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -136,3 +137,61 @@ def test_bad_settings_are_one_line(devices):
     with pytest.raises(jaxpar.JaxparError, match=r"quantize_target='\(': must be a valid"):
         jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp", quantize_target="(")
     jax.clear_caches()
+
+
+class Mixer(nnx.Module):
+    """A state-space-style mixer written with einsums: two weight projections around a
+    four-operand scan einsum and a scores-times-values product (no weight in either), in
+    a module whose name says nothing of attention."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_bc = nnx.Param(init(rngs.params(), (d, 2 * d)))
+        self.w_out = nnx.Param(init(rngs.params(), (d, d)))
+
+    def __call__(self, x):
+        b, c = jnp.split(jnp.einsum("bsd,de->bse", x, self.w_bc[...]), 2, axis=-1)
+        s = x.shape[1]
+        decay = jnp.tril(jnp.exp(-0.1 * (jnp.arange(s)[:, None] - jnp.arange(s)[None])))
+        y = jnp.einsum("bsd,bsd,ts,btd->btd", b, x, decay, c)
+        causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]  # [s, t]: t <= s
+        scores = jnp.where(causal, jnp.einsum("bsd,btd->bst", x, b), -1e9)
+        mixed = jnp.einsum("bst,btd->bsd", jax.nn.softmax(scores, axis=-1), y)
+        return x + jnp.einsum("bsd,de->bse", mixed, self.w_out[...])
+
+
+class MixerLM(nnx.Module):
+    def __init__(self, d: int = 32, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(um.VOCAB, d, rngs=rngs)
+        self.mixers = nnx.List([Mixer(d, rngs=rngs) for _ in range(2)])
+        self.logits = nnx.Linear(d, um.VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for mixer in self.mixers:
+            x = mixer(x)
+        return self.logits(x)
+
+
+def test_only_weight_matmuls_are_quantized_whatever_the_modules_are_called(devices):
+    """The two projections a mixer are int8 (three products each); its scan einsum (four
+    operands: Qwix has no quantized form) and its scores and values products (batched, no
+    weight) stay f32, as do the head's."""
+    plan = jaxpar.Plan.from_preset(
+        jaxpar.make_mesh(MESH), "fsdp_tp", quantize="int8", quantize_exclude="logits",
+        annotations=[(r"w_bc$|w_out$", ("embed", "mlp")), (r"embedding$", ("vocab", "embed")),
+                     (r"logits/kernel$", ("embed", "vocab"))])
+    step = jaxpar.Trainer(jaxpar.init_sharded(lambda: MixerLM(rngs=nnx.Rngs(0)), plan),
+                          optax.adam(1e-2), plan)
+    got = dot_types(step, batches(vocab=um.VOCAB)[0])
+    assert got[("i8", "i8")] == 2 * 2 * 3
+    before = float(step.step(batches(vocab=um.VOCAB)[0])["loss"])
+    assert np.isfinite(before) and float(step.step(batches(vocab=um.VOCAB)[0])["loss"]) < before
+
+
+def test_a_linen_model_is_told_quantize_does_not_reach_it(devices):
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 8}), "dp", quantize="int8")
+    model = jaxpar.init_sharded(lambda: jaxpar.from_linen(
+        um.LinenGPT(), np.zeros((2, 8), np.int32)), plan)
+    with pytest.raises(jaxpar.JaxparError, match="does not reach a linen model's matmuls"):
+        jaxpar.Trainer(model, optax.adam(1e-2), plan)
