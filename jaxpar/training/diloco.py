@@ -55,7 +55,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.offload import streamed_mask
 from jaxpar.parallel.zeropp import quantize_int8
+from jaxpar.sharding.mesh import is_explicit
 from jaxpar.sharding.rules import entry_axes
+from jaxpar.training.model_errors import explained_model_errors
 from jaxpar.training.trainer import Trainer
 
 AXIS = "data"
@@ -335,7 +337,7 @@ class DiLoCo:
         trainer = self.trainer
         batch = trainer._as_global(batch)
         trainer._check_token_ids(batch)
-        with self.plan.activate(mesh_context=True):
+        with self.plan.activate(mesh_context=True), explained_model_errors(self.plan):
             step = self.step_count + 1
             if self.overlap:  # the meeting due after the last step, with this one
                 self._state, metrics = self._inner(batch, self._due())(self._state, batch)
@@ -372,7 +374,7 @@ class DiLoCo:
         """An inner trainer state holding the anchor's weights (replica 0's other state)."""
         policy = self.trainer.policy
         with self.plan.activate():
-            one = jax.tree.map(lambda x: x[0], self._state["replicas"])
+            one = jax.tree.map(_first_replica, self._state["replicas"])
             anchor = self._state["anchor"]
             if self.overlap and self._due() is not None:  # the meeting in flight, applied
                 with self.plan.activate(mesh_context=True):
@@ -450,3 +452,14 @@ def check(plan: Any, shardings: dict[str, Any], sync_every: int, fragments: int,
         if any(AXIS in entry_axes(e) for e in sh.spec):
             raise JaxparError(f"diloco needs the weights whole over the data axis; the "
                               f"rules split {jax.tree_util.keystr(path)} over it")
+
+
+def _first_replica(x: jax.Array) -> jax.Array:
+    """Replica 0 of an array stacked over the replicas: on an explicit-sharding mesh the
+    stacked dimension is gathered first (its type says it is split over ``data``)."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    if spec is not None and mesh is not None and is_explicit(mesh) and spec and spec[0]:
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(None, *spec[1:])))
+    return x[0]

@@ -28,6 +28,13 @@ def explained_model_errors(plan: Plan) -> Iterator[None]:
                 "the model computes with them without bringing them to the device: call "
                 "jaxpar.parallel.offload.stream_layer on each layer's state inside its layer "
                 "loop (jaxpar's Transformer does), or turn plan.offload_params off") from None
+        manual = re.search(r"axis name: (\w+) of type: AxisType\.Manual", text)
+        if "cannot contain axis names that are of type Auto" in text and manual:
+            raise JaxparError(
+                f"the model names mesh axis {manual.group(1)!r} in its own shardings, but "
+                "jaxpar runs this step over that axis by hand (DiLoCo's replicas each hold "
+                "their own slice of it): leave it out of the model's PartitionSpecs (the "
+                "batch is split over it before the model runs)") from None
         if "cannot contain axis names that are of type Auto" in text:
             where = re.search(r"This error occurs at source:\s*(\S+)", text)
             raise JaxparError(

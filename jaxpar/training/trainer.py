@@ -33,6 +33,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.parallel import compression, offload, streamed_update, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
+from jaxpar.sharding.mesh import is_explicit
 from jaxpar.sharding.partitioning import (
     is_abstract,
     prepare_model,
@@ -154,6 +155,15 @@ class Trainer:
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
+        if is_explicit(plan.mesh):
+            knobs = [k for k in ("quantize", "quantize_gather", "quantize_reduce")
+                     if getattr(plan, k) != "none"]
+            if knobs:
+                raise JaxparError(
+                    f"plan.{knobs[0]}={getattr(plan, knobs[0])!r} does not run on an "
+                    "explicit-sharding mesh yet (the quantized matmul and the ZeRO++ "
+                    "collectives cannot carry the shardings the model's types give): set it "
+                    "to none, or train the model on an Auto mesh")
         if plan.quantize != "none" and type(model).__module__ == "jaxpar.models.linen":
             raise JaxparError(
                 f"plan.quantize={plan.quantize!r} does not reach a linen model's matmuls "

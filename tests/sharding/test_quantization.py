@@ -195,3 +195,19 @@ def test_a_linen_model_is_told_quantize_does_not_reach_it(devices):
         um.LinenGPT(), np.zeros((2, 8), np.int32)), plan)
     with pytest.raises(jaxpar.JaxparError, match="does not reach a linen model's matmuls"):
         jaxpar.Trainer(model, optax.adam(1e-2), plan)
+
+
+@pytest.mark.parametrize("knobs", [{"quantize": "int8"},
+                                   {"quantize_gather": "int8", "zero_stage": 3},
+                                   {"quantize_reduce": "int8", "zero_stage": 2}])
+def test_an_explicit_mesh_is_told_quantization_does_not_run_there_yet(devices, knobs):
+    """Qwix's quantized matmul takes no out_sharding and ZeRO++'s shard_map cannot carry
+    the model's sharding types: refused in one line naming the knob, not a traceback from
+    inside the model."""
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2}, explicit=True)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", **knobs)
+    model = jaxpar.init_sharded(lambda: um.ExplicitLinearLM(rngs=nnx.Rngs(0)), plan)
+    knob = next(k for k in knobs if k.startswith("quantize"))
+    with pytest.raises(jaxpar.JaxparError, match=f"plan.{knob}='int8' does not run on an "
+                                                 "explicit-sharding mesh yet"):
+        jaxpar.Trainer(model, optax.adam(1e-2), plan)

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.analysis.hlo import collective_table
@@ -17,6 +18,7 @@ from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.config.validate import check_config
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.training.diloco import DiLoCo, fragments_of
+from tests.user_models import ExplicitLinearLM
 
 CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32)
@@ -249,3 +251,57 @@ def test_runs_it_cannot_take_get_one_line(devices, mesh, knobs, kwargs, message)
 def test_config_refusals_name_the_knob(overrides, message):
     with pytest.raises(jaxpar.JaxparError, match=message):
         check_config(jaxpar.load_config("configs/tiny.yaml", overrides), devices=8)
+
+
+class FsdpRowsLM(nnx.Module):
+    """Written for explicit sharding, its activations split over fsdp only (a model that
+    names data in its own shardings is told, in one line, to leave it out)."""
+
+    def __init__(self, d: int = 32, ff: int = 64, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.3)
+        self.embed = nnx.Param(init(rngs.params(), (64, d)), out_sharding=P(None, "fsdp"))
+        self.up = nnx.Param(init(rngs.params(), (d, ff)), out_sharding=P("fsdp", "tensor"))
+        self.head = nnx.Param(init(rngs.params(), (d, 64)), out_sharding=P("fsdp", None))
+
+    def __call__(self, tokens):
+        rows = P("fsdp", None, None)
+        x = jax.sharding.reshard(self.embed[...], P(None, None)).at[tokens].get(
+            out_sharding=rows)
+        up = jax.sharding.reshard(self.up[...], P(None, "tensor"))
+        h = jax.nn.gelu(jax.numpy.einsum("bsd,df->bsf", x, up))
+        x = x + jax.numpy.einsum("bsf,df->bsd", h, up, out_sharding=rows)
+        return jax.numpy.einsum("bsd,dv->bsv", x,
+                                jax.sharding.reshard(self.head[...], P(None, None)))
+
+
+def test_diloco_on_an_explicit_mesh_reads_its_anchor_back(devices):
+    """Two replicas over data on an explicit-sharding mesh: H = 1 with outer SGD at lr 1
+    equals synchronous training (to float rounding), and the anchor's model and loss read
+    back (replica 0's stacked state gathered first)."""
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, explicit=True)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+
+    def fresh():
+        model = jaxpar.init_sharded(lambda: FsdpRowsLM(rngs=nnx.Rngs(0)), plan)
+        return jaxpar.Trainer(model, optax.sgd(0.1), plan)
+
+    run = DiLoCo(fresh(), sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    sync = fresh()
+    got = [float(run.step(tokens)["loss"]) for _ in range(3)]
+    want = [float(sync.step(tokens)["loss"]) for _ in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(run.eval_loss(tokens), sync.eval_loss(tokens), rtol=1e-5)
+    anchor = np.asarray(jax.device_get(run.model.up[...]))
+    np.testing.assert_allclose(anchor, np.asarray(sync.model.up[...]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_naming_data_under_diloco_is_told_to_leave_it_out(devices):
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, explicit=True)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    model = jaxpar.init_sharded(lambda: ExplicitLinearLM(rngs=nnx.Rngs(0)), plan)
+    run = DiLoCo(jaxpar.Trainer(model, optax.sgd(0.1), plan), sync_every=2)
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+    with pytest.raises(jaxpar.JaxparError, match="names mesh axis 'data' in its own "
+                                                 "shardings"):
+        run.step(tokens)
