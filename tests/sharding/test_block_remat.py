@@ -1,7 +1,8 @@
 """The plan's remat policy on models jaxpar did not write: their repeated blocks run under
 it (compiled temporaries shrink as on the reference model, offload policies put buffers in
 host memory, compiled for a TPU), training equals one device without remat, dropout state
-still advances, and a model it cannot reach gets one line."""
+still advances, and a model it cannot reach gets one line. Also optimizer offload on the
+same models."""
 
 from __future__ import annotations
 
@@ -106,3 +107,22 @@ def test_offload_policies_put_a_user_models_activations_in_host_memory_on_a_tpu(
     assert host["none"] == (0, 0)
     assert all(b > 0 and n > 0 for b, n in (host["offload_dots"], host["offload:layer_input"]))
     assert host["offload:layer_input"][0] < host["offload_dots"][0]  # one input a layer
+
+
+@pytest.mark.parametrize("model", ["list", "scan", "explicit"])
+@pytest.mark.parametrize("host", [False, True])
+def test_optimizer_offload_on_a_users_model_equals_one_device(devices, model, host):
+    """All optimizer state in host memory, updated slab by slab on the device or on the
+    host: the same losses as one device keeping it on the device."""
+    factory, knobs, explicit = MODELS[model]
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2}, explicit=explicit)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", offload_optimizer=1.0,
+                                   host_update=host, **knobs)
+    t = jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
+    assert t.streams_update
+    assert all(x.sharding.memory_kind == "pinned_host"
+               for x in jax.tree.leaves(t.state["opt_state"]) if x.ndim)
+    losses = [t.step(tokens(i))["loss"] for i in range(3)]
+    single = trainer(model, "none", sharded=False)
+    np.testing.assert_allclose(losses, [single.step(tokens(i))["loss"] for i in range(3)],
+                               rtol=1e-5)
