@@ -1,8 +1,8 @@
 """The plan's remat policy on models jaxpar did not write: their repeated blocks run under
 it (compiled temporaries shrink as on the reference model, offload policies put buffers in
 host memory, compiled for a TPU), training equals one device without remat, dropout state
-still advances, and a model it cannot reach gets one line. Also optimizer offload on the
-same models."""
+still advances, and a model it cannot reach gets one line. Also optimizer offload and
+DiLoCo on the same models."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jaxpar.analysis.hlo import matmul_flops, memory_stats
 from jaxpar.analysis.inspection import compile_step
 from jaxpar.errors import JaxparError
 from jaxpar.sharding.block_remat import remat_blocks
+from jaxpar.training.diloco import DiLoCo
 from tests import user_models as um
 
 MODELS = {
@@ -126,3 +127,21 @@ def test_optimizer_offload_on_a_users_model_equals_one_device(devices, model, ho
     single = trainer(model, "none", sharded=False)
     np.testing.assert_allclose(losses, [single.step(tokens(i))["loss"] for i in range(3)],
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["list", "scan"])
+def test_diloco_on_a_users_model_meets_like_synchronous_training(devices, model):
+    """Two replicas over data, H = 1, outer SGD at lr 1: synchronous training, to float
+    rounding; the anchor's loss reads back."""
+    factory, knobs, _ = MODELS[model]
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}),
+                                   "fsdp_tp", **knobs)
+
+    def fresh():
+        return jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.sgd(0.1), plan)
+
+    run, sync = DiLoCo(fresh(), sync_every=1, outer_lr=1.0, outer_momentum=0.0), fresh()
+    got = [float(run.step(tokens(i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(got, [float(sync.step(tokens(i))["loss"]) for i in range(3)],
+                               rtol=1e-5)
+    np.testing.assert_allclose(run.eval_loss(tokens(0)), sync.eval_loss(tokens(0)), rtol=1e-5)
