@@ -91,8 +91,8 @@ def plan_slabs(master: Any, shardings: Any, on_host: list[bool], layers_per_slab
                     None)
         if axis is None:
             continue
-        pieces = next(d for d in range(math.ceil(sizes[j] / target), x.shape[axis] + 1)
-                      if x.shape[axis] % d == 0)
+        pieces = next((d for d in range(math.ceil(sizes[j] / target), x.shape[axis] + 1)
+                       if x.shape[axis] % d == 0), x.shape[axis])
         slabs.append(Slab((j,), (axis,), (x.shape[axis] // pieces,), pieces))
         grouped.add(j)
     rest = tuple(j for j, x in enumerate(leaves) if j not in grouped)
