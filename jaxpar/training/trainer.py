@@ -19,7 +19,6 @@ from a config is :mod:`jaxpar.config.assembly`'s job.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,10 +29,9 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import JaxparError
-from jaxpar.parallel import compression, offload, streamed_update, zeropp
+from jaxpar.parallel import compression, offload, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
-from jaxpar.sharding.mesh import is_explicit
 from jaxpar.sharding.partitioning import (
     is_abstract,
     prepare_model,
@@ -43,7 +41,9 @@ from jaxpar.sharding.partitioning import (
 )
 from jaxpar.sharding.plan import Plan, batch_names
 from jaxpar.sharding.precision import DynamicLossScale
+from jaxpar.training import offloaded_update
 from jaxpar.training.model_errors import explained_model_errors
+from jaxpar.training.model_support import check_model_support
 from jaxpar.training.objective import (
     check_causal,
     check_tokens,
@@ -58,12 +58,6 @@ Batch = Any
 """A pytree of arrays whose leaves share a leading batch dimension."""
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array]
-
-def _ready(grad: jax.Array, dtype: Any, scale: jax.Array | None) -> jax.Array:
-    """A gradient in the optimizer's dtype, the loss scale divided out."""
-    grad = grad.astype(dtype)
-    return grad if scale is None else grad / scale
-
 
 def _split_loss(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A loss function's result as ``(loss, extra metrics)``: it may return the scalar loss
@@ -155,27 +149,7 @@ class Trainer:
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
-        if is_explicit(plan.mesh):
-            knobs = [k for k in ("quantize", "quantize_gather", "quantize_reduce")
-                     if getattr(plan, k) != "none"]
-            if knobs:
-                raise JaxparError(
-                    f"plan.{knobs[0]}={getattr(plan, knobs[0])!r} does not run on an "
-                    "explicit-sharding mesh yet (the quantized matmul and the ZeRO++ "
-                    "collectives cannot carry the shardings the model's types give): set it "
-                    "to none, or train the model on an Auto mesh")
-        if plan.quantize != "none" and type(model).__module__ == "jaxpar.models.linen":
-            raise JaxparError(
-                f"plan.quantize={plan.quantize!r} does not reach a linen model's matmuls "
-                "(Qwix, which quantizes them, sees NNX modules only): quantize the linen "
-                "module with qwix.quantize_model in your own code, or set plan.quantize: "
-                "none")
-        if plan.mesh.shape.get("stage", 1) > 1 and self.pipeline_schedule is None:
-            raise JaxparError(
-                f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} "
-                "has no pipeline layout, so the stages would repeat each other's work: "
-                "build jaxpar's Transformer with a pipeline Schedule (jaxpar.pipeline), or "
-                "set the stage axis to 1")
+        check_model_support(model, plan, self.pipeline_schedule)
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
         self.abstract = is_abstract((params, frozen))
         """Whether the model holds shapes only (:func:`jaxpar.sharding.partitioning.
@@ -189,24 +163,10 @@ class Trainer:
                 self._layout(params, frozen))
             state = self._initial_state(params, frozen)
         self._state, self._host_step = state, 0
-        self.streams_update = self._streams_update(params)
+        self.streams_update = offloaded_update.streams(self.optimizer, plan, params)
         """Whether the optimizer update of offloaded state runs slab by slab (see
         :mod:`jaxpar.parallel.streamed_update`): about two slabs of state on the device at
         once instead of all of it."""
-
-    def _streams_update(self, params: nnx.State) -> bool:
-        plan = self.plan
-        if not plan.offload_optimizer:
-            return False
-        if streamed_update.is_elementwise(self.optimizer, params):
-            return True
-        where = ("all of the gradients go to the host at once" if plan.host_update else
-                 "all of the offloaded state comes to the device for the update")
-        warnings.warn("plan.offload_optimizer: the optimizer's update mixes tensors (a "
-                      "global norm it computes itself, factored moments), so it cannot be "
-                      f"streamed slab by slab: {where} (jaxpar's train.grad_clip streams; "
-                      "so do Adam, AdamW, SGD and Lion)", stacklevel=3)
-        return False
 
     def _layout(self, params: nnx.State, frozen: nnx.State
                 ) -> tuple[dict[str, Any], Any, list[str]]:
@@ -494,7 +454,7 @@ class Trainer:
         else:
             loss, grads, frozen, extra = self._gradients(state, batch)
         if self.streams_update or self.plan.host_update:
-            return self._offloaded_step(state, loss, grads, frozen, extra, errors)
+            return offloaded_update.step_end(self, state, loss, grads, frozen, extra, errors)
         master = offload.to_device(state["master"] if self.policy.mixed else state["params"])
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         metrics: dict[str, jax.Array] = {"loss": loss, **extra}
@@ -520,78 +480,6 @@ class Trainer:
         else:
             new_state["params"] = new_master
         return new_state, metrics
-
-    def _offloaded_step(self, state: dict[str, Any], loss: jax.Array, grads: Any,
-                        frozen: Any, extra: dict[str, jax.Array], errors: Any):
-        """The end of :meth:`_step_impl` for optimizer state in host memory: the update
-        streams the state through the device slab by slab
-        (:mod:`jaxpar.parallel.streamed_update`), or runs on the host
-        (``plan.host_update``: the gradients go down, the new working weights come up).
-        The gradients stay in their dtype until their slab is updated; the global norm
-        and the finiteness check read all of them once."""
-        mixed = self.policy.mixed
-        master = state["master"] if mixed else state["params"]
-        scale = state["loss_scale"]["scale"] if self.loss_scale is not None else None
-        full = jax.tree.map(lambda g, m: _ready(g, m.dtype, scale), grads, master)
-        metrics: dict[str, jax.Array] = {"loss": loss, **extra}
-        norm = optax.tree.norm(full)
-        finite = None
-        if self.loss_scale is not None:
-            finite = self.loss_scale.all_finite(full)
-            metrics.update(loss_scale=scale, skipped=(~finite).astype(jnp.int32))
-        metrics["grad_norm"] = norm
-        scalars = (norm, scale, finite)
-        update = functools.partial(self._slab_update, scalars=scalars)
-        space = jax.memory.Space.Host if self.plan.host_update else jax.memory.Space.Device
-        if space == jax.memory.Space.Host:
-            host_update = offload.on_host(
-                lambda g, s, m, scalars: self._slab_update(g, s, m, scalars=scalars), out=space)
-            host_scalars = offload.to_host(scalars)
-            update = lambda g, s, m: host_update(g, s, m, host_scalars)  # noqa: E731
-        if self.streams_update:
-            shardings = self.state_shardings["master" if mixed else "params"]
-            owners = streamed_update.state_owners(self.optimizer, state["opt_state"], master)
-            on_host = [offload.is_on_host(x) for x in jax.tree.leaves(master)]
-            for x, j in zip(jax.tree.leaves(state["opt_state"]), owners, strict=True):
-                if j >= 0 and offload.is_on_host(x):
-                    on_host[j] = True
-            slabs = streamed_update.plan_slabs(master, shardings, on_host,
-                                               self.plan.update_chunk)
-            new_master, opt_state, params = streamed_update.streamed_update(
-                update, grads, state["opt_state"], master,
-                state["params"] if mixed else None, owners=owners, slabs=slabs, space=space)
-        else:  # host_update of an optimizer that does not stream: all of it at once
-            new_master, opt_state, params = update(
-                offload.to_host(grads), offload.to_host(state["opt_state"]),
-                offload.to_host(master))
-            params = offload.to_device(params)
-            opt_state = jax.tree.map(lambda new, old: jax.device_put(
-                new, jax.typeof(old).memory_space), opt_state, state["opt_state"])
-        new_state = dict(state, step=state["step"] + 1, frozen=frozen, opt_state=opt_state)
-        if self.loss_scale is not None:
-            new_state["loss_scale"] = self.loss_scale.adjust(state["loss_scale"], finite)
-        if errors is not None:
-            new_state["grad_error"] = errors
-        if mixed:
-            new_state.update(master=new_master, params=params)
-        else:
-            new_state["params"] = new_master if params is None else params
-        return new_state, metrics
-
-    def _slab_update(self, grads: Any, opt_state: Any, master: Any, *, scalars: tuple
-                     ) -> tuple[Any, Any, Any]:
-        """The optimizer's update of (a slab of) offloaded state: (new master weights, new
-        optimizer state, new working weights). ``scalars``: the gradients' global norm,
-        the loss scale and whether the gradients are finite (None without loss scaling)."""
-        norm, scale, finite = scalars
-        grads = jax.tree.map(lambda g, m: _ready(g, m.dtype, scale), grads, master)
-        updates, new_s = optax.with_extra_args_support(self.optimizer).update(
-            grads, opt_state, master, global_norm=norm)
-        new_m = optax.apply_updates(master, updates)
-        if finite is not None:
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-            new_m, new_s = keep(new_m, master), keep(new_s, opt_state)
-        return new_m, new_s, self.policy.cast_to_compute(new_m) if self.policy.mixed else new_m
 
     def _eval_impl(self, state: dict[str, Any], batch: Batch) -> jax.Array:
         model = self._merged(state["params"], state["frozen"])
