@@ -149,7 +149,6 @@ class Trainer:
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
-        check_model_support(model, plan, self.pipeline_schedule)
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
         self.abstract = is_abstract((params, frozen))
         """Whether the model holds shapes only (:func:`jaxpar.sharding.partitioning.
@@ -161,6 +160,8 @@ class Trainer:
         with plan.activate():
             self.state_shardings, self.grad_shardings, self.zero_left_whole = (
                 self._layout(params, frozen))
+            # (after the layout, whose refusals name the knob more precisely)
+            check_model_support(model, plan, self.pipeline_schedule)
             state = self._initial_state(params, frozen)
         self._state, self._host_step = state, 0
         self.streams_update = offloaded_update.streams(self.optimizer, plan, params)

@@ -28,9 +28,10 @@ from jaxpar.sharding.plan import (
 from jaxpar.sharding.precision import Policy
 from jaxpar.sharding.rules import Rules
 
-KNOB_NAMES = ["precision", "zero_stage", "remat", "microbatches", "annotations", "layouts",
-              "sequence_parallel", "context_attention", "context_balance", "offload_optimizer",
-              "host_update", "offload_params", "quantize", "quantize_target",
+KNOB_NAMES = ["precision", "zero_stage", "remat", "remat_blocks", "microbatches",
+              "annotations", "layouts", "sequence_parallel", "context_attention",
+              "context_balance", "offload_optimizer", "host_update", "update_chunk",
+              "offload_params", "quantize", "quantize_target",
               "quantize_exclude", "quantize_gather", "quantize_reduce", "hpz", "vocab_over_fsdp",
               "compress_gradients", "compress_warmup"]
 ACT_RULES = Rules([("batch", "data"), ("seq", None), ("embed", "tensor")])
