@@ -50,7 +50,8 @@ def test_quick_calibration_is_plausible(entry):
     assert entry["domain"] == 8 and entry["overlap"] == 0 and entry["torus_dims"] == 0
     assert entry["matmul_tile"] >= 1 and 0 <= entry["op_overhead_s"] < 0.1
     # XLA:CPU stores and reloads a scan's saved activations far below its streaming rate.
-    assert 0 < entry["saved_bw"] < entry["hbm_bw"]
+    # 0: saving measured no dearer than recomputing (measure_saved says so under noise)
+    assert 0 <= entry["saved_bw"] < entry["hbm_bw"]
     m = entry["measurements"]
     # The bytes it saves are what JAX keeps: two arrays a layer beside the carry both
     # variants keep (read from jax.vjp's residuals, not assumed).
