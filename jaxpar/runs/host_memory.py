@@ -20,11 +20,10 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.offload import GPU_POOL_ENV
 from jaxpar.planner.catalog import HOST_POOL_SHARE
 from jaxpar.planner.prediction import predict
 
-GPU_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-"""The environment variable XLA's GPU client sizes its pinned host pool from (GiB)."""
 MARGIN = 1.1
 """The pool is the plan's host bytes times this, plus :data:`SLACK_GIB` (staging buffers
 and the allocator's rounding)."""
