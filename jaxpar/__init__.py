@@ -27,6 +27,7 @@ from jaxpar.config.schema import Config, load_config
 from jaxpar.errors import JaxparError
 from jaxpar.models.linen import from_linen
 from jaxpar.parallel import pipeline
+from jaxpar.parallel.staged import StagedModel, StageSplit, stage_model
 from jaxpar.runs.host_memory import size_host_pool
 from jaxpar.sharding.annotations import annotate, logical_names
 from jaxpar.sharding.layouts import constrain_outputs
@@ -65,6 +66,9 @@ __all__ = [
     "plan",
     "planner",
     "size_host_pool",
+    "stage_model",
+    "StagedModel",
+    "StageSplit",
     "state_shardings",
 ]
 __version__ = "0.1.0"

@@ -48,7 +48,7 @@ def command(args: argparse.Namespace) -> int:
                  else f", model {config.model.param_count() / 1e6:.2f}M params")
         print(f"jaxpar: {jax.device_count()} {jax.devices()[0].platform} devices{procs}, "
               f"mesh {describe(mesh)}, rules {config.plan.rules}{model}", flush=True)
-    if mesh.shape["stage"] > 1 and writer:
+    if mesh.shape["stage"] > 1 and writer and not config.model.factory:
         print(pipeline_for(config, mesh.shape["stage"]).describe())
     dl = config.diloco
     if dl.sync_every and writer:

@@ -27,6 +27,7 @@ from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.hf import load
 from jaxpar.models.transformer import Transformer
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import staged as staged_lib
 from jaxpar.sharding.mesh import make_mesh
 from jaxpar.sharding.partitioning import abstract_sharded, init_sharded
 from jaxpar.sharding.plan import Plan, knobs
@@ -36,8 +37,9 @@ from jaxpar.training.optimizer import make_optimizer
 from jaxpar.training.trainer import LossFn, Trainer, lm_loss
 
 
-def import_object(spec: str, what: str) -> Any:
-    """``"package.module:name"`` (or ``package.module.name``) -> the object it names.
+def import_object(spec: str, what: str, *, callable_only: bool = True) -> Any:
+    """``"package.module:name"`` (or ``package.module.name``) -> the object it names
+    (which must be callable unless ``callable_only`` is False).
 
     Raises:
       JaxparError: naming ``what`` (the config key) when the module or name is missing.
@@ -56,7 +58,7 @@ def import_object(spec: str, what: str) -> Any:
         if not hasattr(obj, part):
             raise JaxparError(f"{what}={spec!r}: module {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
+    if callable_only and not callable(obj):
         raise JaxparError(f"{what}={spec!r} is not callable")
     return obj
 
@@ -80,21 +82,34 @@ def pipeline_schedule(config: Config, mesh: jax.sharding.Mesh) -> pipeline_lib.S
     stages = mesh.shape["stage"]
     if stages <= 1:
         return None
-    if config.model.factory:
-        raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory model "
-                          "has no pipeline layout (set mesh.stage=1)")
+    if config.model.factory:  # its schedule depends on its blocks: see stage_split
+        return None
     return pipeline_for(config, stages)
 
 
-def model_factory(config: Config, schedule: pipeline_lib.Schedule | None = None
-                  ) -> Callable[[], nnx.Module]:
+def stage_split(config: Config) -> staged_lib.StageSplit:
+    """``pipeline.split`` imported: a :class:`~jaxpar.parallel.staged.StageSplit`, or a
+    function returning one."""
+    split = import_object(config.pipeline.split, "pipeline.split", callable_only=False)
+    if not isinstance(split, staged_lib.StageSplit) and callable(split):
+        split = split()
+    if not isinstance(split, staged_lib.StageSplit):
+        raise JaxparError(f"pipeline.split={config.pipeline.split!r} is a "
+                          f"{type(split).__name__}, not a jaxpar.StageSplit")
+    return split
+
+
+def model_factory(config: Config, schedule: pipeline_lib.Schedule | None = None,
+                  stages: int = 1) -> Callable[[], nnx.Module]:
     """A function that builds the config's model: the user's ``model.factory`` (called with
-    ``model.kwargs`` and, if it takes them, ``rngs``) or the built-in decoder."""
+    ``model.kwargs`` and, if it takes them, ``rngs``; with ``stages > 1`` divided into
+    pipeline stages by ``pipeline.split``) or the built-in decoder."""
     seed = config.train.seed
     if not config.model.factory:
         cfg = config.model.transformer()
         return lambda: Transformer(cfg, rngs=nnx.Rngs(seed), pipeline=schedule)
     fn = import_object(config.model.factory, "model.factory")
+    split = stage_split(config) if stages > 1 else None
     kwargs = dict(config.model.kwargs)
     try:
         takes_rngs = "rngs" in inspect.signature(fn).parameters
@@ -113,6 +128,12 @@ def model_factory(config: Config, schedule: pipeline_lib.Schedule | None = None
         if not isinstance(model, nnx.Module):
             raise JaxparError(f"model.factory={config.model.factory!r} returned a "
                               f"{type(model).__name__}, not a Flax NNX module")
+        if split is not None:
+            pipe = config.pipeline
+            model = staged_lib.stage_model(
+                model, split, stages=stages, microbatches=pipe.microbatches,
+                repeats=pipe.repeats, layers_per_stage=pipe.layers_per_stage,
+                schedule=pipe.schedule)
         return model
 
     return build
@@ -158,12 +179,12 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
             f"parallelism (mesh.context={mesh.shape['context']}): attention runs as "
             f"plan.context_attention={config.plan.context_attention!r}, blockwise in XLA",
             JaxparWarning, stacklevel=2)
-    schedule = pipeline_schedule(config, mesh)
+    schedule, stages = pipeline_schedule(config, mesh), mesh.shape["stage"]
     loss_fn = loss_function(config)
     hf = hf_folder(config.init_from)
     if abstract:  # initial weights do not change the program: shapes come from the config
         def build() -> nnx.Module:
-            model = model_factory(config, schedule)()
+            model = model_factory(config, schedule, stages)()
             with plan.activate():
                 return lora_lib.apply_config(model, config.lora, rngs=config.train.seed)
 
@@ -171,7 +192,7 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
     elif hf is not None:  # a Hugging Face model, read straight into the plan's shardings
         model = load(hf, plan=plan, pipeline=schedule, config=config.model.transformer())
     else:
-        model = init_sharded(model_factory(config, schedule), plan)
+        model = init_sharded(model_factory(config, schedule, stages), plan)
     if config.init_from and hf is None and not abstract:  # an earlier run's weights, then LoRA
         load_weights(model, config.init_from, stages=mesh.shape["stage"])
     if not abstract:
@@ -186,7 +207,8 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
                          outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
                          fragments=dl.fragments, staleness=dl.staleness,
                          outer_bits=dl.outer_bits, overlap=dl.overlap)
-    return Assembly(trainer, plan, schedule, config)
+    return Assembly(trainer, plan, schedule or getattr(model, "pipeline_schedule", None),
+                    config)
 
 
 def build_trainer(config: Config, devices: Any = None) -> Trainer | DiLoCo:

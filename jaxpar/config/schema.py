@@ -122,12 +122,17 @@ class PipelineConfig:
     stage (``circular``, ``interleaved_1f1b``; 0: as many as the layers allow, 1 for the
     others). ``layers_per_stage``: layers in each chunk (0: all of a stage's layers for
     ``gpipe`` and ``1f1b``, 1 otherwise); n_layers = stages x repeats x layers_per_stage.
+    ``split``: for a ``model.factory`` model, ``package.module:NAME`` of a
+    :class:`jaxpar.StageSplit` (or a function returning one) saying where its
+    embedding, blocks and head are (see :mod:`jaxpar.parallel.staged`); the number of
+    blocks then stands for ``model.n_layers``.
     """
 
     schedule: str = "circular"
     microbatches: int = 0
     repeats: int = 0
     layers_per_stage: int = 0
+    split: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,7 +122,10 @@ def _check_choices(config: Config) -> None:
         raise _bad("train.optimizer", t.optimizer, f"choose one of {list(OPTIMIZERS)}")
     if t.trainable not in ("", "lora", "all"):
         _regex("train.trainable", t.trainable)
-    for key in ("train.loss", "model.factory"):
+    if config.pipeline.split and not config.model.factory:
+        raise _bad("pipeline.split", config.pipeline.split, "divides a model.factory model "
+                   "into stages; the built-in model needs none")
+    for key in ("train.loss", "model.factory", "pipeline.split"):
         spec = _value(config, key)
         if spec and not re.fullmatch(r"[\w.]+[:.][\w.]+", spec):
             raise _bad(key, spec, "must look like package.module:function")
@@ -255,16 +258,17 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
                           f"run's backend is {jax.default_backend()}: use "
                           "model.attention=auto (the best this backend has)")
     if sizes["stage"] > 1:
-        if config.model.factory:
-            raise JaxparError("mesh.stage > 1 needs the built-in model: a model.factory "
-                              "model has no pipeline layout (set mesh.stage=1)")
-        schedule = pipeline_for(config, sizes["stage"])
-        if micro % (schedule.microbatches * dp):
+        if config.model.factory and not config.pipeline.split:
+            raise JaxparError(STAGES_NEED_SPLIT)
+        pipe_microbatches = (config.pipeline.microbatches or sizes["stage"]
+                             if config.model.factory
+                             else pipeline_for(config, sizes["stage"]).microbatches)
+        if micro % (pipe_microbatches * dp):
             raise JaxparError(
                 f"train.global_batch={t.global_batch} does not split into "
-                f"{schedule.microbatches} pipeline microbatches (pipeline.microbatches) of "
+                f"{pipe_microbatches} pipeline microbatches (pipeline.microbatches) of "
                 f"equal size on each of the {dp} data-parallel devices: use a multiple of "
-                f"{schedule.microbatches * dp * p.microbatches}")
+                f"{pipe_microbatches * dp * p.microbatches}")
     if p.strict and not config.model.factory:
         model = config.model
         dims = {"vocab": ("model.vocab_size", model.vocab_size),
@@ -277,6 +281,12 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
                 param_rules.resolve((name,), mesh, shape=(size,), path=key)
             except JaxparError as err:
                 raise JaxparError(f"plan.strict=true: {err}") from None
+
+
+STAGES_NEED_SPLIT = ("mesh.stage > 1 with a model.factory model needs pipeline.split: "
+                     "package.module:NAME of a jaxpar.StageSplit saying where the model's "
+                     "embedding, blocks and head are (or set mesh.stage=1)")
+"""The refusal of pipeline stages for a model jaxpar cannot divide into them."""
 
 
 def pipeline_for(config: Config, stages: int) -> Schedule:

@@ -312,6 +312,8 @@ def _checked_trainer(config: Config, loader: TokenLoader) -> Trainer:
         weights = trainer.state.get("anchor", trainer.state.get("params"))  # DiLoCo: anchor
         n = sum(x.size for x in jax.tree.leaves(weights))
         _say(f"model {config.model.factory}: {n / 1e6:.3g}M params")
+        if trainer.pipeline_schedule is not None:  # the blocks decided the schedule
+            _say(trainer.pipeline_schedule.describe())
         if trainer.check_ids:  # the default loss: ids index the model's logits
             vocab = trainer.vocabulary(trainer.global_batch(loader.batch(0)))
             if vocab < config.model.vocab_size:

@@ -138,7 +138,7 @@ def annotate(model: nnx.Module, rules: AnnotationRules, *, warn: bool = True) ->
                 if len(names) > ndim:
                     raise JaxparError(f"annotation {rx.pattern!r} gives {path} (rank {ndim}) "
                                       f"{len(names)} names {names}")
-                var.set_metadata(out_sharding=names)
+                var.set_metadata(out_sharding=_keep_stack_axes(var, names, ndim))
                 break
     if warn:
         unused = [rx.pattern for (rx, _), u in zip(compiled, used, strict=True) if not u]
@@ -151,6 +151,22 @@ def annotate(model: nnx.Module, rules: AnnotationRules, *, warn: bool = True) ->
             warnings.warn(f"jaxpar.annotate: large parameters without logical names (they "
                           f"will be replicated): {listing}", AnnotationWarning, stacklevel=2)
     return model
+
+
+STACK_PREFIXES: tuple[tuple[str, ...], ...] = (("repeat", "stage"), ("layers",))
+"""Leading names of a variable that stacks identical layers (scanned, or laid out for
+pipeline stages): a rule written for one layer's variable names the dimensions after them."""
+
+
+def _keep_stack_axes(var: nnx.Variable, names: tuple, ndim: int) -> tuple:
+    """``names`` behind the stack axes ``var`` already has, when they name one layer's
+    dimensions exactly."""
+    current = logical_names(var) or ()
+    for prefix in STACK_PREFIXES:
+        if tuple(current[:len(prefix)]) == prefix and len(names) + len(prefix) == ndim \
+                and tuple(names[:len(prefix)]) != prefix:
+            return (*prefix, *names)
+    return names
 
 
 def unnamed_parameters(model: nnx.Module, min_share: float = 0.01

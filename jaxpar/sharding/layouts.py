@@ -163,7 +163,7 @@ def pinned(model: nnx.Module) -> list[tuple[str, tuple | None, tuple]]:
             if isinstance(m, nnx.Module) and hasattr(type(m), _BASE)]
 
 
-def _stacked(module: nnx.Module) -> bool:
+def stacked_over_layers(module: nnx.Module) -> bool:
     """Whether ``module`` holds its parameters stacked over a leading ``layers`` axis (a
     block scanned with ``nnx.scan``/``nnx.vmap``): some are named ``layers`` first, and
     the rest are unnamed with the same leading size (``nnx.vmap`` names only the
@@ -198,7 +198,7 @@ def repeated_blocks(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
     for (_, _), group in siblings.items():
         if len(group) >= 2 and all(isinstance(p[-1], int) for p, _ in group):
             chosen += group
-    chosen += [(p, m) for p, m in graph if _stacked(m)]
+    chosen += [(p, m) for p, m in graph if stacked_over_layers(m)]
     chosen.sort(key=lambda pm: len(pm[0]))
     outer: list[tuple[tuple, nnx.Module]] = []
     for path, module in chosen:

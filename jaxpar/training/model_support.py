@@ -33,6 +33,11 @@ def check_model_support(model: nnx.Module, plan: Plan, pipeline_schedule: Any) -
     if plan.mesh.shape.get("stage", 1) > 1 and pipeline_schedule is None:
         raise JaxparError(
             f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} has "
-            "no pipeline layout, so the stages would repeat each other's work: build "
-            "jaxpar's Transformer with a pipeline Schedule (jaxpar.pipeline), or set the "
-            "stage axis to 1")
+            "no pipeline layout, so the stages would repeat each other's work: divide it "
+            "with jaxpar.stage_model(model, jaxpar.StageSplit(embed=..., blocks=..., "
+            "head=...), stages=...), or set the stage axis to 1")
+    if pipeline_schedule is not None and is_explicit(plan.mesh):
+        raise JaxparError(
+            "pipeline stages on an explicit-sharding mesh are not supported: the stage "
+            "executors place activations by logical names; build the mesh with "
+            "jaxpar.make_mesh(..., explicit=False)")

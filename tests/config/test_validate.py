@@ -65,6 +65,8 @@ def test_at_most_one_mesh_axis_is_free():
     ("plan.annotations=[['a(', ['embed']]]", "plan.annotations='a(': is not a valid regular"),
     ("plan.layouts=[['w(', 'x']]", "plan.layouts='w(': is not a valid regular expression"),
     ("train.optimizer=adamz", "train.optimizer='adamz': choose one of ['adamw', 'adam',"),
+    ("pipeline.split=pkg.mod:SPLIT",
+     "pipeline.split='pkg.mod:SPLIT': divides a model.factory model into stages"),
     ("train.trainable=(x", "train.trainable='(x': is not a valid regular expression"),
     ("train.loss=justaname", "train.loss='justaname': must look like package.module:function"),
     ("model.factory=no way:x", "model.factory='no way:x': must look like package.module"),
@@ -163,7 +165,7 @@ def test_layout_checks_need_the_device_count():
      "(pipeline.microbatches) of equal size on each of the 4 data-parallel devices: use a "
      "multiple of 16"),
     (["mesh.stage=2", "mesh.data=-1", "model.factory=pkg.mod:fn"], dict(devices=8),
-     "mesh.stage > 1 needs the built-in model"),
+     "mesh.stage > 1 with a model.factory model needs pipeline.split"),
     (["mesh.context=2", "mesh.stage=2", "mesh.data=2"], dict(devices=8),
      "mesh.context > 1 with mesh.stage > 1 is not supported yet"),
     (["mesh.stage=2", "mesh.data=4", "model.n_experts=4"], dict(devices=8),
