@@ -21,7 +21,7 @@ from tests import user_models as um
 from tests.helpers import SMALL
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-TOPICS = re.compile(r"lora|loss|linen|hf\.", re.IGNORECASE)
+TOPICS = re.compile(r"lora|loss|linen|hf\.|stage_model", re.IGNORECASE)
 
 
 def blocks() -> list[str]:
@@ -58,6 +58,11 @@ def namespace(code: str, tmp_path: Path) -> tuple[dict, int]:
         ns["plan"] = annotated
         ns["model"] = jaxpar.init_sharded(lambda: um.LlamaLike(rngs=nnx.Rngs(0)), annotated)
         ns["mha_model"] = jaxpar.init_sharded(lambda: um.MhaLM(rngs=nnx.Rngs(0)), annotated)
+        vocab = um.VOCAB
+    elif "stage_model" in code:  # pipeline stages for a Llama-like model of the user's
+        mesh = jaxpar.make_mesh({"stage": 2, "fsdp": 4})
+        ns["plan"] = jaxpar.Plan.from_preset(mesh, "fsdp", annotations=um.LLAMA_ANNOTATIONS)
+        ns["MyLM"] = lambda rngs: um.LlamaLike(d=32, heads=4, kv_heads=2, ff=64, rngs=rngs)
         vocab = um.VOCAB
     elif "hf." in code:  # a Hugging Face folder written by transformers
         from jaxpar import hf
