@@ -49,6 +49,7 @@ from jax.experimental import multihost_utils
 from jaxpar.errors import JaxparError
 from jaxpar.models import projections
 from jaxpar.models.projections import ProjectionSpec
+from jaxpar.sharding import quantization
 from jaxpar.sharding.annotations import logical_names
 from jaxpar.sharding.layouts import BLOCK_OUTPUT, _constrain_leaf
 from jaxpar.storage.safetensors_io import write_hf_folder
@@ -232,6 +233,20 @@ class LinenModel(nnx.Module):
     def _params(self) -> dict[tuple[str, ...], nnx.Variable]:
         return {tuple(str(k) for k in p): v
                 for p, v in nnx.to_flat_state(nnx.state(self.linen, nnx.Param))}
+
+    def head_paths(self) -> list[str]:
+        """Paths of the linen layers projecting to the vocabulary (``lm_head``): a weight
+        named ``vocab``, or whose last dimension is an ``nn.Embed`` table's row count.
+        Quantized training leaves them in the compute dtype."""
+        params = self._params()
+        shapes = {p: v.get_value().shape for p, v in params.items()}
+        named = {p[:-1] for p, v in params.items()
+                 if "vocab" in (logical_names(v, len(shapes[p])) or ())
+                 and p[-1] != "embedding"}
+        rows = {shapes[p][0] for p in params if p[-1] == "embedding" and len(shapes[p]) == 2}
+        found = named or {p[:-1] for p in params if p[-1] != "embedding"
+                          and len(shapes[p]) >= 2 and shapes[p][-1] in rows}
+        return sorted("/".join(p) for p in found)
 
     def projection_paths(self) -> list[str]:
         """Paths of the linen ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers
@@ -465,9 +480,15 @@ class LinenModel(nnx.Module):
             variables[key], targets[key] = var.get_value(), var
         variables = traverse_util.unflatten_dict(variables)
         mutable = [c for c in variables if c != "params"]
+        module = self.linen.to_nnx__module
+        quantized = quantization.linen_provider()
+        if quantized is not None:  # plan.quantize: Qwix reaches linen matmuls this way
+            import qwix
+
+            module = qwix.quantize_model(module, quantized)
         with nn.intercept_methods(self._interceptor):
-            out = self.linen.to_nnx__module.apply(variables, *args, rngs=keys,
-                                                  mutable=mutable or False, **kwargs)
+            out = module.apply(variables, *args, rngs=keys, mutable=mutable or False,
+                               **kwargs)
         if not mutable:
             return out
         out, updates = out

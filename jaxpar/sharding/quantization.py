@@ -16,12 +16,15 @@ loss call: the user's model is held by a one-field module (``model``), so its ma
 matched by their path in the model, e.g. ``blocks/mlp/w_up``. Matmuls of the model's root
 module (a tied output projection, the loss), of modules matching ``quantize_exclude`` (by
 default embeddings, the LM head and attention modules' own score and value products,
-whose projections stay included) and LoRA's low-rank updates (an int8 or fp8 base, the
-adapters in the compute dtype) run unquantized.
+whose projections stay included), the output head whatever it is called
+(:func:`head_paths`) and LoRA's low-rank updates (an int8 or fp8 base, the adapters in the
+compute dtype) run unquantized. A linen model (``jaxpar.from_linen``) quantizes its linen
+module with the same rules on the linen paths (:func:`linen_provider`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import re
 import warnings
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
+from jaxpar.sharding.annotations import logical_names
 
 MODES: tuple[str, ...] = ("none", "int8", "fp8")
 DEFAULT_TARGET = ".*"
@@ -125,6 +129,60 @@ def provider(mode: str, target: str = DEFAULT_TARGET, exclude: str = DEFAULT_EXC
     ])
 
 
+@functools.cache
+def linen_rules_provider(mode: str, target: str = DEFAULT_TARGET,
+                         exclude: str = DEFAULT_EXCLUDE):
+    """:func:`provider` for a linen module's own paths (``h_0/mlp/fc``, no ``model/``
+    prefix), which a linen model applies itself (see :func:`linen_provider`)."""
+    import qwix
+
+    forward, backward = _QTYPES[check_mode(mode)]
+    return _weight_matmul_provider()([
+        qwix.QtRule(module_path=""),
+        qwix.QtRule(module_path=f"(?:{exclude})"),
+        qwix.QtRule(module_path=f"(?:{target})", weight_qtype=forward, act_qtype=forward,
+                    bwd_qtype=backward, op_names=("dot_general", "einsum")),
+    ])
+
+
+_LINEN_PROVIDER: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxpar_linen_quantization", default=None)
+
+
+def linen_provider() -> Any:
+    """The Qwix provider a linen model (:class:`jaxpar.models.linen.LinenModel`) quantizes
+    its linen module with while :func:`quantized_loss` runs, else None. Qwix finds the
+    module making a matmul among NNX modules only, so a linen model applies
+    ``qwix.quantize_model`` to its linen module itself."""
+    return _LINEN_PROVIDER.get()
+
+
+def head_paths(model: nnx.Module) -> tuple[str, ...]:
+    """Paths of the modules that project to the vocabulary: their parameters carry the
+    logical name ``vocab``, or (in a model with no such names) a weight outside the
+    repeated blocks has a last dimension of an ``nnx.Embed``'s number of rows.
+    Embeddings themselves are not listed. For a linen model, its linen module paths
+    (from :meth:`head_paths` of the model)."""
+    from jaxpar.sharding.layouts import repeated_blocks  # (layouts imports plan, plan this)
+
+    own = getattr(model, "head_paths", None)
+    if callable(own):
+        return tuple(own())
+    params = []  # (module path, module, parameter) of every parameter
+    for path, module in nnx.iter_modules(model):
+        for var in vars(module).values():
+            if isinstance(var, nnx.Param) and not isinstance(module, nnx.Embed):
+                params.append((tuple(str(k) for k in path), module, var))
+    ndim = lambda var: getattr(var.get_value(), "ndim", 0)
+    found = {p for p, _, v in params if "vocab" in (logical_names(v, ndim(v)) or ())}
+    if not found:
+        rows = {m.num_embeddings for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed)}
+        blocks = [tuple(path.split("/")) for path, _ in repeated_blocks(model)]
+        found = {p for p, _, v in params if ndim(v) >= 2 and v.get_value().shape[-1] in rows
+                 and not any(p[:len(b)] == b for b in blocks)}
+    return tuple(sorted("/".join(p) for p in found if p))
+
+
 def _adapter_paths(model: nnx.Module) -> tuple[str, ...]:
     """Paths of the modules holding ``nnx.LoRAParam`` s themselves (LoRA wrappers): their
     own products, the low-rank update, stay in the compute dtype; the wrapped base
@@ -156,16 +214,20 @@ def quantized_loss(model: nnx.Module, call: Callable[[nnx.Module], Any], mode: s
     ``model``."""
     if check_mode(mode) == "none":
         return call(model)
-    adapters = _adapter_paths(model)
-    if adapters:
-        exclude = f"(?:{exclude})|" + "|".join(re.escape(p) for p in adapters)
+    left_out = (*_adapter_paths(model), *head_paths(model))
+    if left_out:
+        exclude = f"(?:{exclude})|" + "|".join(re.escape(p) for p in left_out)
     prov = provider(mode, target, exclude)
     import qwix
 
-    with warnings.catch_warnings():  # Qwix 0.1.8 uses Flax APIs that 0.12 deprecates
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"qwix\.")
-        holder = qwix.quantize_model(_Holder(model, call), prov, 0, skip_nnx_init=True)
-        out = holder()
+    token = _LINEN_PROVIDER.set(linen_rules_provider(mode, target, exclude))
+    try:
+        with warnings.catch_warnings():  # Qwix 0.1.8 uses Flax APIs that 0.12 deprecates
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"qwix\.")
+            holder = qwix.quantize_model(_Holder(model, call), prov, 0, skip_nnx_init=True)
+            out = holder()
+    finally:
+        _LINEN_PROVIDER.reset(token)
     changed = nnx.state(holder.model, carried if carried is not None else nnx.Not(nnx.Param))
     if changed:
         nnx.update(model, changed)

@@ -14,7 +14,7 @@ from jaxpar.sharding.plan import Plan
 
 def check_model_support(model: nnx.Module, plan: Plan, pipeline_schedule: Any) -> None:
     """Refuse the plan knobs ``model`` cannot take: quantization on an explicit-sharding
-    mesh or a linen model, and pipeline stages on a model without a pipeline layout
+    mesh, and pipeline stages on a model without a pipeline layout
     (``pipeline_schedule`` None), whose stages would repeat each other's work."""
     if is_explicit(plan.mesh):
         knobs = [k for k in ("quantize", "quantize_gather", "quantize_reduce")
@@ -25,11 +25,6 @@ def check_model_support(model: nnx.Module, plan: Plan, pipeline_schedule: Any) -
                 "explicit-sharding mesh yet (the quantized matmul and the ZeRO++ collectives "
                 "cannot carry the shardings the model's types give): set it to none, or "
                 "train the model on an Auto mesh")
-    if plan.quantize != "none" and type(model).__module__ == "jaxpar.models.linen":
-        raise JaxparError(
-            f"plan.quantize={plan.quantize!r} does not reach a linen model's matmuls (Qwix, "
-            "which quantizes them, sees NNX modules only): quantize the linen module with "
-            "qwix.quantize_model in your own code, or set plan.quantize: none")
     if plan.mesh.shape.get("stage", 1) > 1 and pipeline_schedule is None:
         raise JaxparError(
             f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} has "
