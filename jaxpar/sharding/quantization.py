@@ -91,20 +91,37 @@ def _weight_matmul_provider():
     import jax
     import qwix
 
+    def typed(plain, quantized, *operands):
+        """``quantized(*operands)``; on operands with explicit sharding types, run with the
+        mesh's axes automatic (Qwix's scaled products take no ``out_sharding``) and its
+        result given the type ``plain``, the unquantized product, would have: the
+        product is quantized where its operands lie and lands where the model asked."""
+        if not any(jax.typeof(a).sharding.mesh._any_axis_explicit for a in operands):
+            return quantized(*operands)
+        want = jax.typeof(jax.eval_shape(plain, *operands)).sharding.spec
+        return jax.sharding.auto_axes(quantized, out_sharding=want)(*operands)
+
     class WeightMatmuls(qwix.QtProvider):
         def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
                         preferred_element_type=None, *, out_sharding=None):
             (_, _), (lhs_batch, rhs_batch) = dimension_numbers
+            plain = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
+                                      precision=precision,
+                                      preferred_element_type=preferred_element_type,
+                                      out_sharding=out_sharding)
             if lhs_batch or rhs_batch:
-                return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
-                                           preferred_element_type, out_sharding=out_sharding)
-            return super().dot_general(lhs, rhs, dimension_numbers, precision,
-                                       preferred_element_type, out_sharding=out_sharding)
+                return plain(lhs, rhs)
+            parent = super().dot_general
+            return typed(plain, lambda a, b: parent(a, b, dimension_numbers, precision,
+                                                    preferred_element_type), lhs, rhs)
 
         def einsum(self, einsum_str, *operands, **kwargs):
+            plain = functools.partial(jnp.einsum, einsum_str, **kwargs)
             if batched(einsum_str, len(operands)):
-                return jnp.einsum(einsum_str, *operands, **kwargs)
-            return super().einsum(einsum_str, *operands, **kwargs)
+                return plain(*operands)
+            parent = super().einsum
+            rest = {k: v for k, v in kwargs.items() if k != "out_sharding"}
+            return typed(plain, lambda *ops: parent(einsum_str, *ops, **rest), *operands)
 
     return WeightMatmuls
 

@@ -13,18 +13,18 @@ from jaxpar.sharding.plan import Plan
 
 
 def check_model_support(model: nnx.Module, plan: Plan, pipeline_schedule: Any) -> None:
-    """Refuse the plan knobs ``model`` cannot take: quantization on an explicit-sharding
-    mesh, and pipeline stages on a model without a pipeline layout
+    """Refuse the plan knobs ``model`` cannot take: ZeRO++'s quantized collectives on an
+    explicit-sharding mesh, and pipeline stages on a model without a pipeline layout
     (``pipeline_schedule`` None), whose stages would repeat each other's work."""
     if is_explicit(plan.mesh):
-        knobs = [k for k in ("quantize", "quantize_gather", "quantize_reduce")
+        knobs = [k for k in ("quantize_gather", "quantize_reduce")
                  if getattr(plan, k) != "none"]
         if knobs:
             raise JaxparError(
                 f"plan.{knobs[0]}={getattr(plan, knobs[0])!r} does not run on an "
-                "explicit-sharding mesh yet (the quantized matmul and the ZeRO++ collectives "
-                "cannot carry the shardings the model's types give): set it to none, or "
-                "train the model on an Auto mesh")
+                "explicit-sharding mesh yet (ZeRO++'s collectives cannot carry the "
+                "shardings the model's types give): set it to none, or train the model "
+                "on an Auto mesh")
     if plan.mesh.shape.get("stage", 1) > 1 and pipeline_schedule is None:
         raise JaxparError(
             f"the mesh has stage={plan.mesh.shape['stage']} but {type(model).__name__} has "

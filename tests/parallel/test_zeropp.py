@@ -18,6 +18,7 @@ from jaxpar.analysis.hlo import collective_table, group_axes, parse_collectives
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.parallel.zeropp import _all_reduce_int8, _reduce_scatter_block
 from jaxpar.sharding.precision import Policy
+from tests import user_models as um
 
 # Tied embeddings: the table is gathered for the output head in every variant, so the
 # byte ratios compare like with like (an untied table is looked up in place without
@@ -218,3 +219,39 @@ def test_hpz_needs_weights_split_across_slices(devices):
     model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
     with pytest.raises(jaxpar.JaxparError, match="no weight is split over the data axis"):
         jaxpar.Trainer(model, optax.adam(1e-2), plan)
+
+
+def _user_step(build, annotations, gather: str, reduce: str):
+    """(all-gather and reduce-scatter bytes per device, three losses) of a user's model
+    under FSDP over 8 devices, ZeRO-3."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 8}), "fsdp", zero_stage=3,
+                                   quantize_gather=gather, quantize_reduce=reduce,
+                                   annotations=annotations)
+    step = jaxpar.Trainer(jaxpar.init_sharded(build, plan), optax.adam(1e-2), plan)
+    batch = np.random.default_rng(0).integers(0, um.VOCAB, (8, 17)).astype(np.int32)
+    table: dict[tuple, int] = {}
+    for r in collective_table(step.lower(batch).compile().as_text(), plan.mesh):
+        table[r["kind"]] = table.get(r["kind"], 0) + r["bytes_per_device"]
+    return table, [float(step.step(batch)["loss"]) for _ in range(3)]
+
+
+@pytest.mark.parametrize("kind", ["scan", "linen"])
+def test_qwz_and_qgz_on_a_scanned_and_a_linen_model(devices, kind):
+    """ScanLM (nnx.vmap stack run by nnx.scan) and LinenGPT (jaxpar.from_linen): int8
+    weight gathers move under 60% of the f32 gathers' bytes (a quarter plus scales, and
+    the few vectors gathered whole); int8 gradient reductions under 60% of the f32
+    reductions'; three steps' losses within 3% of the unquantized run's (LinenGPT's
+    tied table, gathered in int8, is its head too: measured 1.4% at the first step)."""
+    if kind == "scan":
+        build, names = (lambda: um.ScanLM(rngs=nnx.Rngs(0))), ()
+    else:
+        build = lambda: jaxpar.from_linen(um.LinenGPT(), np.zeros((2, 8), np.int32))  # noqa
+        names = um.GPT_ANNOTATIONS
+    plain, plain_losses = _user_step(build, names, "none", "none")
+    gather, gather_losses = _user_step(build, names, "int8", "none")
+    reduce, reduce_losses = _user_step(build, names, "none", "int8")
+    assert gather["all-gather"] < 0.6 * plain["all-gather"], (gather, plain)
+    reduced = lambda t: t.get("reduce-scatter", 0) + t.get("all-reduce", 0)  # noqa: E731
+    assert reduced(reduce) < 0.6 * reduced(plain), (reduce, plain)
+    np.testing.assert_allclose(gather_losses, plain_losses, rtol=0.03)
+    np.testing.assert_allclose(reduce_losses, plain_losses, rtol=0.03)

@@ -30,6 +30,8 @@ MODELS = {
     "dropout": (lambda: um.MhaLM(layers=3, ff=256, rngs=nnx.Rngs(0, dropout=1)), {}, False),
     "scan": (lambda: um.ScanLM(layers=3, ff=256, rngs=nnx.Rngs(0)), {}, False),
     "explicit": (lambda: um.ExplicitBlocksLM(ff=256, rngs=nnx.Rngs(0)), {}, True),
+    "linen": (lambda: jaxpar.from_linen(um.LinenLlamaForCausalLM(), np.zeros((2, 8), np.int32)),
+              {"annotations": um.LINEN_LLAMA_ANNOTATIONS}, False),
 }
 
 
@@ -117,7 +119,8 @@ def test_offload_policies_put_a_user_models_activations_in_host_memory_on_a_tpu(
 
 
 @pytest.mark.parametrize("model,host", [("list", False), ("scan", True),
-                                        ("explicit", False), ("explicit", True)])
+                                        ("explicit", False), ("explicit", True),
+                                        ("linen", True)])
 def test_optimizer_offload_on_a_users_model_equals_one_device(devices, model, host):
     """All optimizer state in host memory, updated slab by slab on the device or on the
     host: the same losses as one device keeping it on the device."""
