@@ -169,7 +169,9 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from: ``stdlib`` (built in) or a text file, folder, .npy or .bin."""
+    """Where tokens come from: ``stdlib`` (built in) or a text file, folder, .npy or .bin;
+    or token shards (a glob, a folder of ``.bin``/``.npy`` files, a weighted mixture of
+    them in ``sources``), read in shuffled epochs (:mod:`jaxpar.data.mixture`)."""
 
     source: str = "stdlib"
     max_bytes: int = 8_000_000
@@ -181,6 +183,13 @@ class DataConfig:
     :mod:`jaxpar.data.tokenizer`). Empty: text is read as bytes."""
     field: str = "text"
     """The key of each ``.jsonl`` record that holds its text (with ``tokenizer``)."""
+    sources: list = dataclasses.field(default_factory=list)
+    """A weighted mixture of token-shard sources, ``[{path: "web/*.bin", weight: 3},
+    {path: "code/", weight: 1}]`` (each path a glob, a folder of shards or one file; see
+    :mod:`jaxpar.data.mixture`); replaces ``source``. A glob or a folder of shards as
+    ``source`` is a mixture of one."""
+    token_dtype: str = "uint16"
+    """The id type of ``.bin`` shards: ``uint16`` or ``uint32``."""
 
 
 @dataclasses.dataclass(frozen=True)

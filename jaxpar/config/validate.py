@@ -23,6 +23,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, hf_folder
+from jaxpar.data.shards import TOKEN_DTYPES, names_shards, shard_paths
 from jaxpar.errors import JaxparError
 from jaxpar.models.config import TransformerConfig
 from jaxpar.parallel.pipeline import KINDS as PIPELINE_KINDS
@@ -31,6 +32,7 @@ from jaxpar.sharding.annotations import pairs
 from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.sharding.plan import check_knob, check_knob_pairs, knobs
 from jaxpar.sharding.rules import PRESETS, preset
+from jaxpar.storage.folders import refuse_url
 from jaxpar.training.optimizer import OPTIMIZERS
 
 
@@ -166,9 +168,16 @@ def _check_relations(config: Config) -> None:
     if t.global_batch % config.plan.microbatches:
         raise JaxparError(f"train.global_batch={t.global_batch} does not split into "
                           f"plan.microbatches={config.plan.microbatches} equal microbatches")
-    if d.source != "stdlib" and not Path(d.source).exists():
+    for i, entry in enumerate(d.sources):
+        if isinstance(entry, dict):
+            refuse_url(entry.get("path", ""), f"data.sources[{i}].path")
+    refuse_url(d.source, "data.source")
+    refuse_url(config.init_from, "init_from")
+    if d.sources or names_shards(d.source):
+        _check_sources(config)
+    elif d.source != "stdlib" and not Path(d.source).exists():
         raise _bad("data.source", d.source, "is neither 'stdlib' nor an existing file or "
-                   "folder")
+                   "folder (or a glob of token shards)")
     if d.tokenizer:
         _check_tokenizer(d.tokenizer, d.source, d.field)
     elif d.field != DataConfig.field:
@@ -195,6 +204,29 @@ def _check_relations(config: Config) -> None:
     if config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
+
+
+def _check_sources(config: Config) -> None:
+    """``data.sources`` (or a glob as ``data.source``): entries ``{path, weight}`` whose
+    shards exist, and no text-only knob beside them."""
+    d = config.data
+    if d.token_dtype not in TOKEN_DTYPES:
+        raise _bad("data.token_dtype", d.token_dtype, f"choose one of {list(TOKEN_DTYPES)}")
+    if d.tokenizer:
+        raise JaxparError("data.tokenizer reads text; token shards (data.sources, or a glob "
+                          "as data.source) hold ids already: drop one")
+    if d.sources and d.source != DataConfig.source:
+        raise JaxparError(f"data.sources replaces data.source={d.source!r}: give one")
+    for i, entry in enumerate(d.sources or [{"path": d.source}]):
+        key = f"data.sources[{i}]" if d.sources else "data.source"
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or set(
+                entry) - {"path", "weight"}:
+            raise _bad(key, entry, "must be {path: GLOB_OR_FOLDER, weight: NUMBER}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
+                math.isfinite(weight) and weight > 0):
+            raise _bad(f"{key}.weight", weight, "must be a positive number")
+        shard_paths(entry["path"])
 
 
 _MOE_KNOBS = ("experts_per_token", "expert_d_ff", "expert_capacity", "n_shared_experts",

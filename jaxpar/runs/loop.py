@@ -34,6 +34,8 @@ from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.config.assembly import build_trainer
 from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
+from jaxpar.data.mixture import MixtureLoader, Source
+from jaxpar.data.shards import Windows, names_shards, open_shard, shard_paths
 from jaxpar.data.tokenizer import load_tokenizer, vocab_size
 from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.runs import compile_cache
@@ -41,7 +43,7 @@ from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import ReplicaClient
 from jaxpar.runs.runlog import RunLog
-from jaxpar.storage.folders import LOCK_NAME, FolderLock
+from jaxpar.storage.folders import LOCK_NAME, FolderLock, refuse_url
 from jaxpar.training.prefetch import Prefetcher
 from jaxpar.training.trainer import Trainer
 
@@ -65,11 +67,37 @@ def load_corpus(config: Config) -> np.ndarray:
                        field=data.field)
 
 
+def reads_shards(config: Config) -> bool:
+    """Whether the run reads token shards in shuffled epochs (``data.sources``, or a glob
+    or folder of shards as ``data.source``) rather than one corpus in memory."""
+    return bool(config.data.sources) or names_shards(config.data.source)
+
+
+def shard_loader(config: Config, *, holdout: bool = False) -> MixtureLoader:
+    """This process's :class:`MixtureLoader` over the config's token shards: the first
+    ``1 - data.holdout_fraction`` of each shard's windows for training, the rest held out."""
+    data, train = config.data, config.train
+    cut = 1.0 - data.holdout_fraction
+    sources = []
+    for entry in data.sources or [{"path": data.source}]:
+        shards = [open_shard(p, data.token_dtype) for p in shard_paths(entry["path"])]
+        windows = Windows(shards, train.seq_len, name=entry["path"],
+                          part=(cut, 1.0) if holdout else (0.0, cut))
+        sources.append(Source(windows, float(entry.get("weight", 1.0))))
+    loader = MixtureLoader(sources, train.global_batch, seed=train.seed + (1 if holdout else 0),
+                           process_index=jax.process_index(),
+                           process_count=jax.process_count())
+    loader.vocab_check(config.model.vocab_size)
+    return loader
+
+
 def make_loader(config: Config, *, holdout: bool = False,
-                tokens: np.ndarray | None = None) -> TokenLoader:
+                tokens: np.ndarray | None = None) -> TokenLoader | MixtureLoader:
     """This process's loader over the training tokens (or, with ``holdout``, over the
     held-out tail of the corpus: ``data.holdout_fraction``). ``tokens``: the corpus, when
-    :func:`load_corpus` has read it already."""
+    :func:`load_corpus` has read it already. Token shards get a :func:`shard_loader`."""
+    if reads_shards(config):
+        return shard_loader(config, holdout=holdout)
     data, train = config.data, config.train
     tokens = load_corpus(config) if tokens is None else tokens
     train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
@@ -144,6 +172,8 @@ def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
         a fresh run would go into a folder that holds checkpoints (nothing saved is ever
         overwritten), or ``train.profile_steps`` has no folder to write the trace to.
     """
+    if out_dir is not None:
+        refuse_url(out_dir, "--out")
     if out_dir is None:
         if resume:
             raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
@@ -290,7 +320,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     if lock is not None:
         lock.check()  # a second writer is refused before the data is read
     # Bad data is refused before the lock (and with it the run folder) is created.
-    tokens = load_corpus(config)
+    tokens = None if reads_shards(config) else load_corpus(config)
     loader = make_loader(config, tokens=tokens)
     holdout = (make_loader(config, holdout=True, tokens=tokens)
                if config.train.eval_every > 0 else None)

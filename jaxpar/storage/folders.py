@@ -260,6 +260,19 @@ def write_fault(err: BaseException) -> str | None:
     return None
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def refuse_url(path: str | Path, what: str) -> None:
+    """Refuse, in one line naming ``what``, a URL (``gs://``, ``s3://``...) where a local
+    path is needed: read as a path it would become a local folder named ``gs:``."""
+    found = _URL.match(str(path))
+    if found:
+        raise JaxparError(f"{what} {str(path)!r}: {found.group(1)}:// storage is not "
+                          "supported; give a local path or a mounted bucket (gcsfuse, "
+                          "s3fs, mountpoint-s3)")
+
+
 def check_writable(path: str | Path, what: str, *, file: bool = False) -> None:
     """Refuse, in one line naming ``what``, an output path that cannot be written: a file
     expected where a folder stands (``file``), or no write permission on the nearest
@@ -268,6 +281,7 @@ def check_writable(path: str | Path, what: str, *, file: bool = False) -> None:
     Raises:
       JaxparError: naming ``what`` and the path.
     """
+    refuse_url(path, what)
     path = Path(path)
     if file and path.is_dir():
         raise JaxparError(f"{what} {str(path)!r} is a folder; name a file")

@@ -1,0 +1,146 @@
+"""Token shards: many ``.bin`` or ``.npy`` files of token ids, cut into training windows.
+
+A corpus at scale comes as shards (``train-00000.bin`` ...), often from several sources.
+:func:`shard_paths` expands what a config names (a glob such as ``data/*.bin``, a folder
+of shards, one file) into a sorted list; each shard is memory-mapped, never read whole.
+:class:`Windows` cuts every shard into windows of ``seq_len + 1`` ids at a stride of
+``seq_len`` (consecutive windows share one id: the last target of one is the first input
+of the next), never across two shards, and serves them by index: it is a random-access
+source for :mod:`jaxpar.data.mixture`, which shuffles and mixes them.
+
+``.bin`` shards hold raw ids of ``data.token_dtype`` (``uint16``, the nanoGPT convention,
+or ``uint32`` for vocabularies past 65,536); ``.npy`` shards carry their dtype.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.data.loader import check_token_ids
+from jaxpar.errors import JaxparError
+
+TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
+SHARD_SUFFIXES: tuple[str, ...] = (".bin", ".npy")
+
+
+def is_pattern(spec: str) -> bool:
+    """Whether ``spec`` is a glob pattern rather than a path."""
+    return any(c in spec for c in "*?[")
+
+
+def names_shards(spec: str) -> bool:
+    """Whether ``data.source`` names token shards: a glob, or a folder whose visible files
+    are all ``.bin``/``.npy`` (at least one)."""
+    if is_pattern(spec):
+        return True
+    path = Path(spec)
+    if not path.is_dir():
+        return False
+    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return bool(files) and all(p.suffix in SHARD_SUFFIXES for p in files)
+
+
+def shard_paths(spec: str) -> list[Path]:
+    """The shards ``spec`` names, sorted: the files a glob matches, the ``.bin``/``.npy``
+    files of a folder, or one file.
+
+    Raises:
+      JaxparError: when nothing matches, or a match is not a ``.bin`` or ``.npy`` file.
+    """
+    if is_pattern(spec):
+        paths = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
+        if not paths:
+            raise JaxparError(f"data source {spec!r}: the pattern matches no file")
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            paths = sorted(p for p in path.rglob("*") if p.suffix in SHARD_SUFFIXES
+                           and p.is_file())
+            if not paths:
+                raise JaxparError(f"data source {spec!r}: the folder holds no .bin or .npy "
+                                  "shard")
+        elif path.exists():
+            paths = [path]
+        else:
+            raise JaxparError(f"data source {spec!r} does not exist")
+    odd = [str(p) for p in paths if p.suffix not in SHARD_SUFFIXES]
+    if odd:
+        raise JaxparError(f"data source {spec!r}: {odd[0]} is not a token shard (.bin or "
+                          ".npy)")
+    return paths
+
+
+def open_shard(path: Path, token_dtype: str = "uint16") -> np.ndarray:
+    """A shard's ids as a read-only memory map (1-D).
+
+    Raises:
+      JaxparError: naming the file, for a size that is not whole ids, a ``.npy`` that is
+        not a 1-D integer array, or an unreadable file.
+    """
+    if token_dtype not in TOKEN_DTYPES:
+        raise JaxparError(f"data.token_dtype={token_dtype!r}: choose one of "
+                          f"{list(TOKEN_DTYPES)}")
+    try:
+        if path.suffix == ".npy":
+            ids = np.load(path, mmap_mode="r")
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise JaxparError(f"shard {str(path)!r}: expected a 1-D integer array of "
+                                  f"token ids, got {ids.dtype} {ids.shape}")
+            return ids
+        size, width = path.stat().st_size, np.dtype(token_dtype).itemsize
+        if size % width:
+            raise JaxparError(f"shard {str(path)!r}: {size} bytes is not a whole number of "
+                              f"{token_dtype} ids ({width} bytes each): truncated, or set "
+                              f"data.token_dtype")
+        if size == 0:
+            return np.zeros(0, token_dtype)
+        return np.memmap(path, dtype=token_dtype, mode="r")
+    except OSError as exc:
+        raise JaxparError(f"shard {str(path)!r}: cannot read it: {exc.strerror or exc}"
+                          ) from None
+    except ValueError as exc:  # a corrupt .npy header
+        raise JaxparError(f"shard {str(path)!r}: not a readable .npy array ({exc})") from None
+
+
+class Windows:
+    """Windows of ``seq_len + 1`` token ids over shards, by index (a random-access source).
+
+    With ``part`` ``(start, stop)``, fractions of each shard's windows: ``(0, 0.95)`` for
+    training and ``(0.95, 1)`` for a held-out tail.
+    """
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, *, name: str = "",
+                 part: tuple[float, float] = (0.0, 1.0)):
+        self.shards, self.seq_len, self.name = shards, seq_len, name
+        self._first: list[int] = []  # each shard's first window (in the shard)
+        counts = []
+        for ids in shards:
+            n = max((len(ids) - 1) // seq_len, 0)
+            lo, hi = int(n * part[0]), int(n * part[1])
+            self._first.append(lo)
+            counts.append(hi - lo)
+        self._ends = np.cumsum(counts).tolist()
+        if not self._ends or self._ends[-1] == 0:
+            raise JaxparError(f"data source {name!r}: its shards hold no window of "
+                              f"train.seq_len + 1 = {seq_len + 1} tokens"
+                              f"{' in this part' if part != (0.0, 1.0) else ''}")
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        shard = bisect.bisect_right(self._ends, index)
+        local = index - (self._ends[shard - 1] if shard else 0) + self._first[shard]
+        start = local * self.seq_len
+        return np.asarray(self.shards[shard][start:start + self.seq_len + 1], np.int32)
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Fail in one line, naming the shard, if an id is ``>= vocab_size`` (every shard
+        scanned in chunks; see :func:`jaxpar.data.loader.check_token_ids`)."""
+        for ids in self.shards:
+            check_token_ids(ids, vocab_size, source=getattr(ids, "filename", self.name))
