@@ -190,6 +190,11 @@ class DataConfig:
     ``source`` is a mixture of one."""
     token_dtype: str = "uint16"
     """The id type of ``.bin`` shards: ``uint16`` or ``uint32``."""
+    eos_id: int = -1
+    """The end-of-document id. With one (>= 0), rows are packed: each token gets its
+    document's segment id, attention never crosses a document, RoPE positions restart at
+    each, and the target after an end of document does not count. -1: rows run across
+    documents."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -210,6 +210,14 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, *, source: str | None =
                           f"is {rule}")
 
 
+def packed(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """Rows of token ids as a packed batch: ``{"tokens": rows, "segment_ids": ids}``, where
+    a token's segment id counts the ``eos_id`` tokens before it in its row (an end of
+    document belongs to the document it ends). The model keeps the segments apart."""
+    ends = rows == eos_id
+    return {"tokens": rows, "segment_ids": (np.cumsum(ends, axis=1) - ends).astype(np.int32)}
+
+
 @dataclass
 class TokenLoader:
     """Random windows of ``seq_len + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
@@ -228,6 +236,8 @@ class TokenLoader:
     seed: int = 0
     process_index: int = 0
     process_count: int = 1
+    eos_id: int = -1
+    """With an id >= 0, batches are packed (:func:`packed`): documents end at it."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) <= self.seq_len + 1:
@@ -245,13 +255,15 @@ class TokenLoader:
         """Rows this process loads per step."""
         return self.global_batch // self.process_count
 
-    def batch(self, step: int) -> np.ndarray:
-        """This process's rows of global batch ``step``: int32 ``(local_batch, seq_len + 1)``."""
+    def batch(self, step: int) -> np.ndarray | dict[str, np.ndarray]:
+        """This process's rows of global batch ``step``: int32 ``(local_batch, seq_len + 1)``
+        (packed with ``eos_id``)."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
         mine = starts[self.process_index * self.local_batch:(self.process_index + 1)
                       * self.local_batch]
-        return np.stack([self.tokens[s:s + self.seq_len + 1] for s in mine]).astype(np.int32)
+        rows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in mine]).astype(np.int32)
+        return packed(rows, self.eos_id) if self.eos_id >= 0 else rows
 
     def vocab_check(self, vocab_size: int, *, source: str | None = None,
                     offset: int = 0, chunk: int | None = None) -> None:

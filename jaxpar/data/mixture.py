@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxpar.data.loader import packed
 from jaxpar.data.shards import Windows
 from jaxpar.errors import JaxparError
 
@@ -44,10 +45,11 @@ class MixtureLoader:
       global_batch: rows per step across all processes.
       seq_len: model sequence length.
       process_index, process_count: this process's share of the rows.
+      eos_id: with an id >= 0, batches are packed: documents end at it.
     """
 
     def __init__(self, sources: Sequence[Source], global_batch: int, *, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1):
+                 process_index: int = 0, process_count: int = 1, eos_id: int = -1):
         import grain  # imported on use: runs on the built-in corpus never load it
 
         if not sources:
@@ -61,6 +63,7 @@ class MixtureLoader:
         self.sources = tuple(sources)
         self.global_batch, self.seq_len = global_batch, sources[0].windows.seq_len
         self.process_index, self.process_count = process_index, process_count
+        self.eos_id = eos_id
         streams = [grain.MapDataset.source(s.windows).shuffle(seed=seed * 1009 + i)
                    .repeat(None) for i, s in enumerate(sources)]
         total = sum(weights)
@@ -77,10 +80,12 @@ class MixtureLoader:
         """Row ``index`` of the global sequence: int32 ``(seq_len + 1,)``."""
         return self._rows[int(index)]
 
-    def batch(self, step: int) -> np.ndarray:
-        """This process's rows of global batch ``step``: int32 ``(local_batch, seq_len + 1)``."""
+    def batch(self, step: int) -> np.ndarray | dict[str, np.ndarray]:
+        """This process's rows of global batch ``step``: int32 ``(local_batch, seq_len + 1)``;
+        with ``eos_id >= 0`` a packed batch (:func:`jaxpar.data.loader.packed`)."""
         first = step * self.global_batch + self.process_index * self.local_batch
-        return np.stack([self.row(first + r) for r in range(self.local_batch)])
+        rows = np.stack([self.row(first + r) for r in range(self.local_batch)])
+        return packed(rows, self.eos_id) if self.eos_id >= 0 else rows
 
     def epochs(self, steps: int) -> list[float]:
         """Epochs of each source that ``steps`` steps read (its share of the rows over its

@@ -98,19 +98,22 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float | None = None, *,
                   ) -> tuple[jax.Array, jax.Array]:
     """``(sin, cos)`` of shape ``(seq_len, head_dim // 2)``: of plain RoPE with base
     ``theta``, or of the given per-pair ``freqs`` (see :func:`rope_frequencies`), at
-    ``positions`` (default ``0 .. seq_len - 1``)."""
+    ``positions`` (default ``0 .. seq_len - 1``; ``(batch, seq_len)`` positions, each
+    token's place in its own document, give ``(batch, seq_len, head_dim // 2)``)."""
     if freqs is None:
         freqs = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if positions is None:
         positions = jnp.arange(seq_len)
-    angles = jnp.asarray(positions, jnp.float32)[:, None] * freqs[None, :]
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs
     return jnp.sin(angles), jnp.cos(angles)
 
 
 def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     """Rotate pairs (first half, second half) of the last axis of ``x`` (b, s, n, h)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    if sin.ndim == 2:  # one table for every row, else one per row (packed documents)
+        sin, cos = sin[None], cos[None]
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
@@ -155,25 +158,33 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
+                 segments: jax.Array | None = None) -> jax.Array:
         q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = self._attend(q, k, v)
+        o = self._attend(q, k, v, segments)
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
 
-    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Attention over the whole causal prefix; with the sequence split over the plan's
-        ``context`` axis, exact across the split (see :mod:`jaxpar.parallel.context`)."""
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                segments: jax.Array | None = None) -> jax.Array:
+        """Attention over the whole causal prefix (of each document, with ``segments``);
+        with the sequence split over the plan's ``context`` axis, exact across the split
+        (see :mod:`jaxpar.parallel.context`)."""
         plan = current_plan()
         if plan is None or plan.mesh.shape.get("context", 1) == 1:
             return attention_lib.attention(q, k, v, implementation=self.implementation,
-                                           window=self.window, block=self.block)
+                                           window=self.window, block=self.block,
+                                           segments=segments)
+        if segments is not None:
+            raise JaxparError("packed documents (data.eos_id) under context parallelism "
+                              "(mesh.context > 1) are not supported yet: set data.eos_id "
+                              "to -1 or mesh.context to 1")
         order = sequence_order(q.shape[1])
         positions = jnp.arange(q.shape[1]) if order is None else jnp.asarray(order)
         return context_lib.context_attention(
@@ -221,15 +232,18 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.mlp = moe_lib.MoE(cfg, rngs=rngs) if cfg.n_experts else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
+                 segments: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
-        """The layer's output; with experts, also the router statistics of this layer."""
+        """The layer's output; with experts, also the router statistics of this layer.
+        ``segments`` ``(batch, seq)``: document ids of packed rows (attention stays
+        inside each document)."""
         # Named so that a remat policy can keep the layer's input in host memory
         # (plan.remat=offload:layer_input): the backward pass reads it from there.
         x = checkpoint_name(x, "layer_input")
         # The sublayers see the whole sequence: under sequence parallelism this is where
         # the split residual is all-gathered (and their outputs reduce-scattered back).
-        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos)
+        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos, segments)
         if isinstance(self.mlp, moe_lib.MoE):
             y, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
             return x + y, aux
@@ -301,23 +315,35 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
         return constrain(x, RESIDUAL)
 
-    def apply_blocks(self, x: jax.Array, block_fn=None) -> jax.Array:
+    def apply_blocks(self, x: jax.Array, block_fn=None, segments: jax.Array | None = None
+                     ) -> jax.Array:
         """Run the stacked decoder layers over ``x`` with ``lax.scan``.
 
-        ``block_fn(block, x, sin, cos)`` may wrap the layer call (remat, for instance).
-        A model built with a pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
+        ``block_fn(block, x, sin, cos[, segments])`` may wrap the layer call (remat, for
+        instance). ``segments`` ``(batch, seq)``: document ids of packed rows; attention
+        and RoPE positions then start over at each document. A model built with a
+        pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
         """
-        return self.apply_blocks_with_aux(x, block_fn)[0]
+        return self.apply_blocks_with_aux(x, block_fn, segments)[0]
 
-    def apply_blocks_with_aux(self, x: jax.Array, block_fn=None
+    def apply_blocks_with_aux(self, x: jax.Array, block_fn=None,
+                              segments: jax.Array | None = None
                               ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """:meth:`apply_blocks`, also returning the mixture-of-experts router statistics
         summed over layers (empty for a dense model; see :mod:`jaxpar.models.moe`)."""
         order = sequence_order(x.shape[1])
-        sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=order,
+        positions = order if segments is None else attention_lib.document_positions(segments)
+        if segments is not None and order is not None:
+            raise JaxparError("packed documents (data.eos_id) with plan.context_balance are "
+                              "not supported yet: set data.eos_id to -1")
+        sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=positions,
                                  freqs=rope_frequencies(self.config))
-        call = self._block_call(block_fn) or (lambda block, h, s, c: block(h, s, c))
+        call = self._block_call(block_fn) or (lambda block, h, *args: block(h, *args))
+        extra = () if segments is None else (segments,)
         schedule = getattr(self, "pipeline_schedule", None)
+        if schedule is not None and segments is not None:
+            raise JaxparError("packed documents (data.eos_id) with pipeline stages "
+                              "(mesh.stage > 1) are not supported yet: set data.eos_id to -1")
         if schedule is not None:
             return pipeline_lib.pipeline_module(
                 self.blocks, x, lambda block, h: call(block, h, sin, cos),
@@ -327,7 +353,7 @@ class Transformer(nnx.Module):
 
         def body(h, layer_state):
             layer = nnx.merge(graphdef, layer_state)
-            out = call(layer, h, sin, cos)
+            out = call(layer, h, sin, cos, *extra)
             h, aux = out if isinstance(out, tuple) else (out, {})
             # Non-parameter state a layer changed (adapter dropout counters) leaves the scan.
             return h, (nnx.state(layer, _CARRIED), aux)
@@ -363,13 +389,17 @@ class Transformer(nnx.Module):
             out = self.lm_head(x)
         return constrain(out, ("batch", "seq", "vocab"))
 
-    def hidden_states(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, *, dtype=None, block_fn=None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
         """The decoder's output before the final norm: ``(batch, seq, embed)``.
 
-        ``block_fn`` defaults to the active plan's remat policy."""
-        return self.hidden_states_with_aux(tokens, dtype=dtype, block_fn=block_fn)[0]
+        ``block_fn`` defaults to the active plan's remat policy; ``segment_ids``
+        ``(batch, seq)`` are the documents of packed rows (see :meth:`apply_blocks`)."""
+        return self.hidden_states_with_aux(tokens, dtype=dtype, block_fn=block_fn,
+                                           segment_ids=segment_ids)[0]
 
-    def hidden_states_with_aux(self, tokens: jax.Array, *, dtype=None, block_fn=None
+    def hidden_states_with_aux(self, tokens: jax.Array, *, dtype=None, block_fn=None,
+                               segment_ids: jax.Array | None = None
                                ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """:meth:`hidden_states` and the router statistics of :meth:`apply_blocks_with_aux`.
 
@@ -385,14 +415,17 @@ class Transformer(nnx.Module):
         if order is not None:
             tokens = jnp.take(tokens, jnp.asarray(order), axis=1)
         x = self.embed_tokens(tokens, dtype)
-        x, aux = self.apply_blocks_with_aux(x, block_fn)
+        x, aux = self.apply_blocks_with_aux(x, block_fn, segment_ids)
         if order is not None:
             x = constrain(jnp.take(x, jnp.asarray(np.argsort(order)), axis=1), RESIDUAL)
         return x, aux
 
-    def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None) -> jax.Array:
-        """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy."""
-        return self.logits(self.hidden_states(tokens, dtype=dtype, block_fn=block_fn))
+    def __call__(self, tokens: jax.Array, *, dtype=None, block_fn=None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits for ``tokens``; ``block_fn`` defaults to the active plan's remat policy;
+        ``segment_ids`` ``(batch, seq)`` keep packed documents apart."""
+        return self.logits(self.hidden_states(tokens, dtype=dtype, block_fn=block_fn,
+                                              segment_ids=segment_ids))
 
     def unembedding(self) -> loss_lib.Head | None:
         """The output projection as :func:`jaxpar.parallel.loss.chunked_cross_entropy` takes it: the
@@ -409,7 +442,7 @@ class Transformer(nnx.Module):
             return None
         return head
 
-    def next_token_loss(self, tokens: jax.Array
+    def next_token_loss(self, tokens: jax.Array, segment_ids: jax.Array | None = None
                         ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]] | None:
         """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
         ``loss_chunk`` positions at a time (see :mod:`jaxpar.parallel.loss`; from the full logits
@@ -420,23 +453,32 @@ class Transformer(nnx.Module):
         Logits are cast to the active plan's output dtype before the softmax, as the
         full-logits loss does. A mixture-of-experts model returns ``(loss, metrics)``: the
         loss includes the weighted router losses, the metrics hold the router statistics
-        averaged over layers and ``moe_aux_loss``, their weighted sum."""
+        averaged over layers and ``moe_aux_loss``, their weighted sum.
+
+        ``segment_ids`` ``(batch, seq + 1)``: the documents of packed rows; attention
+        stays inside each, and a target in another document than its input (the first
+        token after an end of document) does not count."""
         schedule = getattr(self, "pipeline_schedule", None)
+        if schedule is not None and segment_ids is not None:
+            raise JaxparError("packed documents (data.eos_id) with pipeline stages "
+                              "(mesh.stage > 1) are not supported yet: set data.eos_id to -1")
         if (schedule is not None and schedule.backward_in_schedule
                 and not getattr(self, "deterministic", False)):
             return self._scheduled_loss(tokens, schedule)
         chunk = self.config.loss_chunk
         head = self.unembedding() if chunk else None
-        if head is None and not self.config.n_experts:
+        if head is None and not self.config.n_experts and segment_ids is None:
             return None
-        x, aux = self.hidden_states_with_aux(tokens[:, :-1])
+        inputs_seg = None if segment_ids is None else segment_ids[:, :-1]
+        mask = None if segment_ids is None else segment_ids[:, 1:] == segment_ids[:, :-1]
+        x, aux = self.hidden_states_with_aux(tokens[:, :-1], segment_ids=inputs_seg)
         if head is None:
-            loss = loss_lib.cross_entropy(self.logits(x), tokens[:, 1:])
+            loss = loss_lib.cross_entropy(self.logits(x), tokens[:, 1:], mask)
         else:
             plan = current_plan()
             out_dtype = plan.precision.output if plan is not None else jnp.float32
             loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, tokens[:, 1:],
-                                                  chunk=chunk, dtype=out_dtype)
+                                                  chunk=chunk, dtype=out_dtype, mask=mask)
         if not aux:
             return loss
         metrics = {name: value / self.config.n_layers for name, value in aux.items()}

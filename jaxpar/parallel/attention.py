@@ -15,7 +15,10 @@ on a TPU, cuDNN on a GPU for half precision, else ``xla``.
 
 All take queries ``(batch, seq, heads, head_dim)`` and keys/values ``(batch, seq,
 kv_heads, head_dim)`` (grouped-query attention when ``kv_heads < heads``) and an optional
-sliding ``window`` (a query sees itself and the ``window - 1`` keys before it).
+sliding ``window`` (a query sees itself and the ``window - 1`` keys before it), and
+optional document ``segments`` ``(batch, seq)`` for packed sequences: a query sees only the
+keys of its own segment (same id), so documents packed into one row never attend to each
+other (``xla``, ``chunked`` and ``splash``; ``cudnn`` refuses them).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ SPLASH_TILE = 128
 """Splash attention's tiles along the sequence are multiples of this (TPU lanes)."""
 Q_NAMES = ("batch", "seq", "heads", "head_dim")
 KV_NAMES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def document_positions(segments: jax.Array) -> jax.Array:
+    """Each token's position inside its own document: ``(batch, seq)`` segment ids (runs
+    of one id per document) -> ``(batch, seq)`` positions counting from 0 at every
+    document's first token (RoPE's positions for packed rows)."""
+    index = jnp.arange(segments.shape[-1])
+    first = jnp.concatenate([jnp.ones_like(segments[..., :1], bool),
+                             segments[..., 1:] != segments[..., :-1]], axis=-1)
+    return index - jax.lax.cummax(jnp.where(first, index, 0), axis=segments.ndim - 1)
 
 
 def target_platform() -> str:
@@ -64,22 +77,29 @@ def resolve(implementation: str, dtype: jnp.dtype) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
-              window: int = 0, block: int = DEFAULT_BLOCK) -> jax.Array:
-    """Causal attention ``softmax(q k^T / sqrt(head_dim)) v`` by the chosen implementation."""
+              window: int = 0, block: int = DEFAULT_BLOCK,
+              segments: jax.Array | None = None) -> jax.Array:
+    """Causal attention ``softmax(q k^T / sqrt(head_dim)) v`` by the chosen implementation;
+    with ``segments`` ``(batch, seq)``, within each segment only."""
     kind = resolve(implementation, q.dtype)
     if kind == "chunked":
-        return chunked_attention(q, k, v, window=window, block=block)
+        return chunked_attention(q, k, v, window=window, block=block, segments=segments)
     if kind == "splash":
-        return splash_attention(q, k, v, window=window, block=block)
+        return splash_attention(q, k, v, window=window, block=block, segments=segments)
+    if kind == "cudnn" and segments is not None:
+        raise JaxparError("model.attention='cudnn' does not take document masks (packed "
+                          "sequences, data.eos_id): use model.attention=xla or chunked")
     local = (window - 1, 0) if window else None
+    mask = None if segments is None else (
+        segments[:, None, :, None] == segments[:, None, None, :])  # (b, 1, q, k)
     if kind == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU lacks the f16 x f16 -> f32 dot that attention's backward pass needs.
         f32 = lambda t: t.astype(jnp.float32)
-        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True,
-                                           local_window_size=local)
+        out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), mask=mask,
+                                           is_causal=True, local_window_size=local)
         return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                        implementation=kind)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        local_window_size=local, implementation=kind)
 
 
 # --- chunked (blockwise, online softmax) --------------------------------------------------
@@ -92,30 +112,47 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(b, (s + pad) // block, block, kv, h).swapaxes(0, 1)
 
 
-def _mask(j: jax.Array, s: int, block: int, window: int) -> jax.Array:
-    """``(s, block)``: whether query i may see key ``j * block + c`` (causal, window)."""
+def _mask(j: jax.Array, s: int, block: int, window: int, seg: jax.Array | None = None,
+          seg_j: jax.Array | None = None) -> jax.Array:
+    """``(batch or 1, s, block)``: whether query i may see key ``j * block + c`` (causal,
+    window, and with segments ``seg`` ``(b, s)`` and the block's ``seg_j`` ``(b, block)``,
+    the same segment)."""
     q_pos = jnp.arange(s)[:, None]
     k_pos = j * block + jnp.arange(block)[None, :]
     keep = k_pos <= q_pos
     if window:
         keep &= k_pos > q_pos - window
+    keep = keep[None]
+    if seg is not None:
+        keep = keep & (seg[:, :, None] == seg_j[:, None, :])
     return keep
 
 
 def _scores(qg: jax.Array, kj: jax.Array, keep: jax.Array) -> jax.Array:
     s = jnp.einsum("bskgh,bckh->bskgc", qg, kj.astype(jnp.float32))
-    return jnp.where(keep[None, :, None, None, :], s, -jnp.inf)
+    return jnp.where(keep[:, :, None, None, :], s, -jnp.inf)
 
 
-def _forward(q, k, v, window, block):
+def _segment_blocks(seg: jax.Array | None, block: int) -> jax.Array | None:
+    """``(b, s)`` segment ids -> ``(s_padded / block, b, block)`` (padding: id -1)."""
+    if seg is None:
+        return None
+    b, s = seg.shape
+    pad = -s % block
+    if pad:
+        seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+    return seg.reshape(b, (s + pad) // block, block).swapaxes(0, 1)
+
+
+def _forward(q, k, v, seg, window, block):
     b, s, n, h = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, s, kvh, n // kvh, h).astype(jnp.float32) * h ** -0.5
 
     def body(carry, xs):
         o, m, total = carry
-        kj, vj, j = xs
-        sc = _scores(qg, kj, _mask(j, s, block, window))
+        kj, vj, j, seg_j = xs
+        sc = _scores(qg, kj, _mask(j, s, block, window, seg, seg_j))
         m_new = jnp.maximum(m, sc.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
         p = jnp.exp(sc - shift[..., None])
@@ -128,24 +165,25 @@ def _forward(q, k, v, window, block):
     init = (jnp.zeros(qg.shape, jnp.float32),
             jnp.full(qg.shape[:-1], -jnp.inf, jnp.float32),
             jnp.zeros(qg.shape[:-1], jnp.float32))
-    (o, m, total), _ = jax.lax.scan(body, init, (kb, vb, jnp.arange(kb.shape[0])))
+    (o, m, total), _ = jax.lax.scan(body, init, (kb, vb, jnp.arange(kb.shape[0]),
+                                                 _segment_blocks(seg, block)))
     o = o / total[..., None]
     lse = m + jnp.log(total)
     return o.reshape(b, s, n, h).astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(q, k, v, window, block):
-    return _forward(q, k, v, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked(q, k, v, seg, window, block):
+    return _forward(q, k, v, seg, window, block)[0]
 
 
-def _chunked_fwd(q, k, v, window, block):
-    out, lse = _forward(q, k, v, window, block)
-    return out, (q, k, v, out, lse)
+def _chunked_fwd(q, k, v, seg, window, block):
+    out, lse = _forward(q, k, v, seg, window, block)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _chunked_bwd(window, block, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, seg, out, lse = residuals
     b, s, n, h = q.shape
     kvh = k.shape[2]
     g = n // kvh
@@ -155,8 +193,8 @@ def _chunked_bwd(window, block, residuals, d_out):
     delta = jnp.sum(do * out.reshape(b, s, kvh, g, h).astype(jnp.float32), -1)
 
     def body(dq, xs):
-        kj, vj, j = xs
-        p = jnp.exp(_scores(qg, kj, _mask(j, s, block, window)) - lse[..., None])
+        kj, vj, j, seg_j = xs
+        p = jnp.exp(_scores(qg, kj, _mask(j, s, block, window, seg, seg_j)) - lse[..., None])
         dv = jnp.einsum("bskgc,bskgh->bckh", p, do)
         dp = jnp.einsum("bskgh,bckh->bskgc", do, vj.astype(jnp.float32))
         ds = p * (dp - delta[..., None])
@@ -166,30 +204,35 @@ def _chunked_bwd(window, block, residuals, d_out):
 
     kb, vb = _blocks(k, block), _blocks(v, block)
     dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32),
-                                (kb, vb, jnp.arange(kb.shape[0])))
+                                (kb, vb, jnp.arange(kb.shape[0]),
+                                 _segment_blocks(seg, block)))
 
     def unblock(x, like):  # (blocks, b, block, k, h) -> (b, s, k, h)
         x = x.swapaxes(0, 1).reshape(b, -1, kvh, h)[:, :s]
         return x.astype(like.dtype)
 
-    return ((dq * scale).reshape(b, s, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v))
+    return ((dq * scale).reshape(b, s, n, h).astype(q.dtype), unblock(dk, k), unblock(dv, v),
+            None)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
-                      block: int = DEFAULT_BLOCK) -> jax.Array:
+                      block: int = DEFAULT_BLOCK, segments: jax.Array | None = None
+                      ) -> jax.Array:
     """Causal attention computed ``block`` keys at a time with an online softmax; its
-    gradient recomputes each block from the saved log-sum-exp (memory O(seq x block))."""
+    gradient recomputes each block from the saved log-sum-exp (memory O(seq x block));
+    with ``segments`` ``(batch, seq)``, within each segment only."""
     if q.shape[2] % k.shape[2]:
         raise JaxparError(f"{q.shape[2]} query heads do not group over {k.shape[2]} kv heads")
-    return _chunked(q, k, v, int(window), int(min(block, k.shape[1])))
+    return _chunked(q, k, v, segments, int(window), int(min(block, k.shape[1])))
 
 
 # --- splash (Pallas TPU kernel, shard_map over batch and heads) ---------------------------
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
-                     block: int = DEFAULT_BLOCK, interpret: bool | None = None) -> jax.Array:
+                     block: int = DEFAULT_BLOCK, interpret: bool | None = None,
+                     segments: jax.Array | None = None) -> jax.Array:
     """Causal attention by the Pallas splash-attention kernel.
 
     The sequence is zero-padded to a multiple of 128 (padded keys lie after every real
@@ -205,7 +248,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
     like the query heads (too few to divide), they are repeated until they are.
 
     ``interpret``: run the kernel in Pallas interpret mode; default: when the program is
-    not for a TPU (:func:`target_platform`).
+    not for a TPU (:func:`target_platform`). ``segments`` ``(batch, seq)``: the kernel's
+    own segment ids (a query sees the keys of its segment only).
     """
     n, kvh = q.shape[2], k.shape[2]
     if n % kvh:
@@ -215,8 +259,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
     local = functools.partial(_splash_local, window=int(window), block=int(block),
                               interpret=bool(interpret))
     plan = current_plan()
+    if segments is None:
+        segments = jnp.zeros(q.shape[:2], jnp.int32)
     if plan is None:
-        return local(q, k, v)
+        return local(q, k, v, segments)
     qspec = plan.act_spec(Q_NAMES, shape=q.shape, path="attention queries")
     kspec = plan.act_spec(KV_NAMES, shape=k.shape, path="attention keys")
     for spec, what in ((qspec, "queries"), (kspec, "keys and values")):
@@ -233,10 +279,12 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
         k, v = _repeat_kv(k, v, n, _axes_size(plan.mesh, heads))
     spec = PartitionSpec(batch, None, heads, None)
     q, k, v = (plan.place(x, plan.sharding(spec)) for x in (q, k, v))  # explicit meshes
+    rows = PartitionSpec(batch, None)
+    segments = plan.place(segments.astype(jnp.int32), plan.sharding(rows))
     # check_vma=False: the kernel's pallas_call does not declare how its outputs vary.
-    shard = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec),
+    shard = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec, rows),
                           out_specs=spec, check_vma=False)
-    return shard(q, k, v)
+    return shard(q, k, v, segments)
 
 
 def _axes_size(mesh, entry) -> int:
@@ -277,8 +325,11 @@ def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: b
                                   head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q, k, v, *, window: int, block: int, interpret: bool):
-    """Splash attention on (this device's) ``(batch, seq, heads, head_dim)`` arrays."""
+def _splash_local(q, k, v, segments, *, window: int, block: int, interpret: bool):
+    """Splash attention on (this device's) ``(batch, seq, heads, head_dim)`` arrays and
+    ``(batch, seq)`` segment ids."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
     s, n, h = q.shape[1:]
     padded = -(-s // SPLASH_TILE) * SPLASH_TILE
     kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret)
@@ -286,6 +337,8 @@ def _splash_local(q, k, v, *, window: int, block: int, interpret: bool):
     def heads_major(x):  # (b, s, k, h) -> (b, k, padded, h)
         return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).swapaxes(1, 2)
 
+    seg = jnp.pad(segments, ((0, 0), (0, padded - s)), constant_values=-1)
     q = q * jnp.asarray(h ** -0.5, q.dtype)
-    out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v))
+    out = jax.vmap(lambda q, k, v, g: kernel(q, k, v, segment_ids=SegmentIds(g, g)))(
+        heads_major(q), heads_major(k), heads_major(v), seg)
     return out.swapaxes(1, 2)[:, :s]

@@ -113,7 +113,7 @@ _summed_nll.defvjp(_summed_nll_fwd, _summed_nll_bwd)
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, chunk: int,
-                          dtype=jnp.float32) -> jax.Array:
+                          dtype=jnp.float32, mask: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy of ``softmax(hidden @ kernel)`` against ``targets``, by chunks.
 
     Args:
@@ -126,9 +126,11 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
         the padded positions are masked out.
       dtype: the dtype logits are cast to before the softmax (the precision policy's
         output dtype); the sum over positions is accumulated in float32.
+      mask: optional ``(batch, seq)`` booleans: the positions that count (a target in
+        another document than its input, say, does not).
 
     Returns:
-      The float32 mean over all ``batch x seq`` positions.
+      The float32 mean over all ``batch x seq`` positions (those ``mask`` keeps).
     """
     if chunk < 1:
         raise JaxparError(f"loss chunk={chunk}: must be at least 1")
@@ -136,13 +138,15 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
     chunk = min(int(chunk), s)
     pad = -s % chunk
     n = (s + pad) // chunk
+    keeps = jnp.ones((b, s), bool) if mask is None else jnp.asarray(mask, bool)
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        keeps = jnp.pad(keeps, ((0, 0), (0, pad)))  # padded positions: False
     # (n, batch, chunk, ...): the scan walks the leading axis, one chunk per iteration.
     hs = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)
     ts = targets.reshape(b, n, chunk).swapaxes(0, 1)
-    valid = (jnp.arange(s + pad) < s).reshape(n, chunk)
+    valid = keeps.reshape(b, n, chunk).swapaxes(0, 1)
     kernel = None if callable(head) else head
 
     @functools.partial(jax.checkpoint, prevent_cse=False,
@@ -159,4 +163,6 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
         return total + chunk_loss(h, t, keep, kernel), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs, ts, valid))
-    return total / (b * s)
+    if mask is None:
+        return total / (b * s)
+    return total / jnp.maximum(jnp.sum(keeps), 1).astype(jnp.float32)

@@ -86,7 +86,7 @@ def shard_loader(config: Config, *, holdout: bool = False) -> MixtureLoader:
         sources.append(Source(windows, float(entry.get("weight", 1.0))))
     loader = MixtureLoader(sources, train.global_batch, seed=train.seed + (1 if holdout else 0),
                            process_index=jax.process_index(),
-                           process_count=jax.process_count())
+                           process_count=jax.process_count(), eos_id=data.eos_id)
     loader.vocab_check(config.model.vocab_size)
     return loader
 
@@ -127,6 +127,7 @@ def make_loader(config: Config, *, holdout: bool = False,
         chosen, train.global_batch, train.seq_len,
         seed=train.seed + (1 if holdout else 0),
         process_index=jax.process_index(), process_count=jax.process_count(),
+        eos_id=data.eos_id,
     )
     # Every id is checked (streamed in chunks); positions count from the file's start.
     loader.vocab_check(config.model.vocab_size, source=data.source,

@@ -35,6 +35,51 @@ CAUSAL_TOLERANCE = 1e-4
 (:func:`check_causal`) reads as rounding rather than dependence."""
 
 
+PACKED_KEYS = ("tokens", "segment_ids")
+"""The keys of a packed batch: token ids and their documents' ids, both ``(batch, seq + 1)``
+(see :mod:`jaxpar.data.mixture`, ``data.eos_id``)."""
+
+
+def token_ids(batch: Any) -> Any:
+    """The token ids of a batch: the batch itself, or a packed batch's ``tokens``."""
+    return batch["tokens"] if is_packed(batch) else batch
+
+
+def is_packed(batch: Any) -> bool:
+    """Whether ``batch`` is a packed batch (a mapping with :data:`PACKED_KEYS`)."""
+    return isinstance(batch, dict) and set(PACKED_KEYS) <= set(batch)
+
+
+def packed_lm_loss(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array,
+                   rngs: nnx.Rngs | None = None) -> jax.Array:
+    """:func:`lm_loss` on packed rows: the model keeps the documents apart (attention
+    and positions), and a target in another document than its input does not count.
+
+    The model takes the documents as ``next_token_loss(tokens, segment_ids=...)``, or as
+    ``model(inputs, segment_ids=...)`` (``(batch, seq)`` ids, one per document)."""
+    own = getattr(model, "next_token_loss", None)
+    if callable(own) and _takes(own, "segment_ids"):
+        loss = own(tokens, segment_ids=segment_ids)
+        if loss is not None:
+            return loss
+    if not _takes(model.__call__, "segment_ids"):
+        raise JaxparError(f"packed documents (data.eos_id) need a model that keeps them "
+                          f"apart, but {type(model).__name__}.__call__ takes no segment_ids: "
+                          "add a segment_ids=None argument (attention only within a "
+                          "document), or set data.eos_id to -1")
+    kwargs = {"rngs": rngs} if rngs is not None and takes_rngs(model.__call__) else {}
+    logits = model(tokens[:, :-1], segment_ids=segment_ids[:, :-1], **kwargs)
+    return loss_lib.cross_entropy(logits, tokens[:, 1:],
+                                  segment_ids[:, 1:] == segment_ids[:, :-1])
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
     """Mean next-token cross-entropy of ``model`` on ``tokens`` ``(batch, seq + 1)``.
 
@@ -46,12 +91,16 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) 
     ``next_token_loss(tokens)`` method that returns a scalar (rather than None), that is
     the loss (the reference :class:`~jaxpar.models.Transformer` does so with
     ``model.loss_chunk > 0``, never materialising the full logits; see :mod:`jaxpar.parallel.loss`).
+    A packed batch (``{"tokens", "segment_ids"}``) goes to :func:`packed_lm_loss`.
 
     Raises:
       JaxparError: when the batch is not a 2-D array of token ids, the model cannot be
         called with the tokens alone, or its output is not shaped like next-token logits:
         each message says what to pass instead.
     """
+    if is_packed(tokens):
+        check_tokens(tokens["tokens"])
+        return packed_lm_loss(model, tokens["tokens"], tokens["segment_ids"], rngs)
     check_tokens(tokens)
     own = getattr(model, "next_token_loss", None)
     if callable(own) and (loss := own(tokens)) is not None:

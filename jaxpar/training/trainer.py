@@ -52,6 +52,7 @@ from jaxpar.training.objective import (
     lm_loss,
     next_token_logits,
     takes_rngs,
+    token_ids,
 )
 
 Batch = Any
@@ -569,7 +570,7 @@ class Trainer:
         if self._loss_checked:
             return
         self._loss_checked = True
-        batch = self._as_global(batch)
+        batch = token_ids(self._as_global(batch))  # (a packed batch: its ids)
         check_tokens(batch)
         model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
         seq = batch.shape[1] - 1
@@ -599,6 +600,7 @@ class Trainer:
     def vocabulary(self, batch: Batch) -> int:
         """The model's vocabulary size: ``model.config.vocab_size`` when it has one (the
         reference model), else the last dimension of its logits on ``batch``."""
+        batch = token_ids(batch)
         if self._vocab is None:
             model = nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
             size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -615,6 +617,7 @@ class Trainer:
         """Refuse a batch holding ids outside the vocabulary (see ``check_ids``)."""
         if not self.check_ids:
             return
+        batch = token_ids(batch)
         check_tokens(batch)
         vocab = self.vocabulary(batch)
         check = self._id_checks.get(batch.shape)

@@ -110,7 +110,7 @@ def test_sources_are_checked_before_anything_runs(tmp_path):
             check_config(config, devices=8, processes=1)
 
 
-def test_a_run_trains_on_a_mixture_of_shard_folders(tmp_path):
+def test_a_run_trains_on_a_mixture_of_shard_folders_packed(tmp_path):
     from jaxpar.runs.loop import train
 
     _write_shards(tmp_path / "web", "w", [4000])
@@ -120,7 +120,8 @@ def test_a_run_trains_on_a_mixture_of_shard_folders(tmp_path):
         f"{{path: '{tmp_path}/code/*.bin', weight: 1}}]",
         "model.vocab_size=8192", "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.d_ff=32", "model.max_seq_len=16", "train.seq_len=16",
-        "train.global_batch=8", "train.steps=2", "train.eval_every=2", "mesh.data=-1"])
+        "train.global_batch=8", "train.steps=2", "train.eval_every=2", "mesh.data=-1",
+        "data.eos_id=4095"])  # packed: every id 4095 ends a document
     _, history = train(config, tmp_path / "run")
     assert len(history) == 2 and np.isfinite(history[-1]["loss"])
     assert np.isfinite(history[-1]["eval_loss"])

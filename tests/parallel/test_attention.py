@@ -150,9 +150,9 @@ def test_splash_in_shard_map_splits_batch_and_heads(monkeypatch, kv_heads, expli
     local_shapes = []
     inner = attention_lib._splash_local
 
-    def spy(q, k, v, **kw):
+    def spy(q, k, v, segments, **kw):
         local_shapes.append((q.shape, k.shape, v.shape))
-        return inner(q, k, v, **kw)
+        return inner(q, k, v, segments, **kw)
 
     monkeypatch.setattr(attention_lib, "_splash_local", spy)
     with plan.activate(mesh_context=True):
@@ -191,9 +191,52 @@ def test_splash_tiles_and_interpret_default(monkeypatch):
     assert tile(640, 512) == 128 and tile(1024, 100) == 128  # 640 = 5 x 128
     seen = []
     monkeypatch.setattr(attention_lib, "_splash_local",
-                        lambda q, k, v, **kw: seen.append(kw["interpret"]) or q)
+                        lambda q, k, v, seg, **kw: seen.append(kw["interpret"]) or q)
     q, k, v, _ = _qkv(1, 128, 2, 1, 8)
     splash_attention(q, k, v)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     splash_attention(q, k, v)
     assert seen == [True, False]  # interpret mode off a TPU only
+
+
+def _documents_one_by_one(q, k, v, segments, ct):
+    """Outputs and (dq, dk, dv) of XLA's attention run on each document alone."""
+    def f(q, k, v):
+        outs = []
+        for row in range(q.shape[0]):
+            ids = np.asarray(segments[row])
+            out = jnp.zeros_like(q[row])
+            for doc in np.unique(ids):
+                at = np.flatnonzero(ids == doc)
+                one = attention(q[row:row + 1, at], k[row:row + 1, at], v[row:row + 1, at],
+                                implementation="xla")[0]
+                out = out.at[at].set(one)
+            outs.append(out)
+        out = jnp.stack(outs)
+        return jnp.sum(out * ct), out
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+
+@pytest.mark.parametrize("impl,block", [("xla", 0), ("chunked", 8), ("chunked", 64),
+                                        ("splash", 128)])
+def test_packed_documents_never_attend_to_each_other(impl, block):
+    """Rows packing three documents (lengths 50/40/40 and 7/123): each implementation's
+    outputs and gradients equal running every document alone."""
+    q, k, v, ct = _qkv(2, 130, 4, 2, 8)
+    segments = jnp.asarray(np.stack([np.repeat([1, 2, 3], [50, 40, 40]),
+                                     np.repeat([5, 9], [7, 123])]), jnp.int32)
+    want = _documents_one_by_one(q, k, v, segments, ct)
+
+    def f(q, k, v):
+        out = attention(q, k, v, implementation=impl, segments=segments,
+                        **({"block": block} if block else {}))
+        return jnp.sum(out * ct), out
+
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    _assert_same(got, want)
+
+
+def test_cudnn_refuses_document_masks():
+    q, k, v, _ = _qkv(1, 16, 2, 1, 8)
+    with pytest.raises(JaxparError, match="'cudnn' does not take document masks"):
+        attention(q, k, v, implementation="cudnn", segments=jnp.zeros((1, 16), jnp.int32))
