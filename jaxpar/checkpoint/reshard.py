@@ -22,6 +22,9 @@ from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
 from jaxpar.sharding.paths import key_str
 
+DILOCO_STATE = ("anchor", "replicas", "momentum")
+"""Top-level entries of a DiLoCo run's state that a synchronous run's does not have."""
+
 
 # --- pytree <-> flat "a/b/c" paths --------------------------------------------------------
 def flat_paths(tree: Any) -> dict[str, Any]:
@@ -109,6 +112,13 @@ def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
     """
     missing = [k for k in target if k not in saved]
     extra = [k for k in saved if k not in target]
+    diloco = [sorted({k.split("/")[0] for k in keys} & set(DILOCO_STATE))
+              for keys in (missing, extra)]
+    if any(diloco):
+        side = "this config runs DiLoCo and the checkpoint does not" if diloco[0] else (
+            "the checkpoint holds DiLoCo replicas and this config does not run DiLoCo")
+        raise JaxparError(f"{what} does not match the config: {side}; resume with the "
+                          "diloco.sync_every the run was saved with (0 for none)")
     wrong, abstract, fixes = [], {}, {}
     for key, leaf in target.items():
         if key not in saved:

@@ -28,7 +28,13 @@ from jaxpar.config.schema import load_config
 from jaxpar.config.validate import check_config
 from jaxpar.errors import JaxparError
 from jaxpar.runs import distributed
-from jaxpar.runs.replicas import ENV_EVERY, ENV_FOLDER, ENV_REPLICA, ParameterServer
+from jaxpar.runs.replicas import (
+    ENV_EVERY,
+    ENV_FOLDER,
+    ENV_LAUNCHER,
+    ENV_REPLICA,
+    ParameterServer,
+)
 
 
 def _checked(args: argparse.Namespace, cmd: list[str]):
@@ -114,7 +120,8 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
                                 args.devices_per_process)
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    PYTHONUNBUFFERED="1", **{ENV_FOLDER: str(server.folder),
-                                             ENV_REPLICA: str(r), ENV_EVERY: str(dl.sync_every)})
+                                             ENV_REPLICA: str(r), ENV_EVERY: str(dl.sync_every),
+                                             ENV_LAUNCHER: str(os.getpid())})
         proc = subprocess.Popen(line, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
                                 bufsize=1)

@@ -302,6 +302,14 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if kind is float:
             return float(value)
         if kind is str:
+            if (isinstance(value, Mapping) and len(value) == 1
+                    and next(iter(value.values())) is None):
+                # YAML reads "offload:" (a word and a colon) as {"offload": None}
+                raise JaxparError(f"config key {key!r} got {next(iter(value))}: with "
+                                  "nothing after the colon; quote the value, or complete "
+                                  "it (e.g. plan.remat=offload:layer_input)")
+            if isinstance(value, Mapping | list):
+                raise ValueError(value)
             return str(value)
         if kind is tuple:
             if not isinstance(value, list | tuple):

@@ -13,8 +13,10 @@ run that starts has a config that makes sense.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,9 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, hf_folder
+from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, PlanConfig, hf_folder
 from jaxpar.data.shards import TOKEN_DTYPES, names_shards, shard_paths
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.models.config import TransformerConfig
 from jaxpar.parallel.pipeline import KINDS as PIPELINE_KINDS
 from jaxpar.parallel.pipeline import Schedule
@@ -299,6 +301,14 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
     if sizes["stage"] > 1:
         if config.model.factory and not config.pipeline.split:
             raise JaxparError(STAGES_NEED_SPLIT)
+        kind = config.pipeline.schedule
+        if kind in ("1f1b", "interleaved_1f1b") and (
+                config.diloco.sync_every or p.compress_gradients != "none"):
+            other = ("diloco.sync_every" if config.diloco.sync_every
+                     else f"plan.compress_gradients={p.compress_gradients}")
+            raise JaxparError(f"pipeline.schedule={kind} runs the backward pass inside its "
+                              f"own shard_map, which {other} cannot enter: use "
+                              "pipeline.schedule=circular or gpipe")
         pipe_microbatches = (config.pipeline.microbatches or sizes["stage"]
                              if config.model.factory
                              else pipeline_for(config, sizes["stage"]).microbatches)
@@ -387,3 +397,28 @@ def check_config(config: Config, *, devices: int | None = None, processes: int =
     _check_relations(config)
     if devices is not None:
         _check_layout(config, devices, processes)
+    for text in no_op_knobs(config):
+        warnings.warn(text, JaxparWarning, stacklevel=2)
+
+
+def no_op_knobs(config: Config) -> list[str]:
+    """One line for each knob that would do nothing in the run as configured (set, but
+    its feature is off, or it would never act): a warning at start, not a silent no-op."""
+    p, pipe, found = config.plan, config.pipeline, []
+    if p.quantize == "none":
+        changed = [k for k in ("quantize_target", "quantize_exclude")
+                   if getattr(p, k) != getattr(PlanConfig, k)]
+        if changed:
+            found.append(f"plan.{changed[0]} picks the matmuls plan.quantize quantizes, but "
+                         "plan.quantize is none: it does nothing")
+    if config.mesh.stage == 1 and config.mesh.dcn_stage == 1:
+        set_ = [f"pipeline.{f.name}" for f in dataclasses.fields(pipe)
+                if getattr(pipe, f.name) != f.default]
+        if set_:
+            found.append(f"{', '.join(set_)} configure pipeline stages, but mesh.stage is 1: "
+                         "they do nothing")
+    dl = config.diloco
+    if dl.sync_every and dl.sync_every > config.train.steps:
+        found.append(f"diloco.sync_every={dl.sync_every} is more than train.steps="
+                     f"{config.train.steps}: the replicas never meet in this run")
+    return found

@@ -203,8 +203,17 @@ class LinenModel(nnx.Module):
                 seen[path] = (type(sub).__qualname__, projection_spec(sub, args, kwargs))
             return next_fun(*args, **kwargs)
 
-        with nn.intercept_methods(record):
-            bridge.lazy_init(self.linen, *example_args, **example_kwargs)
+        try:
+            with nn.intercept_methods(record):
+                bridge.lazy_init(self.linen, *example_args, **example_kwargs)
+        except (IndexError, TypeError, ValueError) as err:  # the example does not fit
+            shapes = [getattr(a, "shape", type(a).__name__) for a in example_args]
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise JaxparError(
+                f"jaxpar.from_linen: {type(module).__name__} failed on the example "
+                f"arguments of shapes {shapes} ({type(err).__name__}: {first}): pass "
+                "examples shaped as training calls it, e.g. token ids (batch, seq)"
+            ) from None
         # The RNG streams, held as raw key data and a counter (the way jaxpar.lora holds
         # adapter dropout keys) instead of typed keys, so a checkpoint stores them as it
         # stores any array; each call folds the counter in and advances it.

@@ -278,8 +278,11 @@ class Transformer(nnx.Module):
                     f"layers per stage = {pipeline.stages} x {pipeline.repeats} x "
                     f"{pipeline.layers_per_stage}"
                 )
-            self.embed = _param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model),
-                                ("vocab", "embed"))
+            # A tied table is the output head too: drawn at the head's scale (as GPT-2
+            # draws it), or the first logits would be sqrt(d_model) times too large.
+            embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
+            self.embed = _param(rngs, nnx.initializers.normal(embed_std),
+                                (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.n_layers,

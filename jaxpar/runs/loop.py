@@ -41,7 +41,7 @@ from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.runs import compile_cache
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
-from jaxpar.runs.replicas import ReplicaClient
+from jaxpar.runs.replicas import LauncherGone, ReplicaClient
 from jaxpar.runs.runlog import RunLog
 from jaxpar.storage.folders import LOCK_NAME, FolderLock, refuse_url
 from jaxpar.training.prefetch import Prefetcher
@@ -289,6 +289,18 @@ def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
     return RunStopped(f"{stop.name}: stopped after step {step}; {saved}", stop.status)
 
 
+def _launcher_gone(gone: LauncherGone, trainer: Trainer, ckpt: Checkpointer | None,
+                   config: Config) -> LauncherGone:
+    """A replica whose launcher died: save the current step, then stop in one line."""
+    step = trainer.step_count
+    if ckpt is None:
+        return LauncherGone(f"{gone}; nothing saved (no --out)", gone.status)
+    ckpt.save(trainer, config=config, force=True)
+    ckpt.wait()
+    return LauncherGone(f"{gone} after saving checkpoint {step} in {ckpt.directory}",
+                        gone.status)
+
+
 def train(config: Config, out_dir: str | Path | None = None, *, progress: bool = True,
           resume: bool = False, max_steps: int | None = None,
           compiled: str | Path | None = None) -> tuple[Trainer, list[dict[str, Any]]]:
@@ -448,7 +460,10 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
             bar.update(1)
             step = trainer.step_count
             if replica is not None and replica.due(step):
-                replica.meet(trainer, step)
+                try:
+                    replica.meet(trainer, step)
+                except LauncherGone as gone:
+                    raise _launcher_gone(gone, trainer, ckpt, config) from None
             due = _due(step, end, config, ckpt, stop, log)
             if not (due.any or window.full):
                 continue

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -44,16 +45,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.training.diloco import outer_sgd
 
 ENV_FOLDER = "JAXPAR_MEETINGS"
 ENV_REPLICA = "JAXPAR_REPLICA"
 ENV_EVERY = "JAXPAR_MEET_EVERY"
+ENV_LAUNCHER = "JAXPAR_LAUNCHER_PID"
+"""The launcher's process id: a replica that sees it gone stops instead of waiting."""
 START = "__start_round__"
 """The key of a meeting file's start round (the anchor its weights trained from)."""
 WAIT_S = 600.0
 """How long a replica waits for the server before giving up."""
+CHECK_S = 0.5
+"""How often a waiting replica checks that its launcher is alive."""
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -78,11 +83,62 @@ def _names(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-class ReplicaClient:
-    """The replica's side: :meth:`join` at the start, :meth:`meet` every ``H`` steps."""
+LAUNCHER_GONE_STATUS = 3
+"""Exit status of a replica that stopped because its launcher died."""
 
-    def __init__(self, folder: str | Path, replica: int, sync_every: int):
+
+class LauncherGone(RunStopped):
+    """The launcher (and with it the parameter server) died while a replica waited."""
+
+
+class _Tolerant:
+    """A text stream that drops what it cannot write once its reader (the launcher's
+    pipe) is gone, so a replica whose launcher died still reaches its next meeting, sees
+    the launcher gone and saves, instead of dying on its next log line."""
+
+    def __init__(self, stream: Any):
+        self._stream, self._broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._broken:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ValueError):
+                self._broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._broken:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+class ReplicaClient:
+    """The replica's side: :meth:`join` at the start, :meth:`meet` every ``H`` steps.
+
+    ``launcher``: the launcher's process id; while waiting, a replica checks it every
+    :data:`CHECK_S` seconds and stops (:class:`LauncherGone`) when it is gone, instead of
+    waiting :data:`WAIT_S` for a server that will never answer."""
+
+    def __init__(self, folder: str | Path, replica: int, sync_every: int,
+                 launcher: int | None = None):
         self.folder, self.replica, self.sync_every = Path(folder), replica, sync_every
+        self.launcher = launcher
         self.start = 0  # the round whose anchor this replica's weights started from
 
     @classmethod
@@ -91,7 +147,11 @@ class ReplicaClient:
         folder = os.environ.get(ENV_FOLDER)
         if not folder:
             return None
-        return cls(folder, int(os.environ[ENV_REPLICA]), int(os.environ[ENV_EVERY]))
+        launcher = os.environ.get(ENV_LAUNCHER)
+        if launcher and not isinstance(sys.stdout, _Tolerant):
+            sys.stdout, sys.stderr = _Tolerant(sys.stdout), _Tolerant(sys.stderr)
+        return cls(folder, int(os.environ[ENV_REPLICA]), int(os.environ[ENV_EVERY]),
+                   int(launcher) if launcher else None)
 
     # --- weights in and out of the trainer ----------------------------------------------------
     @staticmethod
@@ -123,11 +183,19 @@ class ReplicaClient:
         trainer.state = state
 
     def _wait(self, path: Path, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
+        now = time.monotonic()
+        deadline, check = now + WAIT_S, now + CHECK_S
         while not path.exists():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise JaxparError(f"replica {self.replica}: no {what} from the parameter "
                                   f"server in {WAIT_S:.0f} s ({path} missing)")
+            if self.launcher is not None and now > check:
+                check = now + CHECK_S
+                if not _alive(self.launcher):
+                    raise LauncherGone(
+                        f"replica {self.replica}: the launcher (pid {self.launcher}) is gone, "
+                        f"so no {what} will come; stopping", LAUNCHER_GONE_STATUS)
             time.sleep(0.02)
 
     # --- the protocol -------------------------------------------------------------------------

@@ -134,6 +134,15 @@ def check_knob_pairs(knob_values: Any) -> None:
         raise JaxparError("plan.quantize_reduce reduces each step's gradients once, by "
                           "hand: it does not combine with plan.compress_gradients, "
                           "plan.microbatches > 1 or plan.offload_params")
+    precision = getattr(knob_values, "precision", None)
+    if isinstance(precision, str):
+        precision = Policy.parse(precision) if precision else None
+    if (knob_values.quantize == "fp8" and precision is not None
+            and jax.numpy.dtype(precision.compute) == jax.numpy.float16):
+        raise JaxparError("plan.quantize=fp8 with float16 compute (plan.precision) is not "
+                          "supported: fp8's rescaled products come back in float32, which "
+                          "float16 gradients cannot take; compute in bfloat16, or use "
+                          "plan.quantize=int8")
     if knob_values.host_update and knob_values.offload_optimizer != 1:
         raise JaxparError("plan.host_update runs the optimizer update on the host and "
                           "needs all of its state there: set plan.offload_optimizer: 1 "

@@ -200,6 +200,24 @@ def head_paths(model: nnx.Module) -> tuple[str, ...]:
     return tuple(sorted("/".join(p) for p in found if p))
 
 
+def quantized_paths(model: nnx.Module, target: str = DEFAULT_TARGET,
+                    exclude: str = DEFAULT_EXCLUDE) -> list[str]:
+    """Paths of the modules holding a weight matrix whose matmuls the rules quantize
+    (``target`` matches the path, ``exclude`` does not, as Qwix matches them): empty
+    means ``plan.quantize`` would change nothing in this model."""
+    paths = set()
+    for path, module in nnx.iter_modules(model):
+        if path and any(isinstance(v, nnx.Param) and getattr(v.get_value(), "ndim", 0) >= 2
+                        for v in vars(module).values()):
+            paths.add("/".join(str(p) for p in path))
+    own = getattr(model, "projection_paths", None)  # a linen model's own layers
+    if callable(own):
+        paths.update(own())
+    left_out = f"(?:{exclude})|" + "|".join(re.escape(p) for p in head_paths(model))
+    return sorted(p for p in paths if re.fullmatch(f"(?:{target})", p)
+                  and not re.fullmatch(left_out.rstrip("|"), p))
+
+
 def _adapter_paths(model: nnx.Module) -> tuple[str, ...]:
     """Paths of the modules holding ``nnx.LoRAParam`` s themselves (LoRA wrappers): their
     own products, the low-rank update, stay in the compute dtype; the wrapped base

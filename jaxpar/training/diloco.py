@@ -128,6 +128,12 @@ class DiLoCo:
                               "gradients) or 8 (int8 with a scale per row)")
         self.outer_bits = outer_bits
         self.pipeline_schedule = trainer.pipeline_schedule
+        schedule = trainer.pipeline_schedule
+        if schedule is not None and schedule.backward_in_schedule:
+            raise JaxparError(
+                f"pipeline.schedule={schedule.kind} runs the backward pass inside its own "
+                "shard_map, which DiLoCo's replicas (a shard_map over data) cannot nest: "
+                "use pipeline.schedule=circular or gpipe with diloco.sync_every")
         self._key = "master" if trainer.policy.mixed else "params"
         self._parts = fragments_of(trainer.state["params"], fragments)
         self._compiled: dict[Any, Any] = {}

@@ -65,3 +65,47 @@ def test_replica_runs_it_cannot_start_get_one_line(tmp_path):
         proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_replicas_stop_and_save_when_their_launcher_dies(tmp_path):
+    """kill -9 of the launcher: each replica sees it gone at its next meeting (checked
+    every 0.5 s while it waits), saves its step and exits, well within a bound; no
+    orphan is left waiting for an anchor that will never come."""
+    out = tmp_path / "run"
+    train = [*TRAIN, "train.steps=100000", "diloco.sync_every=20"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.cli", "launch", "--replicas", "2",
+         "--devices-per-process", "1", "--", *train, "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "meetings" / "round_1" / "anchor.npz").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        pids = [v["pid"] for v in json.loads((out / "replicas.json").read_text()).values()]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, "replicas outlived their launcher by 60 s"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+    for r in (0, 1):
+        saved = sorted(int(p.name) for p in (out / f"replica_{r}" / "checkpoints").iterdir()
+                       if p.name.isdigit())
+        assert saved and saved[-1] % 20 == 0 and saved[-1] >= 40, saved

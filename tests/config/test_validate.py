@@ -4,11 +4,13 @@ JaxparError naming the key and its value. The CLI table in ``tests/cli/test_bad_
 runs many more mistakes end to end; these call :func:`check_config` directly."""
 
 import json
+import re
 
 import pytest
 
 from jaxpar import JaxparError, load_config
 from jaxpar.config.validate import check_config
+from jaxpar.errors import JaxparWarning
 
 MODEL = ["model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.d_ff=64",
          "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
@@ -50,7 +52,7 @@ def test_a_sensible_config_passes():
 ])
 def test_ranges(override, message):
     with pytest.raises(JaxparError) as err:
-        check_config(config(override))
+        check_config(config(*override) if isinstance(override, tuple) else config(override))
     assert str(err.value).startswith(message), str(err.value)
 
 
@@ -71,10 +73,13 @@ def test_at_most_one_mesh_axis_is_free():
     ("train.loss=justaname", "train.loss='justaname': must look like package.module:function"),
     ("model.factory=no way:x", "model.factory='no way:x': must look like package.module"),
     ("train.profile_steps=[0, 2]", "train.profile_steps=[0, 2] is invalid"),
+    (("plan.quantize=fp8", "plan.precision=p=f32,c=f16,o=f32"),
+     "plan.quantize=fp8 with float16 compute (plan.precision) is not supported"),
+    ("data.eos_id=-2", "data.eos_id=-2: must be -1 (no document masks) or an id below"),
 ])
 def test_choices(override, message):
     with pytest.raises(JaxparError) as err:
-        check_config(config(override))
+        check_config(config(*override) if isinstance(override, tuple) else config(override))
     assert str(err.value).startswith(message), str(err.value)
 
 
@@ -166,6 +171,14 @@ def test_layout_checks_need_the_device_count():
      "multiple of 16"),
     (["mesh.stage=2", "mesh.data=-1", "model.factory=pkg.mod:fn"], dict(devices=8),
      "mesh.stage > 1 with a model.factory model needs pipeline.split"),
+    (["mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
+      "diloco.sync_every=2"],
+     dict(devices=8), "pipeline.schedule=1f1b runs the backward pass inside its own "
+     "shard_map, which diloco.sync_every cannot enter"),
+    (["mesh.stage=2", "mesh.data=4", "pipeline.schedule=interleaved_1f1b",
+      "plan.compress_gradients=sign", "plan.zero_stage=0"], dict(devices=8),
+     "pipeline.schedule=interleaved_1f1b runs the backward pass inside its own shard_map, "
+     "which plan.compress_gradients=sign cannot enter"),
     (["mesh.context=2", "mesh.stage=2", "mesh.data=2"], dict(devices=8),
      "mesh.context > 1 with mesh.stage > 1 is not supported yet"),
     (["mesh.stage=2", "mesh.data=4", "model.n_experts=4"], dict(devices=8),
@@ -195,3 +208,15 @@ def test_balanced_context_chunks_that_divide_pass():
     check_config(config("mesh.context=2", "mesh.data=4", "train.seq_len=20"), devices=8)
     check_config(config("mesh.context=2", "mesh.data=4", "train.seq_len=18",
                         "plan.context_balance=false"), devices=8)
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["plan.quantize_target=blocks/mlp/.*"], "plan.quantize_target picks the matmuls"),
+    (["pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+     "pipeline.schedule, pipeline.microbatches configure pipeline stages, but mesh.stage is 1"),
+    (["diloco.sync_every=50", "train.steps=2", "mesh.data=2"],
+     "diloco.sync_every=50 is more than train.steps=2: the replicas never meet"),
+])
+def test_knobs_that_would_do_nothing_are_named_at_start(overrides, warning):
+    with pytest.warns(JaxparWarning, match=re.escape(warning)):
+        check_config(config(*overrides))

@@ -11,6 +11,7 @@ import functools
 import io
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from jaxpar.models.transformer import (
 from jaxpar.parallel.pipeline import Schedule
 from jaxpar.sharding.partitioning import logical_names
 from jaxpar.sharding.paths import path_str
+from jaxpar.training.objective import lm_loss
 from tests.helpers import SMALL
 
 TINY = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -339,3 +341,15 @@ def test_bad_shapes_and_pipelines_are_named():
     moe = dataclasses.replace(TINY, n_experts=2)
     with pytest.raises(jaxpar.JaxparError, match=r"model.n_experts > 0 with pipeline stages"):
         nnx.eval_shape(lambda: Transformer(moe, rngs=nnx.Rngs(0), pipeline=Schedule(2, 2)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_fresh_model_starts_near_the_uniform_loss(tied):
+    """ln(vocab) is the loss of uniform guesses: an untrained model, tied or not, starts
+    within 10% of it (a tied head drawn at the embedding's scale started at 106 for
+    ln 256 = 5.55)."""
+    cfg = dataclasses.replace(SMALL, tie_embeddings=tied)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (4, 33), 0, cfg.vocab_size)
+    loss = float(lm_loss(model, tokens))
+    assert abs(loss - math.log(cfg.vocab_size)) < 0.1 * math.log(cfg.vocab_size), loss

@@ -293,3 +293,11 @@ def test_a_scanned_stack_quantizes_its_blocks_once_in_the_loop_body(devices):
     fl = [float(f.step(b)["loss"]) for b in steps]
     assert ql[-1] < ql[0]
     np.testing.assert_allclose(ql, fl, rtol=0.02)
+
+
+def test_patterns_that_match_no_matmul_are_named_at_start(devices):
+    """A quantize_target that matches no weight matmul would compile a plain step: the
+    Trainer says so when it starts."""
+    with pytest.warns(jaxpar.errors.JaxparWarning, match="match no weight matmul of "
+                                                         "Transformer, so nothing"):
+        trainer("int8", quantize_target=r"no/such/module")
