@@ -9,7 +9,7 @@ parts, which a :class:`StageSplit` names:
   giving one activation ``h`` shaped ``(batch, ...)``, by default ``(batch, seq, embed)``;
 * ``blocks``: the path of the blocks, a list (``nnx.List``) of modules of one class or
   one module stacked over a leading ``layers`` axis (``nnx.vmap``/``nnx.scan``); by
-  default the model's only repeated blocks (:func:`~jaxpar.sharding.layouts.repeated_blocks`);
+  default the model's only repeated blocks (:func:`~jaxpar.sharding.blocks.repeated_blocks`);
 * ``head(model, h) -> logits``: everything after them (final norm, output projection).
 
 ``call(block, h) -> h`` applies one block (default ``block(h)``); build anything else a
@@ -56,7 +56,7 @@ from jaxpar.parallel.pipeline import (
 from jaxpar.parallel.schedules import stack_layers, unstack_layers
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.annotations import _NAME_KEYS, logical_names
-from jaxpar.sharding.layouts import repeated_blocks, stacked_over_layers
+from jaxpar.sharding.blocks import repeated_blocks, stacked_over_layers
 from jaxpar.sharding.plan import current_plan
 
 Call = Callable[[nnx.Module, jax.Array], jax.Array]

@@ -2,7 +2,8 @@
 
 The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` and
 ``tensorboard/`` (one row per logged step: step, loss, grad_norm, lr, step_time_s,
-tokens_per_s, eval_loss on steps that evaluated the held-out data (``train.eval_every``),
+tokens_per_s, data_wait_s (how long the step waited for its batch), eval_loss on steps that
+evaluated the held-out data (``train.eval_every``),
 checkpoint_block_s on steps that started a save, mfu and memory_bytes where known; see
 :mod:`jaxpar.runs.runlog`), ``checkpoints/`` (see :mod:`jaxpar.checkpoint`) and, with
 ``train.profile_steps``, ``profile/`` (a ``jax.profiler`` trace).
@@ -455,7 +456,9 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         window = _Window(log, guard=trainer.loss_scale is None, ckpt=ckpt)
         for index, batch in batches:
             profile.before_step(index)
-            window.add(trainer.step_async(batch))
+            metrics = trainer.step_async(batch)
+            metrics["data_wait_s"] = batches.last_wait_s  # the step waited for its batch
+            window.add(metrics)
             profile.after_step(index, trainer.state)
             bar.update(1)
             step = trainer.step_count

@@ -38,6 +38,7 @@ import os
 import sys
 import time
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -61,22 +62,42 @@ CHECK_S = 0.5
 """How often a waiting replica checks that its launcher is alive."""
 
 
-def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+class UnreadableMeetingFile(JaxparError):
+    """A meeting file that is not a whole ``.npz`` (damaged after it was written: every
+    write is atomic, and the zip's checksums catch a changed byte)."""
+
+
+def _atomic(path: Path, write: Any) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path``: a reader sees the whole file or
+    none. A failed write (a full disk) leaves no temporary file and is one line."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise JaxparError(f"meetings: cannot write {path}: {err.strerror or err}; the "
+                          "rounds before it are intact") from None
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    _atomic(path, write)
 
 
 def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    _atomic(path, lambda tmp: tmp.write_text(json.dumps(value)))
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise UnreadableMeetingFile(f"{path} is unreadable ({type(err).__name__}: "
+                                    f"{' '.join(str(err).split())})") from None
 
 
 def _names(tree: Any) -> list[str]:
@@ -274,7 +295,15 @@ class ParameterServer:
             if path.name in self._answered:
                 continue
             _, r, token = path.stem.split("_")
-            weights = _read(path)
+            try:
+                weights = _read(path)
+            except UnreadableMeetingFile as err:
+                self._answered.add(path.name)
+                if self.anchor is None:  # nothing to start it from: it times out
+                    said.append(f"replica {r} cannot join: {err}")
+                    continue
+                said.append(f"replica {r}'s join file: {err}; it joins from the anchor")
+                weights = self.anchor
             if self.anchor is None:
                 self.anchor = weights
                 self.momentum = {k: np.zeros_like(v) for k, v in weights.items()}
@@ -316,20 +345,26 @@ class ParameterServer:
         late = [f for f in files if f not in self._used
                 and int(f.parent.name.split("_")[1]) < k]
         used = [folder / f"replica_{r}.npz" for r in fresh] + late
-        deltas = [self._delta(f) for f in used]
+        deltas, said = [], []
+        for f in used:
+            try:
+                deltas.append(self._delta(f))
+            except UnreadableMeetingFile as err:  # left out of the mean, in one line
+                said.append(f"round {k}: {err}; left out")
         self._used.update(used)
-        for name, a in self.anchor.items():
-            g = np.mean([d[name] for d in deltas], axis=0)
-            self.anchor[name], self.momentum[name] = outer_sgd(
-                a, self.momentum[name], g, self.lr, self.mu, self.nesterov)
+        if deltas:  # (with none readable the anchor stays as it was)
+            for name, a in self.anchor.items():
+                g = np.mean([d[name] for d in deltas], axis=0)
+                self.anchor[name], self.momentum[name] = outer_sgd(
+                    a, self.momentum[name], g, self.lr, self.mu, self.nesterov)
         _write(folder / "anchor.npz", self.anchor)
         self.round = k
         _write(self.folder / "server.npz", {
             "round": np.asarray(k), **{f"anchor/{n}": v for n, v in self.anchor.items()},
             **{f"momentum/{n}": v for n, v in self.momentum.items()}})
         stale = sorted(int(f.stem.split("_")[1]) for f in late)
-        return [f"round {k}: replicas {fresh} met"
-                + (f" (late from earlier rounds: {stale})" if stale else "")]
+        return said + [f"round {k}: replicas {fresh} met"
+                       + (f" (late from earlier rounds: {stale})" if stale else "")]
 
     def _delta(self, path: Path) -> dict[str, np.ndarray]:
         """A meeting file's outer gradient: its start anchor minus its weights."""

@@ -5,7 +5,7 @@ yours gets the same by having its repeated blocks wrapped, in place and without 
 its code: :func:`apply_remat` swaps each block's class for a subclass whose ``__call__``
 runs the original one under ``nnx.remat`` with the policy (so state the block updates,
 dropout counters and batch statistics, still comes out). The blocks are those
-:func:`~jaxpar.sharding.layouts.repeated_blocks` finds (modules of one class in an
+:func:`~jaxpar.sharding.blocks.repeated_blocks` finds (modules of one class in an
 ``nnx.List`` or list, or a stack scanned over ``layers``), or those whose paths match
 ``plan.remat_blocks``.
 
@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import JaxparError
 from jaxpar.sharding import remat as remat_lib
-from jaxpar.sharding.layouts import repeated_blocks
+from jaxpar.sharding.blocks import repeated_blocks
 from jaxpar.sharding.paths import path_str
 
 _WRAPPED = "_jaxpar_remat_base"

@@ -36,6 +36,7 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.sharding.annotations import logical_names
+from jaxpar.sharding.blocks import repeated_blocks
 
 MODES: tuple[str, ...] = ("none", "int8", "fp8")
 DEFAULT_TARGET = ".*"
@@ -180,8 +181,6 @@ def head_paths(model: nnx.Module) -> tuple[str, ...]:
     repeated blocks has a last dimension of an ``nnx.Embed``'s number of rows.
     Embeddings themselves are not listed. For a linen model, its linen module paths
     (from :meth:`head_paths` of the model)."""
-    from jaxpar.sharding.layouts import repeated_blocks  # (layouts imports plan, plan this)
-
     own = getattr(model, "head_paths", None)
     if callable(own):
         return tuple(own())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,9 @@ class Prefetcher:
     """
 
     def __init__(self, make: Callable[[int], Any], start: int, end: int, *, depth: int = 2):
+        self.last_wait_s = 0.0
+        """How long the last batch was waited for (0 when it was ready): the time a step
+        lost to the input pipeline."""
         self._ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(make, start, end),
@@ -58,7 +62,9 @@ class Prefetcher:
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         while True:
+            begin = time.perf_counter()
             item = self._ready.get()
+            self.last_wait_s = time.perf_counter() - begin
             if item is _DONE:
                 return
             step, batch, err = item

@@ -113,3 +113,17 @@ def test_long_lists_are_cut_after_ten():
 def test_other_differences_are_errors(have, want, stages):
     with pytest.raises(JaxparError, match=r"shape mismatch at w: checkpoint"):
         match({"w": have}, {"w": _abstract(want)}, "ckpt", stages=stages)
+
+
+@pytest.mark.parametrize("diloco_in", ["checkpoint", "config"])
+def test_diloco_on_one_side_only_is_named_not_listed(diloco_in):
+    """A run resumed with diloco.sync_every toggled: one line naming the knob instead of
+    every state path of the replicas."""
+    plain = {"params/a": (2,), "opt_state/mu/a": (2,)}
+    diloco = {"anchor/a": (2,), "momentum/a": (2,), "replicas/params/a": (2, 2),
+              "replicas/opt_state/mu/a": (2, 2)}
+    saved, target = (diloco, plain) if diloco_in == "checkpoint" else (plain, diloco)
+    with pytest.raises(JaxparError) as err:
+        match(saved, {k: _abstract(v) for k, v in target.items()}, "checkpoint /x/3")
+    assert "resume with the diloco.sync_every the run was saved with" in str(err.value)
+    assert "replicas/params" not in str(err.value)

@@ -32,7 +32,8 @@ def test_train_writes_metrics_and_config(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert {"step", "loss", "step_time_s", "tokens_per_s"} <= set(r)
+        assert {"step", "loss", "step_time_s", "tokens_per_s", "data_wait_s"} <= set(r)
+        assert r["data_wait_s"] >= 0
         assert r["tokens_per_s"] > 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["model"]["d_model"] == 32 and saved["train"]["steps"] == 3

@@ -1,10 +1,13 @@
 """The parameter server of jaxpar launch --replicas, driven through its folder as the
 replica processes drive it: joins, rounds, the outer update, members that die."""
 
+import errno
 import json
 
 import numpy as np
+import pytest
 
+from jaxpar.errors import JaxparError
 from jaxpar.runs.replicas import START, ParameterServer, _read, _write
 
 
@@ -107,3 +110,36 @@ def test_bounded_staleness_goes_on_without_a_slow_replica_and_applies_it_late(tm
     _send(tmp_path, 4, 0, w + 7)
     assert server.poll({0, 1}) == []  # replica 1's last round, 2, is two behind round 4
     assert server.round == 3
+
+
+def test_a_damaged_meeting_file_is_left_out_in_one_line(tmp_path):
+    """Replica 1's weights for round 1 damaged after they were written: the round
+    completes with replica 0's alone, and says which file it left out and why."""
+    server = _server(tmp_path, mu=0.0)
+    start = np.ones(3, np.float32)
+    for r in (0, 1):
+        _join(tmp_path, r, start)
+    server.poll({0, 1})
+    _send(tmp_path, 1, 0, start - 0.1)
+    _send(tmp_path, 1, 1, start - 0.3)
+    damaged = tmp_path / "round_1" / "replica_1.npz"
+    damaged.write_bytes(damaged.read_bytes()[:40])
+    said = server.poll({0, 1})
+    assert said[0].startswith(f"round 1: {damaged} is unreadable (") and said[0].endswith(
+        "; left out")
+    assert said[1] == "round 1: replicas [0, 1] met"
+    np.testing.assert_allclose(_read(tmp_path / "round_1" / "anchor.npz")["w"],
+                               start - 0.7 * 0.1, rtol=1e-6)
+    with pytest.raises(JaxparError, match="is unreadable"):
+        _read(damaged)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    with pytest.raises(JaxparError, match="meetings: cannot write .*anchor.npz: No space "
+                                          "left on device; the rounds before it are intact"):
+        _write(tmp_path / "anchor.npz", {"w": np.ones(2)})
+    assert list(tmp_path.iterdir()) == []
