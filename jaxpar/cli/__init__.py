@@ -9,10 +9,12 @@
 ``jaxpar sample --run runs/tiny --prompt "def " [--max-tokens 64] [--temperature 0] [--top-k 0]``
 ``jaxpar convert --from-hf HF_FOLDER --out RUN [--devices N] [key=value ...]``
 ``jaxpar export --run RUN --to-hf DIR [--merge-lora | --adapters] [--dtype bfloat16]``
+``jaxpar tokenize --tokenizer TOK --out SHARDS [--field text] [--workers N] INPUT ...``
 
 One module a command (:mod:`jaxpar.cli.train`, :mod:`~jaxpar.cli.plan`,
 :mod:`~jaxpar.cli.inspection`, :mod:`~jaxpar.cli.calibrate`, :mod:`~jaxpar.cli.launch`,
-:mod:`~jaxpar.cli.sample`, :mod:`~jaxpar.cli.convert`, :mod:`~jaxpar.cli.export`), their
+:mod:`~jaxpar.cli.sample`, :mod:`~jaxpar.cli.convert`, :mod:`~jaxpar.cli.export`,
+:mod:`~jaxpar.cli.tokenize`), their
 arguments in :mod:`jaxpar.cli.parser`. ``--devices N`` simulates N CPU devices; it is
 handled before JAX starts a backend. Options and ``section.key=value`` overrides may come
 in any order.
@@ -29,7 +31,17 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
-from jaxpar.cli import calibrate, convert, export, inspection, launch, plan, sample, train
+from jaxpar.cli import (
+    calibrate,
+    convert,
+    export,
+    inspection,
+    launch,
+    plan,
+    sample,
+    tokenize,
+    train,
+)
 from jaxpar.cli.parser import build_parser, parse_args
 from jaxpar.errors import JaxparError, JaxparWarning, RunStopped
 
@@ -37,7 +49,7 @@ COMMANDS: dict[str, Callable] = {
     "train": train.command, "plan": plan.command, "inspect": inspection.command,
     "compile": inspection.command,
     "calibrate": calibrate.command, "launch": launch.command, "sample": sample.command,
-    "convert": convert.command, "export": export.command,
+    "convert": convert.command, "export": export.command, "tokenize": tokenize.command,
 }
 """What each ``jaxpar`` subcommand runs."""
 

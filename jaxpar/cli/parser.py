@@ -206,7 +206,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_sample(sub)
     _add_hf(sub)
+    _add_tokenize(sub)
     return parser
+
+
+def _add_tokenize(sub: argparse._SubParsersAction) -> None:
+    tok = sub.add_parser("tokenize", help="tokenize text corpora into token shards, in "
+                         "parallel, once")
+    tok.add_argument("inputs", nargs="+", metavar="INPUT",
+                     help="text, .jsonl or .jsonl.gz files, folders or globs")
+    tok.add_argument("--tokenizer", required=True,
+                     help="a tokenizer.json file or a folder holding one")
+    tok.add_argument("--out", required=True, help="folder to write the .bin shards to")
+    tok.add_argument("--field", default="text", help="the text's key in .jsonl records")
+    tok.add_argument("--workers", type=int, default=0,
+                     help="worker processes (default: one per CPU, at most one per file)")
+    tok.set_defaults(command="tokenize")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

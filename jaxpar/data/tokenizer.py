@@ -17,6 +17,7 @@ is written, the source's caches under other keys are deleted.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import json
@@ -45,7 +46,7 @@ BATCH_CHARS = 1 << 22
 """Characters of text collected before one ``encode_batch`` call (encoded in parallel)."""
 
 
-def _json_path(spec: str) -> Path:
+def tokenizer_json(spec: str) -> Path:
     path = Path(spec).expanduser()
     return path / "tokenizer.json" if path.is_dir() else path
 
@@ -55,7 +56,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
     Raises:
       JaxparError: naming ``data.tokenizer`` when it is missing, unreadable or invalid."""
-    path = _json_path(spec)
+    path = tokenizer_json(spec)
     if not path.is_file():
         raise JaxparError(f"data.tokenizer={spec!r}: is neither a tokenizer.json file nor "
                           "a folder holding one")
@@ -136,14 +137,28 @@ def data_files(source: str) -> list[Path]:
     return sorted(files)
 
 
-def _documents(source: str, files: list[Path], field: str) -> Iterator[tuple[str, int]]:
-    """(text, bytes read) per document: whole text files, ``.jsonl`` lines ('' if blank)."""
+def is_jsonl(file: Path) -> bool:
+    """Whether ``file`` holds a JSON record per line (``.jsonl``, or ``.jsonl.gz``)."""
+    return file.name.endswith((".jsonl", ".jsonl.gz"))
+
+
+def _open_text(file: Path):
+    """``file`` opened as UTF-8 text, gunzipped on the fly when it ends in ``.gz``."""
+    if file.suffix == ".gz":
+        return gzip.open(file, "rt", encoding="utf-8")
+    return file.open(encoding="utf-8")
+
+
+def documents(source: str, files: list[Path], field: str) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) per document: whole text files, ``.jsonl`` (or ``.jsonl.gz``)
+    lines ('' if blank)."""
     for file in files:
         try:
-            if file.suffix != ".jsonl":
-                yield file.read_text(encoding="utf-8"), file.stat().st_size
+            if not is_jsonl(file):
+                with _open_text(file) as f:
+                    yield f.read(), file.stat().st_size
                 continue
-            with file.open(encoding="utf-8") as f:
+            with _open_text(file) as f:
                 for number, line in enumerate(f, 1):
                     if not line.strip():
                         yield "", len(line.encode())
@@ -161,6 +176,9 @@ def _documents(source: str, files: list[Path], field: str) -> Iterator[tuple[str
                     yield text, len(line.encode())
         except UnicodeDecodeError:
             raise JaxparError(f"data.source {source!r}: {str(file)!r} is not UTF-8") from None
+        except (gzip.BadGzipFile, EOFError) as exc:
+            raise JaxparError(f"data.source {source!r}: {str(file)!r} is not a whole gzip "
+                              f"file ({exc})") from None
         except OSError as exc:
             raise JaxparError(f"data.source {source!r}: cannot read {str(file)!r}: "
                               f"{exc.strerror or exc}") from None
@@ -206,7 +224,7 @@ def _write_cache(path: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> i
         tmp.unlink(missing_ok=True)
 
 
-def _stream(tokenizer: Tokenizer, eos: int, dtype: np.dtype, bar: tqdm,
+def encoded_stream(tokenizer: Tokenizer, eos: int, dtype: np.dtype, bar: tqdm,
             documents: Iterator[tuple[str, int]]) -> Iterator[np.ndarray]:
     """The ids of ``documents``, each followed by ``eos``, an array per encoded batch of
     about :data:`BATCH_CHARS` characters; ``bar`` advances by the bytes read."""
@@ -235,7 +253,7 @@ def tokenized(source: str, tokenizer_spec: str, *, field: str = "text",
       JaxparError: for a bad tokenizer, an unreadable or non-UTF-8 file, a JSONL record
         without a ``field`` string (naming file and line), no text, an unwritable cache."""
     tokenizer = load_tokenizer(tokenizer_spec)
-    json_path = _json_path(tokenizer_spec)
+    json_path = tokenizer_json(tokenizer_spec)
     eos = eos_id(tokenizer, json_path.parent)
     dtype = token_dtype(vocab_size(tokenizer))
     files = data_files(source)
@@ -253,7 +271,7 @@ def tokenized(source: str, tokenizer_spec: str, *, field: str = "text",
             folder.mkdir(exist_ok=True)
             with tqdm(total=total, desc="tokenize", unit="B", unit_scale=True,
                       disable=None if progress else True, dynamic_ncols=True) as bar:
-                ids = _stream(tokenizer, eos, dtype, bar, _documents(source, files, field))
+                ids = encoded_stream(tokenizer, eos, dtype, bar, documents(source, files, field))
                 count = _write_cache(cache, ids, dtype)
         except OSError as exc:
             raise JaxparError(f"data.source {source!r}: cannot write the token cache in "

@@ -1,3 +1,4 @@
-"""The parallelisms a model calls into, one module each: ZeRO shardings, pipeline stages,
-context-parallel attention, attention kernels and the vocabulary-parallel loss.
+"""The parallelisms a model calls into, one module each: ZeRO shardings, pipeline stages
+(and a user's model divided into them, :mod:`~jaxpar.parallel.staged`), context-parallel
+attention, attention kernels and the vocabulary-parallel loss.
 """

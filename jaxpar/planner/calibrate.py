@@ -80,7 +80,14 @@ def _time_loop(fn: Callable[[Any], Any], args: tuple, target_s: float, repeats: 
 
     once(1)  # compile
     base = min(once(1) for _ in range(3))  # dispatch and one iteration
-    per = max((once(9) - base) / 8, 1e-7)
+    # Grow r fourfold until a loop lasts a quarter of the target: an estimate from a loop
+    # lost in the dispatch noise (a busy machine) would pick an r that runs far too long.
+    r, elapsed = 4, once(4)
+    while elapsed < target_s / 4 and r < 10000:
+        r = min(4 * r, 10000)
+        elapsed = once(r)
+    # (at least a tenth of the plain mean: noise in base cannot make r explode)
+    per = max((elapsed - base) / (r - 1), 0.1 * elapsed / r)
     r = int(min(max(target_s / per, 2), 10000))
     total = min(once(r) for _ in range(repeats))
     per = (total - base) / (r - 1)

@@ -167,3 +167,36 @@ def test_the_command_starts_the_checked_child_with_its_devices(monkeypatch):
     assert command(args) == 5
     assert started[1][0][0][3:] == child
     assert started[1][1][1]["JAXPAR_COORDINATOR"] == "127.0.0.1:999"
+
+
+def test_a_shard_run_resumes_on_4_then_2_then_3_processes(tmp_path):
+    """Token shards, packed: two steps on 4 processes (2 devices each), two more resumed on
+    2 processes (4 each), two more on 3 (2 each, 6 devices). The global batches do not
+    depend on the process count, so the losses follow one uninterrupted process's run on 8
+    devices, up to float summation order."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        ids = rng.integers(1, 256, 3000, dtype=np.uint16)
+        ids[rng.random(3000) < 0.01] = 0
+        ids.tofile(shards / f"s-{i}.bin")
+    run = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+           "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16", "train.global_batch=24",
+           "train.warmup_steps=0", f"data.source={shards}/*.bin", "data.eos_id=0",
+           "checkpoint.every=2", "checkpoint.async_save=false", "train.eval_every=0"]
+    out = tmp_path / "run"
+    for processes, devices, steps in ((4, 2, 2), (2, 4, 4), (3, 2, 6)):
+        resume = ["--resume"] if steps > 2 else []
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", str(processes),
+             "--devices-per-process", str(devices), "--", "train", "--config",
+             "configs/tiny.yaml", "--out", str(out), *resume, *run, f"train.steps={steps}"],
+            capture_output=True, text=True, timeout=300, env=without_cache(os.environ))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    config = jaxpar.load_config("configs/tiny.yaml", [*run, "train.steps=6"])
+    _, history = train(config, tmp_path / "single", progress=False)
+    np.testing.assert_allclose([r["loss"] for r in rows], [m["loss"] for m in history],
+                               rtol=1e-4)
