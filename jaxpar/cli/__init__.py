@@ -14,7 +14,7 @@
 One module a command (:mod:`jaxpar.cli.train`, :mod:`~jaxpar.cli.plan`,
 :mod:`~jaxpar.cli.inspection`, :mod:`~jaxpar.cli.calibrate`, :mod:`~jaxpar.cli.launch`,
 :mod:`~jaxpar.cli.sample`, :mod:`~jaxpar.cli.convert`, :mod:`~jaxpar.cli.export`,
-:mod:`~jaxpar.cli.tokenize`), their
+:mod:`~jaxpar.cli.tokenize_corpus`), their
 arguments in :mod:`jaxpar.cli.parser`. ``--devices N`` simulates N CPU devices; it is
 handled before JAX starts a backend. Options and ``section.key=value`` overrides may come
 in any order.
@@ -39,7 +39,7 @@ from jaxpar.cli import (
     launch,
     plan,
     sample,
-    tokenize,
+    tokenize_corpus,
     train,
 )
 from jaxpar.cli.parser import build_parser, parse_args
@@ -49,7 +49,7 @@ COMMANDS: dict[str, Callable] = {
     "train": train.command, "plan": plan.command, "inspect": inspection.command,
     "compile": inspection.command,
     "calibrate": calibrate.command, "launch": launch.command, "sample": sample.command,
-    "convert": convert.command, "export": export.command, "tokenize": tokenize.command,
+    "convert": convert.command, "export": export.command, "tokenize": tokenize_corpus.command,
 }
 """What each ``jaxpar`` subcommand runs."""
 

@@ -20,7 +20,7 @@ def _replace(monkeypatch, behaviour):
 def test_each_command_runs_its_module():
     modules = {"train": cli.train, "plan": cli.plan, "inspect": cli.inspection,
                "calibrate": cli.calibrate, "launch": cli.launch, "sample": cli.sample,
-               "convert": cli.convert, "export": cli.export}
+               "convert": cli.convert, "export": cli.export, "tokenize": cli.tokenize_corpus}
     commands = cli.COMMANDS
     assert commands == {"compile": cli.inspection.command,  # inspect for any target
                         **{name: module.command for name, module in modules.items()}}

@@ -8,7 +8,7 @@ import pytest
 from jaxpar.cli.parser import build_parser, device_count, parse_args
 
 COMMANDS = {"train", "plan", "inspect", "compile", "calibrate", "launch", "sample", "convert",
-            "export"}
+            "export", "tokenize"}
 """The commands the README's usage lists."""
 
 
