@@ -15,13 +15,16 @@ from jaxpar.runs.distributed import ENV_NUM_PROCESSES, initialize, simulate_devi
 from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
 from jaxpar.runs.loop import check_run_folder, summarize, train
 from jaxpar.sharding.mesh import describe, make_mesh
+from jaxpar.storage.remote import RunMirror, is_remote
 
 
 def checked_train_config(args: argparse.Namespace) -> Config:
     """The config of a parsed ``jaxpar train`` command, checked with its run folder before
     JAX starts (the checks that need the device count come once it is known)."""
     source = args.config
-    saved = Path(args.out) / "config.yaml" if args.out else None
+    saved = Path(args.out) / "config.yaml" if args.out and not is_remote(args.out) else None
+    if source is None and args.resume and is_remote(args.out):
+        saved = RunMirror(args.out).fetch("config.yaml")
     if source is None and args.resume and saved is not None and saved.is_file():
         source = saved  # a resumed run continues under the config it was started with
     config = load_config(source, args.overrides, keep_mesh=args.keep_mesh)

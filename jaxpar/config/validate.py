@@ -35,6 +35,7 @@ from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.sharding.plan import check_knob, check_knob_pairs, knobs
 from jaxpar.sharding.rules import PRESETS, preset
 from jaxpar.storage.folders import refuse_url
+from jaxpar.storage.remote import check_url, is_remote
 from jaxpar.training.optimizer import OPTIMIZERS
 
 
@@ -179,8 +180,11 @@ def _check_relations(config: Config) -> None:
                           f"are not supported yet: set data.eos_id to -1 or mesh.{axis} to 1")
     for i, entry in enumerate(d.sources):
         if isinstance(entry, dict):
-            refuse_url(entry.get("path", ""), f"data.sources[{i}].path")
-    refuse_url(d.source, "data.source")
+            check_url(entry.get("path", ""), f"data.sources[{i}].path")
+    check_url(d.source, "data.source")
+    if is_remote(d.source) and d.tokenizer:
+        raise _bad("data.source", d.source, "is in object storage, which jaxpar reads as "
+                   "token shards: write them with jaxpar tokenize, then drop data.tokenizer")
     refuse_url(config.init_from, "init_from")
     if d.sources or names_shards(d.source):
         _check_sources(config)

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxpar.data.loader import check_token_ids
 from jaxpar.errors import JaxparError
+from jaxpar.storage.remote import RemoteTokens, is_remote, remote_files
 
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
 SHARD_SUFFIXES: tuple[str, ...] = (".bin", ".npy")
@@ -33,9 +34,10 @@ def is_pattern(spec: str) -> bool:
 
 
 def names_shards(spec: str) -> bool:
-    """Whether ``data.source`` names token shards: a glob, or a folder whose visible files
-    are all ``.bin``/``.npy`` (at least one)."""
-    if is_pattern(spec):
+    """Whether ``data.source`` names token shards: a glob, a folder whose visible files
+    are all ``.bin``/``.npy`` (at least one), or anything in object storage (``s3://``,
+    ``gs://``: a bucket holds token shards)."""
+    if is_pattern(spec) or is_remote(spec):
         return True
     path = Path(spec)
     if not path.is_dir():
@@ -44,13 +46,20 @@ def names_shards(spec: str) -> bool:
     return bool(files) and all(p.suffix in SHARD_SUFFIXES for p in files)
 
 
-def shard_paths(spec: str) -> list[Path]:
+def shard_paths(spec: str) -> list[Path | str]:
     """The shards ``spec`` names, sorted: the files a glob matches, the ``.bin``/``.npy``
-    files of a folder, or one file.
+    files of a folder, or one file; URLs for shards in object storage.
 
     Raises:
       JaxparError: when nothing matches, or a match is not a ``.bin`` or ``.npy`` file.
     """
+    if is_remote(spec):
+        paths = remote_files(spec, SHARD_SUFFIXES, "data source")
+        odd = [p for p in paths if not p.endswith(SHARD_SUFFIXES)]
+        if odd:
+            raise JaxparError(f"data source {spec!r}: {odd[0]} is not a token shard (.bin "
+                              "or .npy)")
+        return paths
     if is_pattern(spec):
         paths = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
         if not paths:
@@ -74,8 +83,9 @@ def shard_paths(spec: str) -> list[Path]:
     return paths
 
 
-def open_shard(path: Path, token_dtype: str = "uint16") -> np.ndarray:
-    """A shard's ids as a read-only memory map (1-D).
+def open_shard(path: Path | str, token_dtype: str = "uint16") -> np.ndarray | RemoteTokens:
+    """A shard's ids as a read-only memory map (1-D); a shard in object storage as a
+    :class:`~jaxpar.storage.remote.RemoteTokens` (read by byte ranges).
 
     Raises:
       JaxparError: naming the file, for a size that is not whole ids, a ``.npy`` that is
@@ -84,6 +94,9 @@ def open_shard(path: Path, token_dtype: str = "uint16") -> np.ndarray:
     if token_dtype not in TOKEN_DTYPES:
         raise JaxparError(f"data.token_dtype={token_dtype!r}: choose one of "
                           f"{list(TOKEN_DTYPES)}")
+    if is_remote(path):
+        return RemoteTokens.open(str(path), token_dtype)
+    path = Path(path)
     try:
         if path.suffix == ".npy":
             ids = np.load(path, mmap_mode="r")
@@ -113,9 +126,10 @@ class Windows:
     training and ``(0.95, 1)`` for a held-out tail.
     """
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int, *, name: str = "",
+    def __init__(self, shards: list[np.ndarray | RemoteTokens], seq_len: int, *, name: str = "",
                  part: tuple[float, float] = (0.0, 1.0)):
         self.shards, self.seq_len, self.name = shards, seq_len, name
+        self._vocab_size: int | None = None  # remote shards' ids are checked as read
         self._first: list[int] = []  # each shard's first window (in the shard)
         counts = []
         for ids in shards:
@@ -137,10 +151,18 @@ class Windows:
         shard = bisect.bisect_right(self._ends, index)
         local = index - (self._ends[shard - 1] if shard else 0) + self._first[shard]
         start = local * self.seq_len
-        return np.asarray(self.shards[shard][start:start + self.seq_len + 1], np.int32)
+        ids = self.shards[shard][start:start + self.seq_len + 1]
+        if self._vocab_size is not None and isinstance(self.shards[shard], RemoteTokens):
+            check_token_ids(ids, self._vocab_size, source=self.shards[shard].filename,
+                            offset=start)
+        return np.asarray(ids, np.int32)
 
     def check_ids(self, vocab_size: int) -> None:
         """Fail in one line, naming the shard, if an id is ``>= vocab_size`` (every shard
-        scanned in chunks; see :func:`jaxpar.data.loader.check_token_ids`)."""
+        scanned in chunks; see :func:`jaxpar.data.loader.check_token_ids`). A shard in
+        object storage is checked as it is read, not downloaded whole up front."""
         for ids in self.shards:
+            if isinstance(ids, RemoteTokens):
+                self._vocab_size = vocab_size  # checked in __getitem__
+                continue
             check_token_ids(ids, vocab_size, source=getattr(ids, "filename", self.name))

@@ -44,7 +44,8 @@ from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import LauncherGone, ReplicaClient
 from jaxpar.runs.runlog import RunLog
-from jaxpar.storage.folders import LOCK_NAME, FolderLock, refuse_url
+from jaxpar.storage.folders import LOCK_NAME, FolderLock
+from jaxpar.storage.remote import RunMirror, check_url, is_remote
 from jaxpar.training.prefetch import Prefetcher
 from jaxpar.training.trainer import Trainer
 
@@ -175,7 +176,15 @@ def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
         overwritten), or ``train.profile_steps`` has no folder to write the trace to.
     """
     if out_dir is not None:
-        refuse_url(out_dir, "--out")
+        check_url(out_dir, "--out")
+    if is_remote(out_dir):  # a bucket: its checkpoints, then the local copy's
+        mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))
+        mirror.check()
+        steps = mirror.remote_steps()
+        if steps and not resume:
+            raise JaxparError(f"{out_dir} already holds checkpoints (steps {steps}); pass "
+                              "--resume to continue that run, or choose another --out")
+        out_dir = mirror.local
     if out_dir is None:
         if resume:
             raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
@@ -326,6 +335,13 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
+    mirror = None
+    if is_remote(out_dir):  # the run works in a local copy, uploaded after each save
+        mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))
+        if resume:
+            _say(f"downloading {mirror.url} into {mirror.local}")
+            mirror.pull()
+        out_dir = mirror.local
     compile_cache.enable(config.train.compile_cache)
     executable = load_compiled(compiled, config, jax.devices()) if compiled else None
     # One writer per run folder: process 0 of a run holds its lock until the run ends.
@@ -340,12 +356,31 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
                if config.train.eval_every > 0 else None)
     if lock is not None:
         lock.acquire()
+    clean = False
     try:
-        return _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
-                      max_steps=max_steps, executable=executable)
+        result = _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
+                        max_steps=max_steps, executable=executable, mirror=mirror)
+        clean = True
+        return result
+    except (RunStopped, LauncherGone):  # every process stopped at the same step
+        clean = True
+        raise
     finally:
+        if mirror is not None and (clean or jax.process_count() == 1):
+            _push(mirror)
         if lock is not None:
             lock.release()
+
+
+def _push(mirror: RunMirror) -> None:
+    """Upload what changed in the run's local copy; every process sends its own shards,
+    and a step is marked uploaded once all have (see :class:`RunMirror`)."""
+    many = jax.process_count() > 1
+    if many:
+        from jax.experimental import multihost_utils
+
+        barrier = lambda: multihost_utils.sync_global_devices("jaxpar upload")  # noqa: E731
+    mirror.push(jax.process_index(), barrier if many else None)
 
 
 def _checked_trainer(config: Config, loader: TokenLoader) -> Trainer:
@@ -399,18 +434,18 @@ def _due(step: int, end: int, config: Config, ckpt: Checkpointer | None,
 def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
            holdout: TokenLoader | None, *,
            progress: bool, resume: bool, max_steps: int | None,
-           executable: tuple[Any, tuple] | None = None
+           executable: tuple[Any, tuple] | None = None, mirror: RunMirror | None = None
            ) -> tuple[Trainer, list[dict[str, Any]]]:
     with compile_cache.CompileWatch() as compiling:
         return _train_watched(config, out_dir, loader, holdout, progress=progress,
                               resume=resume, max_steps=max_steps, executable=executable,
-                              compiling=compiling)
+                              compiling=compiling, mirror=mirror)
 
 
 def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoader,
                    holdout: TokenLoader | None, *, progress: bool, resume: bool,
                    max_steps: int | None, executable: tuple[Any, tuple] | None,
-                   compiling: compile_cache.CompileWatch
+                   compiling: compile_cache.CompileWatch, mirror: RunMirror | None = None
                    ) -> tuple[Trainer, list[dict[str, Any]]]:
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
@@ -475,6 +510,9 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                 rows[0].update(compiling.metrics())
                 _say(compiling.describe())
             _act(due, rows[-1], trainer, config, ckpt, holdout, end)
+            if due.save and mirror is not None and rows[-1]["step"] < end:
+                ckpt.wait()  # the step's files are on disk: send them to the bucket
+                _push(mirror)
             for row in rows:
                 history.append(row)
                 if log.due(row["step"], last=row["step"] == end, metrics=row):
