@@ -33,7 +33,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,9 @@ class Checkpointer:
         self._manager = _manager(self.directory, keep=keep, async_save=async_save)
         self._saving: int | None = None  # the step of the last save started
         self._failed = False
+        self.data_state: Callable[[int], dict[str, Any]] | None = None
+        """Called with the step being saved: what the data loader needs to continue there
+        (kept in ``meta["data"]``; the positions of streamed documents)."""
         logging.getLogger("absl").addFilter(_WRITE_FAULT_FILTER)  # once: filters are a set
         _drop_late_wakeups()
 
@@ -228,9 +231,11 @@ class Checkpointer:
         config = config if config is not None else getattr(trainer, "config", None)
         seed = config.train.seed if config is not None else None
         mesh = trainer.plan.mesh
-        meta = {"step": step, "seed": seed,
-                "data": {"position": step, "seed": seed,
-                         "global_batch": config.train.global_batch if config else None},
+        data = {"position": step, "seed": seed,
+                "global_batch": config.train.global_batch if config else None}
+        if self.data_state is not None:  # every process saves: gathering is collective
+            data.update(self.data_state(step))
+        meta = {"step": step, "seed": seed, "data": data,
                 "processes": jax.process_count(), "devices": mesh.size,
                 "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage,
                 "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule)}

@@ -28,6 +28,16 @@ def device_count(text: str) -> int:
     return n
 
 
+def positive_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give at least 1")
+    return n
+
+
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine's devices and write a "
                          "catalog entry for jaxpar plan --catalog")
@@ -188,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run folder for config.yaml, metrics.jsonl, checkpoints/")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in OUT/checkpoints")
+    train.add_argument("--max-steps", type=positive_count, metavar="N",
+                       help="stop after N steps of this call, saving a checkpoint (a "
+                            "time-boxed session; --resume continues, the learning-rate "
+                            "schedule still spans train.steps)")
     train.add_argument("--keep-mesh", action="store_true",
                        help="mesh overrides change only the axes given (default: they "
                             "replace the config's mesh)")

@@ -60,7 +60,8 @@ def command(args: argparse.Namespace) -> int:
               f"staleness {dl.staleness}), outer SGD lr {dl.outer_lr} momentum "
               f"{dl.outer_momentum}{' nesterov' * dl.nesterov}"
               f"{', meetings overlapped with the next step' * dl.overlap}")
-    _, history = train(config, args.out, resume=args.resume, compiled=args.compiled)
+    _, history = train(config, args.out, resume=args.resume, compiled=args.compiled,
+                       max_steps=getattr(args, "max_steps", None))
     if writer and history:
         s = summarize(history)
         print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "

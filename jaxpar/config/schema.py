@@ -170,17 +170,21 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from: ``stdlib`` (built in) or a text file, folder, .npy or .bin;
-    or token shards (a glob, a folder of ``.bin``/``.npy`` files, a weighted mixture of
-    them in ``sources``), read in shuffled epochs (:mod:`jaxpar.data.mixture`)."""
+    or token shards (a glob, a folder of ``.bin``/``.npy`` files, local or ``s3://``, a
+    weighted mixture of them in ``sources``), read in shuffled epochs
+    (:mod:`jaxpar.data.mixture`); or, with ``tokenizer``, documents tokenized as they are
+    read (globs of ``.jsonl``/``.jsonl.gz``/``.jsonl.zst``, Parquet, Arrow, ArrayRecord,
+    Hugging Face ``datasets`` folders; :mod:`jaxpar.data.streams`)."""
 
     source: str = "stdlib"
     max_bytes: int = 8_000_000
     """Bytes read from ``stdlib`` or untokenized text (not from tokenized data, .npy or .bin)."""
     holdout_fraction: float = 0.05
     tokenizer: str = ""
-    """A ``tokenizer.json`` file or a folder holding one: ``source`` (a text file, folder or
-    ``.jsonl``) is tokenized with it once into a cache beside the data (see
-    :mod:`jaxpar.data.tokenizer`). Empty: text is read as bytes."""
+    """A ``tokenizer.json`` file or a folder holding one. Document files (see above) are
+    tokenized with it as they are read; a text file, folder of text or one ``.jsonl`` once,
+    into a cache beside the data (see :mod:`jaxpar.data.tokenizer`). Empty: text is read
+    as bytes."""
     field: str = "text"
     """The key of each ``.jsonl`` record that holds its text (with ``tokenizer``)."""
     sources: list = dataclasses.field(default_factory=list)
@@ -188,6 +192,9 @@ class DataConfig:
     {path: "code/", weight: 1}]`` (each path a glob, a folder of shards or one file; see
     :mod:`jaxpar.data.mixture`); replaces ``source``. A glob or a folder of shards as
     ``source`` is a mixture of one."""
+    workers: int = 4
+    """Threads tokenizing documents as they are read (with ``tokenizer`` and document
+    files)."""
     token_dtype: str = "uint16"
     """The id type of ``.bin`` shards: ``uint16`` or ``uint32``."""
     eos_id: int = -1

@@ -25,6 +25,7 @@ import jax
 from jax.sharding import AbstractMesh
 
 from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, PlanConfig, hf_folder
+from jaxpar.data.documents import document_files, uses_documents
 from jaxpar.data.shards import TOKEN_DTYPES, names_shards, shard_paths
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.models.config import TransformerConfig
@@ -186,13 +187,15 @@ def _check_relations(config: Config) -> None:
         raise _bad("data.source", d.source, "is in object storage, which jaxpar reads as "
                    "token shards: write them with jaxpar tokenize, then drop data.tokenizer")
     refuse_url(config.init_from, "init_from")
-    if d.sources or names_shards(d.source):
+    if uses_documents(d.source, d.sources, d.tokenizer):
+        _check_documents(config)
+    elif d.sources or names_shards(d.source):
         _check_sources(config)
     elif d.source != "stdlib" and not Path(d.source).exists():
         raise _bad("data.source", d.source, "is neither 'stdlib' nor an existing file or "
                    "folder (or a glob of token shards)")
     if d.tokenizer:
-        _check_tokenizer(d.tokenizer, d.source, d.field)
+        _check_tokenizer(d.tokenizer, d.source if not d.sources else "", d.field)
     elif d.field != DataConfig.field:
         raise JaxparError(f"data.field={d.field!r} picks the text of .jsonl records for "
                           "data.tokenizer, which is not set: set data.tokenizer (without "
@@ -232,13 +235,7 @@ def _check_sources(config: Config) -> None:
         raise JaxparError(f"data.sources replaces data.source={d.source!r}: give one")
     for i, entry in enumerate(d.sources or [{"path": d.source}]):
         key = f"data.sources[{i}]" if d.sources else "data.source"
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or set(
-                entry) - {"path", "weight"}:
-            raise _bad(key, entry, "must be {path: GLOB_OR_FOLDER, weight: NUMBER}")
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
-                math.isfinite(weight) and weight > 0):
-            raise _bad(f"{key}.weight", weight, "must be a positive number")
+        _check_entry(key, entry, "GLOB_OR_FOLDER")
         shard_paths(entry["path"])
 
 
@@ -258,6 +255,31 @@ def _check_unused_model_knobs(config: Config) -> None:
                 raise JaxparError(f"model.{name}={getattr(model, name)!r} configures experts, "
                                   "but model.n_experts=0 (a dense model): set "
                                   "model.n_experts or drop the knob")
+
+
+def _check_documents(config: Config) -> None:
+    """Document sources (``data.sources`` or a ``data.source`` of document files, with
+    ``data.tokenizer``): entries ``{path, weight}`` whose files exist and are documents."""
+    d = config.data
+    if d.sources and d.source != DataConfig.source:
+        raise JaxparError(f"data.sources replaces data.source={d.source!r}: give one")
+    if d.workers < 1:
+        raise _bad("data.workers", d.workers, "must be at least 1")
+    for i, entry in enumerate(d.sources or [{"path": d.source}]):
+        key = f"data.sources[{i}]" if d.sources else "data.source"
+        _check_entry(key, entry, "GLOB_FOLDER_OR_FILE")
+        document_files(entry["path"])
+
+
+def _check_entry(key: str, entry: object, what: str) -> None:
+    """A mixture entry: ``{path: ..., weight: positive number}``."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or set(
+            entry) - {"path", "weight"}:
+        raise _bad(key, entry, f"must be {{path: {what}, weight: NUMBER}}")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
+            math.isfinite(weight) and weight > 0):
+        raise _bad(f"{key}.weight", weight, "must be a positive number")
 
 
 def _check_tokenizer(tokenizer: str, source: str, field: str) -> None:

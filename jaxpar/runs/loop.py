@@ -34,12 +34,11 @@ from jaxpar.analysis.executables import load_compiled
 from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.config.assembly import build_trainer
 from jaxpar.config.schema import Config
-from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
-from jaxpar.data.mixture import MixtureLoader, Source
-from jaxpar.data.shards import Windows, names_shards, open_shard, shard_paths
-from jaxpar.data.tokenizer import load_tokenizer, vocab_size
+from jaxpar.data.loader import TokenLoader
+from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.runs import compile_cache
+from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import LauncherGone, ReplicaClient
@@ -52,89 +51,6 @@ from jaxpar.training.trainer import Trainer
 
 class NonFiniteLoss(JaxparError):
     """The loss or gradient norm became NaN or infinite; the run stopped before saving it."""
-
-
-def load_corpus(config: Config) -> np.ndarray:
-    """The whole corpus of ``config.data`` as token ids (a tokenizer's vocabulary is checked
-    against ``model.vocab_size`` before anything is tokenized)."""
-    data = config.data
-    if data.tokenizer:
-        vocab = vocab_size(load_tokenizer(data.tokenizer))
-        if vocab > config.model.vocab_size:
-            raise JaxparError(
-                f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} tokens but "
-                f"model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
-                "or more")
-    return load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
-                       field=data.field)
-
-
-def reads_shards(config: Config) -> bool:
-    """Whether the run reads token shards in shuffled epochs (``data.sources``, or a glob
-    or folder of shards as ``data.source``) rather than one corpus in memory."""
-    return bool(config.data.sources) or names_shards(config.data.source)
-
-
-def shard_loader(config: Config, *, holdout: bool = False) -> MixtureLoader:
-    """This process's :class:`MixtureLoader` over the config's token shards: the first
-    ``1 - data.holdout_fraction`` of each shard's windows for training, the rest held out."""
-    data, train = config.data, config.train
-    cut = 1.0 - data.holdout_fraction
-    sources = []
-    for entry in data.sources or [{"path": data.source}]:
-        shards = [open_shard(p, data.token_dtype) for p in shard_paths(entry["path"])]
-        windows = Windows(shards, train.seq_len, name=entry["path"],
-                          part=(cut, 1.0) if holdout else (0.0, cut))
-        sources.append(Source(windows, float(entry.get("weight", 1.0))))
-    loader = MixtureLoader(sources, train.global_batch, seed=train.seed + (1 if holdout else 0),
-                           process_index=jax.process_index(),
-                           process_count=jax.process_count(), eos_id=data.eos_id)
-    loader.vocab_check(config.model.vocab_size)
-    return loader
-
-
-def make_loader(config: Config, *, holdout: bool = False,
-                tokens: np.ndarray | None = None) -> TokenLoader | MixtureLoader:
-    """This process's loader over the training tokens (or, with ``holdout``, over the
-    held-out tail of the corpus: ``data.holdout_fraction``). ``tokens``: the corpus, when
-    :func:`load_corpus` has read it already. Token shards get a :func:`shard_loader`."""
-    if reads_shards(config):
-        return shard_loader(config, holdout=holdout)
-    data, train = config.data, config.train
-    tokens = load_corpus(config) if tokens is None else tokens
-    train_tokens, held_out = split_holdout(tokens, data.holdout_fraction)
-    chosen = held_out if holdout else train_tokens
-    # One batch of distinct windows; a window also needs one spare id to vary its start.
-    need = max(train.global_batch * (train.seq_len + 1), train.seq_len + 2)
-    if len(chosen) < need:
-        formula = (f"train.global_batch * (train.seq_len + 1) = {train.global_batch} * "
-                   f"{train.seq_len + 1} = {need}" if train.global_batch > 1
-                   else f"train.seq_len + 2 = {need}")
-        if holdout:
-            raise JaxparError(
-                f"data.source {data.source!r}: the held-out part has {len(chosen)} tokens "
-                f"(data.holdout_fraction={data.holdout_fraction} of {len(tokens)}), fewer "
-                f"than one batch needs ({formula}) for train.eval_every={train.eval_every}; "
-                f"raise data.holdout_fraction or set train.eval_every=0")
-        cut_short = (tokens.dtype == "uint8" and len(tokens) == data.max_bytes
-                     and Path(data.source).suffix != ".npy")
-        more = (f"more data (data.max_bytes={data.max_bytes} cut it short)" if cut_short
-                else "more data")
-        raise JaxparError(
-            f"data.source {data.source!r}: the training part has {len(chosen)} tokens "
-            f"(of {len(tokens)}, after data.holdout_fraction={data.holdout_fraction}), "
-            f"fewer than one batch needs ({formula}); lower train.global_batch or "
-            f"train.seq_len, or use {more}")
-    loader = TokenLoader(
-        chosen, train.global_batch, train.seq_len,
-        seed=train.seed + (1 if holdout else 0),
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        eos_id=data.eos_id,
-    )
-    # Every id is checked (streamed in chunks); positions count from the file's start.
-    loader.vocab_check(config.model.vocab_size, source=data.source,
-                       offset=len(train_tokens) if holdout else 0)
-    return loader
 
 
 def evaluate(trainer: Trainer, holdout: TokenLoader, batches: int) -> float:
@@ -458,6 +374,8 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         _say("running the step compiled ahead of time (--compiled)")
     ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
             if out is not None else None)
+    if ckpt is not None and isinstance(loader, DocumentLoader):
+        ckpt.data_state = lambda step: {"streams": _all_streams(loader, step)}
     history: list[dict[str, Any]] = []
     pending = lambda: (f"checkpoint {ckpt.in_flight()}"
                        if ckpt is not None and ckpt.in_flight() is not None else None)
@@ -468,7 +386,7 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         profile = ProfileWindow(config.train.profile_steps or None,
                                 out / "profile" if out is not None else "profile")
         cleanup.callback(profile.close)
-        resumed_at = _restore(trainer, ckpt, config) if resume else None
+        resumed_at = _restore(trainer, ckpt, config, loader) if resume else None
         replica = ReplicaClient.from_env()  # one of jaxpar launch --replicas
         if replica is not None:
             joined = replica.join(trainer)
@@ -536,9 +454,22 @@ def _act(due: _Due, row: dict[str, Any], trainer: Trainer, config: Config,
         row["eval_loss"] = evaluate(trainer, holdout, config.train.eval_batches)
 
 
-def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config) -> int | None:
-    """Load the newest checkpoint into ``trainer``; returns its step (None when there is
-    none, and the run starts from step 0)."""
+def _all_streams(loader: DocumentLoader, step: int) -> list[list[int]]:
+    """The positions of every process's document streams before batch ``step``, in row
+    order (gathered from all processes)."""
+    mine = loader.local_state(step)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        mine = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    return mine.tolist()
+
+
+def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config,
+             loader: Any = None) -> int | None:
+    """Load the newest checkpoint into ``trainer`` (and a document loader's positions
+    into ``loader``); returns its step (None when there is none, and the run starts from
+    step 0)."""
     saved = ckpt.steps() if ckpt is not None else []
     if not saved:
         _say(f"no checkpoint in {ckpt.directory if ckpt else '(no --out)'}; starting from "
@@ -550,6 +481,13 @@ def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config) -> int
     if data_pos != step:
         raise JaxparError(f"checkpoint {ckpt.path(step)}: data position {data_pos} "
                           f"does not match step {step}")
+    if isinstance(loader, DocumentLoader):
+        streams = (meta.get("data") or {}).get("streams")
+        if streams is None:
+            raise JaxparError(f"checkpoint {ckpt.path(step)} holds no positions of document "
+                              "streams (it was saved reading other data): resume it with "
+                              "the data it was trained on, or start a new --out")
+        loader.restore(streams, step)
     _say(f"resumed from {ckpt.path(step)} (step {step} of {config.train.steps})")
     changed = _changed_keys(ckpt.config(step), config.to_dict())
     if changed:

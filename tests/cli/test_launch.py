@@ -169,29 +169,39 @@ def test_the_command_starts_the_checked_child_with_its_devices(monkeypatch):
     assert started[1][1][1]["JAXPAR_COORDINATOR"] == "127.0.0.1:999"
 
 
-def test_a_shard_run_resumes_on_4_then_2_then_3_processes(tmp_path):
-    """Token shards, packed: two steps on 4 processes (2 devices each), two more resumed on
-    2 processes (4 each), two more on 3 (2 each, 6 devices). The global batches do not
-    depend on the process count, so the losses follow one uninterrupted process's run on 8
-    devices, up to float summation order."""
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        ids = rng.integers(1, 256, 3000, dtype=np.uint16)
-        ids[rng.random(3000) < 0.01] = 0
-        ids.tofile(shards / f"s-{i}.bin")
+def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
+    """A mixture of documents (Parquet and zstd jsonl) tokenized as read and packed: two
+    steps on 4 processes (2 devices each), two more resumed on 2 processes (4 each) from
+    the stream positions gathered into the checkpoint, two more on 3 (2 each, 6 devices).
+    The global batches do not depend on the process count, so the losses follow one
+    uninterrupted process's run on 8 devices, up to float summation order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from tests.data.test_streams import _docs
+    from tests.data.test_tokenizer import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    pq.write_table(pa.table({"text": _docs(300, 1)}), tmp_path / "web.parquet",
+                   row_group_size=50)
+    (tmp_path / "code.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in _docs(200, 2)).encode()))
     run = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
            "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16", "train.global_batch=24",
-           "train.warmup_steps=0", f"data.source={shards}/*.bin", "data.eos_id=0",
+           "train.warmup_steps=0", f"data.tokenizer={tmp_path}/tok",
+           f"data.sources=[{{path: '{tmp_path}/web.parquet', weight: 2}}, "
+           f"{{path: '{tmp_path}/code.jsonl.zst', weight: 1}}]",
            "checkpoint.every=2", "checkpoint.async_save=false", "train.eval_every=0"]
     out = tmp_path / "run"
     for processes, devices, steps in ((4, 2, 2), (2, 4, 4), (3, 2, 6)):
+        # the same train.steps (and learning-rate schedule) throughout: --max-steps stops
         resume = ["--resume"] if steps > 2 else []
         proc = subprocess.run(
             [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", str(processes),
              "--devices-per-process", str(devices), "--", "train", "--config",
-             "configs/tiny.yaml", "--out", str(out), *resume, *run, f"train.steps={steps}"],
+             "configs/tiny.yaml", "--out", str(out), "--max-steps", "2", *resume, *run,
+             "train.steps=6"],
             capture_output=True, text=True, timeout=300, env=without_cache(os.environ))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
