@@ -1,16 +1,22 @@
-"""The token-shard loader's throughput, per process, against what a training step needs.
+"""The loaders' throughput, per process, against what a training step needs.
 
     python benchmarks/data.py [--tokens 50000000] [--seq 2048] [--batch 16] [--rounds 5]
 
-Writes three sources of ``uint16`` shards (``--tokens`` ids in all, 8 shards each) into a
-temporary folder, then times :class:`jaxpar.data.mixture.MixtureLoader` batches for
-each variant (one source; the three mixed 5:3:2; each packed with ``data.eos_id``),
-``--rounds`` rounds of 20 batches with the variants alternated round by round (this
-machine is noisy: a variant's figure is its median round). Tokens per second count the
-``batch x seq`` ids a step consumes. ``need`` is what the step of the config would take at
-the tokens/s ``make train`` reaches on this machine (``--step-tokens-per-s``, measured by
-``jaxpar train --config configs/tiny.yaml``): the ratio says how many times faster than
-the step the loader is.
+Token shards: three sources of ``uint16`` shards (``--tokens`` ids in all, 8 shards each)
+in a temporary folder, read by :class:`jaxpar.data.mixture.MixtureLoader` (one source;
+the three mixed 5:3:2; each packed with ``data.eos_id``).
+
+Documents tokenized as read: the standard library's ``.py`` files (``--doc-bytes`` of them,
+one document each, cut into pieces of at most 4 KB) as Parquet, a byte-level BPE
+tokenizer of 8,192 ids trained on them by Hugging Face ``tokenizers``, read by
+:class:`jaxpar.data.streams.DocumentLoader` with 1 and 4 worker threads (one source; the
+Parquet and a zstd ``.jsonl`` copy mixed 1:1), packed with segment ids.
+
+Every variant runs ``--rounds`` rounds of ``--steps`` batches, the variants alternated
+round by round (this machine is noisy: a variant's figure is its median round). Tokens
+per second count the ``batch x seq`` ids a step consumes. ``x step need`` compares with a
+training step's tokens/s (``--step-tokens-per-s``, e.g. what ``make train`` logs): how
+many times faster than the step the loader is. ``--json`` writes the table.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxpar.data.documents import open_documents  # noqa: E402
+from jaxpar.data.loader import stdlib_corpus  # noqa: E402
 from jaxpar.data.mixture import MixtureLoader, Source  # noqa: E402
 from jaxpar.data.shards import Windows, open_shard, shard_paths  # noqa: E402
+from jaxpar.data.streams import DocumentLoader  # noqa: E402
 
 EOS = 0
 
@@ -59,6 +68,40 @@ def loaders(specs: list[str], seq: int, batch: int) -> dict[str, MixtureLoader]:
             "3 mixed, packed": MixtureLoader(mix, batch, eos_id=EOS)}
 
 
+def write_documents(root: Path, doc_bytes: int) -> tuple[list[str], object, int]:
+    """Standard-library sources as Parquet and zstd jsonl documents, and a BPE tokenizer
+    trained on them; returns (the two specs, the tokenizer, its EOS id)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = stdlib_corpus(doc_bytes).tobytes().decode("utf-8", "replace")
+    docs = [text[i:i + 4096] for i in range(0, len(text), 4096)]
+    pq.write_table(pa.table({"text": docs}), root / "docs.parquet", row_group_size=1024)
+    (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=8192, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return ([str(root / "docs.parquet"), str(root / "docs.jsonl.zst")], tokenizer,
+            tokenizer.token_to_id("<|endoftext|>"))
+
+
+def document_loaders(specs: list[str], tokenizer: object, eos: int, seq: int,
+                     batch: int) -> dict[str, DocumentLoader]:
+    one = [(open_documents(specs[0]), 1.0)]
+    mix = [(open_documents(s), 1.0) for s in specs]
+    return {f"docs, {name}, {w} worker{'s' * (w > 1)}":
+            DocumentLoader(sources, tokenizer, eos, batch, seq, workers=w)
+            for name, sources in (("1 source", one), ("2 mixed", mix)) for w in (1, 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=50_000_000)
@@ -68,28 +111,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="batches per round")
     parser.add_argument("--step-tokens-per-s", type=float, default=0.0,
                         help="a training step's tokens/s to compare with (0: leave out)")
+    parser.add_argument("--doc-bytes", type=int, default=20_000_000,
+                        help="bytes of documents for the tokenizing loaders")
+    parser.add_argument("--json", help="write the table to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         specs = write_sources(Path(tmp), args.tokens)
-        runs = loaders(specs, args.seq, args.batch)
+        runs: dict = loaders(specs, args.seq, args.batch)
+        doc_specs, tokenizer, eos = write_documents(Path(tmp), args.doc_bytes)
+        runs.update(document_loaders(doc_specs, tokenizer, eos, args.seq, args.batch))
         times: dict[str, list[float]] = {name: [] for name in runs}
-        step = 0
+        done = dict.fromkeys(runs, 0)  # each loader's next batch (documents are read in order)
         for _ in range(args.rounds):
             for name, loader in runs.items():  # alternated: each round times every variant
                 begin = time.perf_counter()
                 for _ in range(args.steps):
-                    loader.batch(step)
-                    step += 1
+                    loader.batch(done[name])
+                    done[name] += 1
                 times[name].append(time.perf_counter() - begin)
     per_round = args.steps * args.batch * args.seq
     print(f"loader tokens/s per process (batch {args.batch} x seq {args.seq}, "
-          f"{args.tokens / 1e6:.0f}M tokens in 24 shards, median of {args.rounds} rounds)")
-    print(f"{'variant':<20} {'tokens/s':>12} {'batches/s':>10}"
+          f"{args.tokens / 1e6:.0f}M tokens in 24 shards; {args.doc_bytes / 1e6:.0f} MB of "
+          f"documents; median of {args.rounds} rounds)")
+    print(f"{'variant':<34} {'tokens/s':>12} {'batches/s':>10}"
           + (f" {'x step need':>12}" if args.step_tokens_per_s else ""))
+    table = []
     for name, rounds in times.items():
         rate = per_round / statistics.median(rounds)
         extra = f" {rate / args.step_tokens_per_s:>12.1f}" if args.step_tokens_per_s else ""
-        print(f"{name:<20} {rate:>12,.0f} {rate / args.batch / args.seq:>10.1f}{extra}")
+        print(f"{name:<34} {rate:>12,.0f} {rate / args.batch / args.seq:>10.1f}{extra}")
+        table.append({"variant": name, "tokens_per_s": rate})
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": table}, indent=1))
 
 
 if __name__ == "__main__":
