@@ -20,26 +20,45 @@ Or let the planner choose the mesh for a machine you do not have::
     best = jaxpar.plan(cfg, chips="tpu-v5p:256", global_batch=512, seq=4096)[0]
 """
 
-from jaxpar import models, planner
-from jaxpar.adapters import lora
-from jaxpar.config.assembly import assemble, build_trainer
-from jaxpar.config.schema import Config, load_config
-from jaxpar.errors import JaxparError
-from jaxpar.models.linen import from_linen
-from jaxpar.parallel import pipeline
-from jaxpar.parallel.staged import StagedModel, StageSplit, stage_model
-from jaxpar.runs.host_memory import size_host_pool
-from jaxpar.sharding.annotations import annotate, logical_names
-from jaxpar.sharding.layouts import constrain_outputs
-from jaxpar.sharding.mesh import MESH_AXES, make_mesh
-from jaxpar.sharding.partitioning import init_sharded, replication_report, state_shardings
-from jaxpar.sharding.plan import Plan, constrain, current_plan
-from jaxpar.sharding.rules import Rules
-from jaxpar.training.trainer import Trainer
+import importlib
+from typing import Any
 
-# ``jaxpar.plan(...)`` is the planner's search; the Plan type lives in jaxpar.sharding.plan,
-# so no module of this package is hidden behind the name.
-plan = planner.plan
+_EXPORTS: dict[str, str] = {
+    "models": "jaxpar.models", "planner": "jaxpar.planner",
+    "lora": "jaxpar.adapters.lora", "pipeline": "jaxpar.parallel.pipeline",
+    "assemble": "jaxpar.config.assembly", "build_trainer": "jaxpar.config.assembly",
+    "Config": "jaxpar.config.schema", "load_config": "jaxpar.config.schema",
+    "JaxparError": "jaxpar.errors", "from_linen": "jaxpar.models.linen",
+    "StagedModel": "jaxpar.parallel.staged", "StageSplit": "jaxpar.parallel.staged",
+    "stage_model": "jaxpar.parallel.staged", "size_host_pool": "jaxpar.runs.host_memory",
+    "annotate": "jaxpar.sharding.annotations", "logical_names": "jaxpar.sharding.annotations",
+    "constrain_outputs": "jaxpar.sharding.layouts", "MESH_AXES": "jaxpar.sharding.mesh",
+    "make_mesh": "jaxpar.sharding.mesh", "init_sharded": "jaxpar.sharding.partitioning",
+    "replication_report": "jaxpar.sharding.partitioning",
+    "state_shardings": "jaxpar.sharding.partitioning", "Plan": "jaxpar.sharding.plan",
+    "constrain": "jaxpar.sharding.plan", "current_plan": "jaxpar.sharding.plan",
+    "Rules": "jaxpar.sharding.rules", "Trainer": "jaxpar.training.trainer",
+}
+"""Where each public name lives. They are imported on first use, so ``import jaxpar``
+(and the ``jaxpar`` command's ``--help`` and argument errors) do not start JAX."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "plan":  # the planner's search; the Plan type lives in jaxpar.sharding.plan
+        value = importlib.import_module("jaxpar.planner").plan
+    elif name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        value = module if module.__name__.endswith(f".{name}") and name in (
+            "models", "planner", "lora", "pipeline") else getattr(module, name)
+    else:
+        raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS, "plan"])
+
 
 __all__ = [
     "MESH_AXES",

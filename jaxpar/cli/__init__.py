@@ -27,31 +27,26 @@ its checkpoint. Anything else that goes wrong is a bug and shows its traceback.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 
-from jaxpar.cli import (
-    calibrate,
-    convert,
-    export,
-    inspection,
-    launch,
-    plan,
-    sample,
-    tokenize_corpus,
-    train,
-)
 from jaxpar.cli.parser import build_parser, parse_args
 from jaxpar.errors import JaxparError, JaxparWarning, RunStopped
 
-COMMANDS: dict[str, Callable] = {
-    "train": train.command, "plan": plan.command, "inspect": inspection.command,
-    "compile": inspection.command,
-    "calibrate": calibrate.command, "launch": launch.command, "sample": sample.command,
-    "convert": convert.command, "export": export.command, "tokenize": tokenize_corpus.command,
+COMMANDS: dict[str, str] = {
+    "train": "train", "plan": "plan", "inspect": "inspection", "compile": "inspection",
+    "calibrate": "calibrate", "launch": "launch", "sample": "sample", "convert": "convert",
+    "export": "export", "tokenize": "tokenize_corpus",
 }
-"""What each ``jaxpar`` subcommand runs."""
+"""The module of :mod:`jaxpar.cli` whose ``command`` each ``jaxpar`` subcommand runs,
+imported once the arguments parse: ``--help`` and argument errors never start JAX."""
+
+
+def command_for(name: str) -> Callable:
+    """The ``command`` function of subcommand ``name``."""
+    return importlib.import_module(f"jaxpar.cli.{COMMANDS[name]}").command
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -71,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
-        return COMMANDS[args.command](args)
+        return command_for(args.command)(args)
     except JaxparError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
@@ -86,4 +81,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 
-__all__ = ["COMMANDS", "build_parser", "main", "parse_args"]
+__all__ = ["COMMANDS", "build_parser", "command_for", "main", "parse_args"]

@@ -18,7 +18,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.hf.convert import check_tensors
 from jaxpar.hf.families import check_overrides, read_config
 from jaxpar.runs.distributed import simulate_devices
-from jaxpar.runs.loop import check_run_folder
+from jaxpar.runs.run_folder import check_run_folder
 from jaxpar.storage.folders import LOCK_NAME, FolderLock
 
 MESH_FOR_CONVERT = ("mesh.data=1", "mesh.fsdp=-1")

@@ -6,21 +6,22 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jax
-
-from jaxpar.config.schema import Config, load_config
-from jaxpar.config.validate import check_config, pipeline_for
-from jaxpar.runs.distributed import ENV_NUM_PROCESSES, initialize, simulate_devices
-from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
-from jaxpar.runs.loop import check_run_folder, summarize, train
-from jaxpar.sharding.mesh import describe, make_mesh
+from jaxpar.config.yaml_files import read_yaml
 from jaxpar.storage.remote import RunMirror, is_remote
+
+if TYPE_CHECKING:
+    from jaxpar.config.schema import Config
 
 
 def checked_train_config(args: argparse.Namespace) -> Config:
     """The config of a parsed ``jaxpar train`` command, checked with its run folder before
     JAX starts (the checks that need the device count come once it is known)."""
+    from jaxpar.config.schema import load_config
+    from jaxpar.config.validate import check_config
+    from jaxpar.runs.run_folder import check_run_folder
+
     source = args.config
     saved = Path(args.out) / "config.yaml" if args.out and not is_remote(args.out) else None
     if source is None and args.resume and is_remote(args.out):
@@ -33,9 +34,38 @@ def checked_train_config(args: argparse.Namespace) -> Config:
     return config
 
 
+def finished_step(out: str | None) -> int | None:
+    """The newest checkpoint step of run folder ``out`` (local or in a bucket), read from
+    the folder names alone; None without one."""
+    if not out:
+        return None
+    if is_remote(out):
+        steps = RunMirror(out).remote_steps()
+    else:
+        folder = Path(out) / "checkpoints"
+        steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if (
+            folder.is_dir()) else []
+    return max(steps, default=None)
+
+
 def command(args: argparse.Namespace) -> int:
     """``jaxpar train``: check the config and run folder, start the devices, train."""
+    if args.config:  # a missing or broken file is named before anything starts JAX
+        read_yaml(args.config)
     config = checked_train_config(args)
+    done = finished_step(args.out) if args.resume else None
+    if done is not None and done >= config.train.steps:  # nothing to build or compile
+        print(f"done: already at step {done} of train.steps={config.train.steps}; nothing "
+              "to train (raise train.steps to continue)")
+        return 0
+    import jax
+
+    from jaxpar.config.validate import check_config, pipeline_for
+    from jaxpar.runs.distributed import ENV_NUM_PROCESSES, initialize, simulate_devices
+    from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
+    from jaxpar.runs.loop import summarize, train
+    from jaxpar.sharding.mesh import describe, make_mesh
+
     gpus = local_gpu_count()
     if gpus or args.devices:  # GPUs read the pool's size once, as their backend starts
         size_host_pool(config, args.devices or gpus, args.num_processes or int(

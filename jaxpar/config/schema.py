@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from jaxpar.adapters.lora import LoraConfig
+from jaxpar.config.yaml_files import read_yaml
 from jaxpar.errors import JaxparError
 from jaxpar.hf.families import merge_model, read_config
 from jaxpar.models.config import TransformerConfig
@@ -398,33 +399,6 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], *,
             node = node[s]
         node[leaf] = value
     return data
-
-
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The YAML document in ``path``.
-
-    Raises:
-      JaxparError: when the file is missing, unreadable or not valid YAML (with the
-        ``file:line:column`` of the problem).
-    """
-    p = Path(path)
-    if not p.exists():
-        raise JaxparError(f"{what} {str(p)!r} does not exist")
-    if not p.is_file():
-        raise JaxparError(f"{what} {str(p)!r} is not a file")
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise JaxparError(f"{what} {str(p)!r} cannot be read: {err}") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        context = getattr(err, "context", None)
-        raise JaxparError(f"{where}: invalid YAML: {problem}"
-                          + (f" ({context})" if context else "")) from None
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -42,9 +41,10 @@ from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import LauncherGone, ReplicaClient
+from jaxpar.runs.run_folder import check_run_folder
 from jaxpar.runs.runlog import RunLog
 from jaxpar.storage.folders import LOCK_NAME, FolderLock
-from jaxpar.storage.remote import RunMirror, check_url, is_remote
+from jaxpar.storage.remote import RunMirror, is_remote
 from jaxpar.training.prefetch import Prefetcher
 from jaxpar.training.trainer import Trainer
 
@@ -80,50 +80,6 @@ _FREE_KEYS = ("train.compile_cache",)
 def _say(text: str) -> None:
     if jax.process_index() == 0:
         tqdm.write(f"jaxpar: {text}")
-
-
-def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
-                     config: Config | None = None) -> None:
-    """Refuse a run folder that cannot work before anything is built or written.
-
-    Raises:
-      JaxparError: when ``--resume`` has no folder, the folder is a file or not writable,
-        a fresh run would go into a folder that holds checkpoints (nothing saved is ever
-        overwritten), or ``train.profile_steps`` has no folder to write the trace to.
-    """
-    if out_dir is not None:
-        check_url(out_dir, "--out")
-    if is_remote(out_dir):  # a bucket: its checkpoints, then the local copy's
-        mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))
-        mirror.check()
-        steps = mirror.remote_steps()
-        if steps and not resume:
-            raise JaxparError(f"{out_dir} already holds checkpoints (steps {steps}); pass "
-                              "--resume to continue that run, or choose another --out")
-        out_dir = mirror.local
-    if out_dir is None:
-        if resume:
-            raise JaxparError("--resume needs --out: the run folder that holds checkpoints/")
-        if config is not None and config.train.profile_steps:
-            raise JaxparError(f"train.profile_steps={list(config.train.profile_steps)} needs "
-                              "--out: the trace is written to OUT/profile")
-        return
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise JaxparError(f"--out {str(out)!r} is a file, not a folder")
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise JaxparError(f"--out {str(out)!r}: {str(existing)!r} is not writable")
-    saved = out / "checkpoints"
-    steps = sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) if (
-        saved.is_dir()) else []
-    if steps and not resume:
-        raise JaxparError(f"{saved} already holds checkpoints (steps {steps}); pass --resume "
-                          "to continue that run, or choose another --out")
 
 
 class _Window:
