@@ -22,6 +22,8 @@ SETUP = '''\
 # Simulate 8 CPU devices. This must run before JAX starts a backend, so it comes first.
 import os
 
+if os.path.basename(os.getcwd()) == "notebooks":  # Jupyter starts in the notebook's folder:
+    os.chdir("..")  # paths below (configs/...) are the repository's
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 

@@ -66,10 +66,10 @@ def test_notebook_runs(path, kernel_env, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_env))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     nb = nbformat.read(path, as_version=4)
+    # Started in the notebook's own folder, as Jupyter starts it (jaxpar installed).
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(ROOT)}})
+                                     resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     text = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                    for out in cell.outputs)

@@ -166,6 +166,12 @@ class TrainConfig:
     loss: str = ""
     profile_steps: tuple = ()
     compile_cache: str = "auto"
+    trackers: tuple = ("tensorboard",)
+    """Where metrics go besides ``OUT/metrics.jsonl``: ``tensorboard``, ``wandb`` (see
+    :mod:`jaxpar.runs.trackers`); ``[]`` for neither."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU where the chip catalog has no figure (a CPU: the
+    ``peak_flops`` ``jaxpar calibrate`` measured); 0: the catalog's, or no MFU."""
 
 
 @dataclasses.dataclass(frozen=True)

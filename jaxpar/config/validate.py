@@ -137,6 +137,10 @@ def _check_choices(config: Config) -> None:
             raise _bad(key, spec, "must look like package.module:function")
     if t.profile_steps:
         check_profile_steps(list(t.profile_steps))
+    check_trackers(list(t.trackers) if isinstance(t.trackers, list | tuple) else t.trackers)
+    if not (math.isfinite(t.peak_flops) and t.peak_flops >= 0):
+        raise _bad("train.peak_flops", t.peak_flops, "must be 0 (the catalog's) or a "
+                   "positive FLOP/s figure")
 
 
 def check_profile_steps(steps: Any) -> None:
@@ -448,3 +452,22 @@ def no_op_knobs(config: Config) -> list[str]:
         found.append(f"diloco.sync_every={dl.sync_every} is more than train.steps="
                      f"{config.train.steps}: the replicas never meet in this run")
     return found
+
+
+TRACKERS: tuple[str, ...] = ("tensorboard", "wandb")
+
+
+def check_trackers(names: Any) -> None:
+    """Refuse, in one line, an unknown tracker or a missing ``wandb`` package."""
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise JaxparError(f"train.trackers={names!r}: give a list of {', '.join(TRACKERS)}")
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise JaxparError(f"train.trackers: {unknown[0]!r} is not a tracker; choose from "
+                          f"{', '.join(TRACKERS)}")
+    if "wandb" in names:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise JaxparError("train.trackers: wandb needs the wandb package (pip install "
+                              "wandb)") from None

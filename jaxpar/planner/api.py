@@ -128,11 +128,17 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
     if global_batch < 1 or seq < 1:
         raise JaxparError(f"global batch and seq must be positive, got {global_batch}, {seq}")
     resolved = resolve_model(model, overrides)
+    experts = _sizes(expert, "expert")
+    base = resolved.spec_for(1)
+    if experts and max(experts) > 1 and not base.is_moe:
+        raise JaxparError(f"expert axis {'/'.join(map(str, experts))}: the model is dense "
+                          "(model.n_experts=0), it has no experts to spread; leave out "
+                          "--expert")
     machine = _machine(chips, slices, catalog)
     optimizer = resolved.config.train.optimizer if resolved.config else "adamw"
     result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
                     optimizer=optimizer, top=top, pipeline=resolved.pipeline,
-                    contexts=_sizes(context, "context"), experts=_sizes(expert, "expert"),
+                    contexts=_sizes(context, "context"), experts=experts,
                     offload=offload, quantize=quantize)
     plans = result.plans
     for i, est in enumerate(plans):

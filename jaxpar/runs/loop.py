@@ -391,9 +391,11 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                 history.append(row)
                 if log.due(row["step"], last=row["step"] == end, metrics=row):
                     log.write(row)
-            bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}",
-                            tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
-                            step_s=f"{rows[-1]['step_time_s']:.3f}")
+            last = rows[-1]
+            bar.set_postfix(loss=f"{last['loss']:.4f}",
+                            tok_s_dev=f"{last['tokens_per_s'] / jax.device_count():,.0f}",
+                            step_s=f"{last['step_time_s']:.3f}",
+                            **({"mfu": f"{last['mfu']:.1%}"} if "mfu" in last else {}))
             if due.stop:
                 raise _stopped(stop, trainer, ckpt, config)
     return trainer, history

@@ -1,4 +1,5 @@
-"""What a run writes about itself: ``metrics.jsonl`` and TensorBoard events in the run folder.
+"""What a run writes about itself: ``metrics.jsonl``, and TensorBoard events or a Weights &
+Biases run (``train.trackers``) in the run folder.
 
 Each logged step becomes one JSON row in ``OUT/metrics.jsonl`` and the same figures as
 TensorBoard scalars under ``OUT/tensorboard/`` (see :mod:`jaxpar.runs.monitor` for the tags):
@@ -25,6 +26,8 @@ import numpy as np
 from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
 from jaxpar.runs import monitor
+from jaxpar.runs.trackers import WandbTracker
+from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
 from jaxpar.training.optimizer import learning_rate
 
@@ -65,10 +68,11 @@ class RunLog:
             self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
         self._flops = monitor.model_flops_per_step(config.model, config.train.global_batch,
                                                    config.train.seq_len)
-        self._peak = monitor.peak_flops_per_device()
+        self._peak = config.train.peak_flops or monitor.peak_flops_per_device()
         self._devices = jax.device_count()
         self._fd: int | None = None
         self._tensorboard: monitor.TensorBoardLog | None = None
+        self._wandb: WandbTracker | None = None
         self._out = out
         if out is not None and writer:
             path = out / "metrics.jsonl"
@@ -79,7 +83,22 @@ class RunLog:
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
             self._fd = os.open(path, flags | (0 if resumed_at is not None else os.O_TRUNC),
                                0o644)
-            self._tensorboard = monitor.TensorBoardLog(out / "tensorboard")
+            trackers = config.train.trackers
+            if "tensorboard" in trackers:
+                self._tensorboard = monitor.TensorBoardLog(out / "tensorboard")
+            if "wandb" in trackers:
+                self._wandb = WandbTracker(out, self._wandb_config(), {
+                    "model_flops_per_step": self._flops or 0.0,
+                    "peak_flops_per_device": self._peak or 0.0}, resumed_at is not None)
+
+    def _wandb_config(self) -> dict[str, Any]:
+        """The run config, with what the run resolved: devices, processes, the mesh."""
+        m = self.config.mesh
+        ici, dcn = mesh_sizes(m.ici(), m.dcn(), self._devices)
+        return {**self.config.to_dict(), "resolved": {
+            "devices": self._devices, "processes": jax.process_count(),
+            "platform": jax.devices()[0].platform,
+            "mesh": {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn, strict=True)}}}
 
     def enrich(self, metrics: dict[str, Any], step_time_s: float) -> dict[str, Any]:
         """Add step time, tokens/s, learning rate, MFU and memory to a step's metrics."""
@@ -113,8 +132,11 @@ class RunLog:
                 path = self._out / "metrics.jsonl"
                 raise JaxparError(f"writing {path} failed: {write_fault(err) or err} "
                                   f"({human_bytes(free_bytes(path))} free there)") from None
+        tags = monitor.tensorboard_tags(metrics)
         if self._tensorboard is not None:
-            self._tensorboard.scalars(metrics["step"], monitor.tensorboard_tags(metrics))
+            self._tensorboard.scalars(metrics["step"], tags)
+        if self._wandb is not None:
+            self._wandb.scalars(metrics["step"], tags)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -124,3 +146,6 @@ class RunLog:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None

@@ -76,6 +76,13 @@ CASES = [
     Case("sample_prompt_fills_context", ["sample", "--run", "{run}", "--prompt", "x" * 40],
          ("--prompt is 40 tokens", "model.max_seq_len=32", "shorten --prompt"),
          setup=run("bytes")),
+    # --- plan, storage ---------------------------------------------------------------------
+    Case("plan_expert_on_a_dense_model",
+         ["plan", "--model", "configs/llama-7b.yaml", "--chips", "h100:8", "--global-batch",
+          "8", "--seq", "2048", "--expert", "4"],
+         ("expert axis 4", "the model is dense", "leave out --expert")),
+    Case("train_out_unsupported_scheme", [*CHILD_BASE, "--out", "ftp://host/run"],
+         ("--out 'ftp://host/run'", "ftp:// is not supported")),
 ]
 
 

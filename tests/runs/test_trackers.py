@@ -1,0 +1,89 @@
+"""Weights & Biases through its own library, offline: a run's config (with the layout it
+resolved), metrics and MFU in W&B's transaction log, read back with W&B's own protobuf."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import jaxpar
+from jaxpar.config.validate import check_config
+from jaxpar.errors import JaxparError
+from tests.helpers import small_config
+
+pytest.importorskip("wandb")
+
+
+def _records(path):
+    """The records of a W&B transaction log (``run-*.wandb``), parsed by W&B's protobuf:
+    a ``:W&B`` header, then 32 KiB blocks of records (checksum, length, type, bytes),
+    records split across blocks as first/middle/last pieces."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        parts += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, or last piece
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)  # "train/loss" is stored nested
+
+
+def _read_run(folder):
+    config, history, summary = {}, [], {}
+    for record in _records(next(folder.glob("*.wandb"))):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            config = {i.key: json.loads(i.value_json) for i in record.run.config.update}
+        elif kind == "history":
+            row = {_key(i): json.loads(i.value_json) for i in record.history.item}
+            history.append({**row, "_step": record.history.step.num})
+        elif kind == "summary":
+            summary.update({_key(i): json.loads(i.value_json) for i in record.summary.update})
+    return config, history, summary
+
+
+def test_an_offline_wandb_run_holds_config_metrics_and_mfu(tmp_path, monkeypatch):
+    from jaxpar.runs.loop import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    config = small_config("train.steps=3", "train.trackers=[tensorboard, wandb]",
+                          "train.peak_flops=1e9", "checkpoint.every=2")
+    _, history = train(config, out, progress=False)
+    assert "mfu" in history[-1] and history[-1]["mfu"] > 0  # against the given peak
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    logged, rows, summary = _read_run(runs[0])
+    assert logged["train"]["steps"] == 3 and logged["plan"]["rules"] == "fsdp_tp"
+    assert logged["resolved"]["devices"] == 8 and logged["resolved"]["mesh"]["data"] == 8
+    assert [r["_step"] for r in rows] == [1, 2, 3]
+    for row, want in zip(rows, history, strict=True):
+        assert row["train/loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert row["perf/mfu"] == pytest.approx(want["mfu"], rel=1e-6)
+    assert summary["model_flops_per_step"] > 0 and summary["peak_flops_per_device"] == 1e9
+    run_id = (out / "wandb-id").read_text()
+    assert run_id in runs[0].name
+
+
+def test_trackers_and_peak_are_checked():
+    for overrides, message in [(["train.trackers=[mlflow]"], "'mlflow' is not a tracker"),
+                               (["train.peak_flops=-1"], "train.peak_flops=-1")]:
+        with pytest.raises(JaxparError, match=re.escape(message)):
+            check_config(jaxpar.load_config(None, overrides), devices=8, processes=1)
