@@ -12,6 +12,7 @@ number, and each process of a multi-host run reads only its own rows of the glob
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from jaxpar.data.tokenizer import tokenized
 from jaxpar.errors import JaxparError
 
 
+@functools.lru_cache(maxsize=4)
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
-    """The first ``max_bytes`` bytes of the standard library's ``.py`` files, in sorted order."""
+    """The first ``max_bytes`` bytes of the standard library's ``.py`` files, in sorted order
+    (read-only; kept for the next call: finding the files walks the whole library)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):

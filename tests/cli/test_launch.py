@@ -192,7 +192,8 @@ def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
            "train.warmup_steps=0", f"data.tokenizer={tmp_path}/tok",
            f"data.sources=[{{path: '{tmp_path}/web.parquet', weight: 2}}, "
            f"{{path: '{tmp_path}/code.jsonl.zst', weight: 1}}]",
-           "checkpoint.every=2", "checkpoint.async_save=false", "train.eval_every=0"]
+           "data.workers=1", "checkpoint.every=2", "checkpoint.async_save=false",
+           "train.eval_every=0"]
     out = tmp_path / "run"
     for processes, devices, steps in ((4, 2, 2), (2, 4, 4), (3, 2, 6)):
         # the same train.steps (and learning-rate schedule) throughout: --max-steps stops
