@@ -175,6 +175,9 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                        help="DiLoCo replicas as independent processes meeting every "
                             "diloco.sync_every steps through a parameter server (a replica "
                             "that dies is dropped; see --restart)")
+    launch.add_argument("--resume", action="store_true",
+                        help="with --replicas: continue the replica run in --out from its "
+                             "last completed meeting, each replica from its checkpoint")
     launch.add_argument("--restart", type=int, default=0,
                         help="with --replicas: restarts allowed for replicas that die (a "
                              "restarted replica rejoins from the latest anchor)")

@@ -33,6 +33,7 @@ from jaxpar.runs.replicas import (
     ENV_FOLDER,
     ENV_LAUNCHER,
     ENV_REPLICA,
+    SERVER_STATE,
     ParameterServer,
 )
 
@@ -72,18 +73,33 @@ def _checked(args: argparse.Namespace, cmd: list[str]):
                           "meeting; these are in-program DiLoCo's (one process, data >= 2): "
                           "drop them")
     meetings = Path(child.out) / "meetings"
-    if meetings.exists() and any(meetings.iterdir()):
-        raise JaxparError(f"{meetings} already holds a replica run; choose another --out")
+    if getattr(args, "resume", False):
+        if not (meetings / SERVER_STATE).is_file():
+            raise JaxparError(f"launch --resume: {meetings} holds no completed meeting to "
+                              "continue from; start the replica run without --resume")
+    elif meetings.exists() and any(meetings.iterdir()):
+        raise JaxparError(f"{meetings} already holds a replica run; continue it with "
+                          "jaxpar launch --replicas N --resume, or choose another --out")
     # each replica runs the config without in-program DiLoCo, on its own devices
     alone = checked_train_config(parse_args([*cmd, "diloco.sync_every=0"]))
     check_config(alone, devices=args.devices_per_process, processes=1)
     return child, config
 
 
+def _last_attempt(out: Path, replica: int) -> int:
+    """The attempt number of replica ``replica``'s newest run folder (``replica_r`` is 0,
+    ``replica_r.2`` is 2)."""
+    found = [0 if p.name == f"replica_{replica}" else int(p.name.rsplit(".", 1)[1])
+             for p in out.glob(f"replica_{replica}*")
+             if p.name == f"replica_{replica}" or p.name.rsplit(".", 1)[-1].isdigit()]
+    return max(found, default=0)
+
+
 def _command(cmd: list[str], out: Path, replica: int, attempt: int, seed: int,
-             devices: int) -> tuple[list[str], Path]:
+             devices: int, resume: bool = False) -> tuple[list[str], Path]:
     """Replica ``replica``'s command line (the ``train`` arguments with its own --out,
-    devices, seed and no in-program DiLoCo) and run folder."""
+    devices, seed and no in-program DiLoCo; ``--resume`` from its folder's checkpoint)
+    and run folder."""
     folder = out / (f"replica_{replica}" + (f".{attempt}" if attempt else ""))
     args, skip = [], False
     for a in cmd:
@@ -97,7 +113,7 @@ def _command(cmd: list[str], out: Path, replica: int, attempt: int, seed: int,
             continue
         args.append(a)
     args += ["--out", str(folder), "--devices", str(devices), "diloco.sync_every=0",
-             f"train.seed={seed + replica}"]
+             f"train.seed={seed + replica}"] + (["--resume"] if resume else [])
     return [sys.executable, "-m", "jaxpar.cli", *args], folder
 
 
@@ -109,15 +125,20 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
     server = ParameterServer(out / "meetings", outer_lr=dl.outer_lr,
                              outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
                              staleness=dl.staleness)
+    resume = getattr(args, "resume", False)
+    if resume:
+        server.restore()
     lock = threading.Lock()
     procs: dict[int, subprocess.Popen] = {}
-    attempts = dict.fromkeys(range(args.replicas), 0)
+    attempts = {r: _last_attempt(out, r) if resume else 0 for r in range(args.replicas)}
+    resuming = set(range(args.replicas)) if resume else set()
     folders: dict[int, str] = {}
     restarts = args.restart
 
     def start(r: int) -> None:
         line, folder = _command(cmd, out, r, attempts[r], config.train.seed,
-                                args.devices_per_process)
+                                args.devices_per_process, resume=r in resuming)
+        resuming.discard(r)  # a restart after this starts afresh and joins
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    PYTHONUNBUFFERED="1", **{ENV_FOLDER: str(server.folder),
                                              ENV_REPLICA: str(r), ENV_EVERY: str(dl.sync_every),
@@ -136,6 +157,8 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
             print(f"jaxpar launch: {text}", flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        say(f"resuming the replica run in {out} after meeting {server.round}")
     for r in range(args.replicas):
         start(r)
     finished: set[int] = set()

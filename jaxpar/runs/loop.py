@@ -348,6 +348,8 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
             joined = replica.join(trainer)
             if joined:
                 _say(f"replica {replica.replica}: joined the others at step {joined}")
+            if resumed_at is not None:  # back to the last meeting: its steps are redone
+                resumed_at = min(resumed_at, joined)
         if out is not None and is_writer:
             out.mkdir(parents=True, exist_ok=True)
             config.save(out / "config.yaml")

@@ -54,6 +54,8 @@ ENV_REPLICA = "JAXPAR_REPLICA"
 ENV_EVERY = "JAXPAR_MEET_EVERY"
 ENV_LAUNCHER = "JAXPAR_LAUNCHER_PID"
 """The launcher's process id: a replica that sees it gone stops instead of waiting."""
+SERVER_STATE = "server.npz"
+"""The server's anchor, outer momentum and round, written after every completed round."""
 START = "__start_round__"
 """The key of a meeting file's start round (the anchor its weights trained from)."""
 WAIT_S = 600.0
@@ -271,6 +273,33 @@ class ParameterServer:
         self.joining: dict[int, int] = {}  # replica -> round it becomes a member after
         self._answered: set[str] = set()
 
+    def restore(self) -> int:
+        """Continue from :data:`SERVER_STATE` (the anchor, momentum and round saved after
+        every completed round): files of rounds after it (a round cut short) are removed,
+        earlier joins and meeting files count as answered and averaged. Returns the round.
+
+        Raises:
+          JaxparError: in one line, when the saved state cannot be read.
+        """
+        try:
+            saved = _read(self.folder / SERVER_STATE)
+        except UnreadableMeetingFile as err:
+            raise JaxparError(f"launch --resume: {err}") from None
+        self.round = int(saved.pop("round"))
+        self.anchor = {k.split("/", 1)[1]: v for k, v in saved.items()
+                       if k.startswith("anchor/")}
+        self.momentum = {k.split("/", 1)[1]: v for k, v in saved.items()
+                         if k.startswith("momentum/")}
+        for folder in self.folder.glob("round_*"):
+            if int(folder.name.split("_")[1]) > self.round:
+                for f in folder.iterdir():
+                    f.unlink()
+                folder.rmdir()
+        for path in [*self.folder.glob("join_*.npz"), *self.folder.glob("welcome_*.json")]:
+            path.unlink()
+        self._used = set(self.folder.glob("round_*/replica_*.npz"))
+        return self.round
+
     def drop(self, replica: int) -> list[str]:
         """Replica ``replica``'s process died: the round in progress goes on without it
         (a process started in its place joins afresh)."""
@@ -359,7 +388,7 @@ class ParameterServer:
                     a, self.momentum[name], g, self.lr, self.mu, self.nesterov)
         _write(folder / "anchor.npz", self.anchor)
         self.round = k
-        _write(self.folder / "server.npz", {
+        _write(self.folder / SERVER_STATE, {
             "round": np.asarray(k), **{f"anchor/{n}": v for n, v in self.anchor.items()},
             **{f"momentum/{n}": v for n, v in self.momentum.items()}})
         stale = sorted(int(f.stem.split("_")[1]) for f in late)

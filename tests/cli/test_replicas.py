@@ -109,3 +109,20 @@ def test_replicas_stop_and_save_when_their_launcher_dies(tmp_path):
         saved = sorted(int(p.name) for p in (out / f"replica_{r}" / "checkpoints").iterdir()
                        if p.name.isdigit())
         assert saved and saved[-1] % 20 == 0 and saved[-1] >= 40, saved
+    # Relaunched on the same --out without --resume: refused, nothing touched.
+    again = [sys.executable, "-m", "jaxpar.cli", "launch", "--replicas", "2",
+             "--devices-per-process", "1", "--", *TRAIN, "train.steps=80",
+             "diloco.sync_every=20", "--out", str(out)]
+    refused = subprocess.run(again, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "continue it with jaxpar launch --replicas N --resume" \
+        in refused.stderr, refused.stderr
+    # --resume: the server continues from its last completed round, each replica from its
+    # checkpoint, rejoining at that round's anchor; both finish.
+    done = subprocess.run([*again[:5], "--resume", *again[5:]], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "resuming the replica run" in done.stdout
+    assert "2 of 2 replicas trained to the end after 4 meetings" in done.stdout, done.stdout
+    for r in (0, 1):
+        steps = [row["step"] for row in _rows(out / f"replica_{r}")]
+        assert steps[-1] == 80 and len(steps) == len(set(steps)), steps  # no step twice
