@@ -118,7 +118,7 @@ def test_replicas_stop_and_save_when_their_launcher_dies(tmp_path):
         in refused.stderr, refused.stderr
     # --resume: the server continues from its last completed round, each replica from its
     # checkpoint, rejoining at that round's anchor; both finish.
-    done = subprocess.run([*again[:5], "--resume", *again[5:]], capture_output=True, text=True,
+    done = subprocess.run([*again[:4], "--resume", *again[4:]], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "resuming the replica run" in done.stdout
