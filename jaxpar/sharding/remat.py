@@ -44,6 +44,24 @@ def offloaded_names(name: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in name[len(OFFLOAD):].split(",") if n.strip())
 
 
+def marked_names(jaxpr: Any) -> set[str]:
+    """The activation names ``jax.ad_checkpoint.checkpoint_name`` marks anywhere in
+    ``jaxpr`` (a ``ClosedJaxpr`` or ``Jaxpr``, nested ones included): what an
+    ``offload:<names>`` policy can find to save."""
+    found: set[str] = set()
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if eqn.primitive.name == "name":
+                found.add(eqn.params["name"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, list | tuple) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        stack.append(inner)
+    return found
+
+
 def is_policy(name: str) -> bool:
     """Whether ``name`` is a remat policy (see :data:`VALID`)."""
     names = offloaded_names(name)

@@ -19,6 +19,7 @@ from a config is :mod:`jaxpar.config.assembly`'s job.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,10 +29,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.parallel import compression, offload, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
 from jaxpar.sharding import quantization
+from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.partitioning import (
     is_abstract,
     prepare_model,
@@ -146,6 +148,8 @@ class Trainer:
         self._id_checks: dict[Any, Callable] = {}
         self._loss_rngs = takes_rngs(loss_fn)
         self._loss_checked = loss_fn is not lm_loss
+        self._names_checked = False  # offload:<names> policies: names the model marks
+        self._model_name = type(model).__name__
         self._compiled: dict[Any, CompiledSteps] = {}
         prepare_model(model, plan)
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
@@ -311,7 +315,26 @@ class Trainer:
                 jax.jit(lambda state, b: self._gradients(state, b)[1],
                         in_shardings=(state_sh, batch_sh), out_shardings=self.grad_shardings),
             )
+            self._check_offloaded_names(self._compiled[key].train, batch)
         return self._compiled[key]
+
+    def _check_offloaded_names(self, train: Any, batch: Batch) -> None:
+        """Warn, once, when an ``offload:<names>`` remat policy names activations the
+        model never marks (``checkpoint_name``): those are recomputed, not saved to the
+        host, and the policy does nothing for them."""
+        names = remat_lib.offloaded_names(self.plan.remat)
+        if not names or self._names_checked:
+            return
+        self._names_checked = True
+        with self.plan.activate(mesh_context=True):
+            marked = remat_lib.marked_names(train.trace(self.state, batch).jaxpr)
+        missing = [n for n in names if n not in marked]
+        if missing:
+            warnings.warn(
+                f"plan.remat={self.plan.remat!r}: {self._model_name} marks "
+                f"no activation {', '.join(missing)} (jax.ad_checkpoint.checkpoint_name), "
+                "so nothing of that name is saved to the host: name them in the model, or "
+                "choose another policy", JaxparWarning, stacklevel=4)
 
     # --- construction ---------------------------------------------------------------------
     def _opt_shardings(self, params: nnx.State, param_sh: nnx.State) -> Any:

@@ -118,6 +118,25 @@ def test_offload_policies_put_a_user_models_activations_in_host_memory_on_a_tpu(
     assert host["offload:layer_input"][0] < host["offload_dots"][0]  # one input a layer
 
 
+def test_offloading_names_the_model_never_marks_is_warned(devices):
+    """``offload:layer_input`` finds every block's input (the wrapper names it);
+    ``offload:mlp_hidden`` names an activation LlamaLike never marks: one line says the
+    policy does nothing for it, once, as the step is built."""
+    import warnings
+
+    from jaxpar.errors import JaxparWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JaxparWarning)
+        trainer("list", "offload:layer_input").lower(tokens())
+    t = trainer("list", "offload:layer_input,mlp_hidden")
+    with pytest.warns(JaxparWarning, match=r"LlamaLike marks no activation mlp_hidden "
+                      r"\(jax.ad_checkpoint.checkpoint_name\)") as said:
+        t.lower(tokens())
+        t.lower(tokens())
+    assert len(said) == 1
+
+
 @pytest.mark.parametrize("model,host", [("list", False), ("scan", True),
                                         ("explicit", False), ("explicit", True),
                                         ("linen", True)])
