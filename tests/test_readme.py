@@ -26,7 +26,8 @@ TOPICS = re.compile(r"lora|loss|linen|hf\.|stage_model", re.IGNORECASE)
 
 def blocks() -> list[str]:
     text = README.read_text()
-    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if TOPICS.search(b)]
+    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if TOPICS.search(b)
+            and "jax_num_cpu_devices" not in b]  # those set up JAX: a process of their own
 
 
 def _plan() -> jaxpar.Plan:
@@ -97,3 +98,18 @@ def test_readme_block_runs(devices, code, tmp_path):
 
 def test_every_topic_block_is_collected():
     assert len(blocks()) >= 4
+
+
+def test_the_python_api_block_runs_as_printed_in_a_fresh_interpreter(tmp_path):
+    """The first block under "The Python API" sets up its own 8 CPU devices, so it runs
+    as a user would paste it: a new Python process in the repository."""
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    code = re.search(r"## The Python API\n\n```python\n(.*?)```", text, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", code], cwd=README.parent, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'loss'" in done.stdout and "'step': 1" in done.stdout, done.stdout
+

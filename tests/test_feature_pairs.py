@@ -1,0 +1,100 @@
+"""The feature-pair table (tests/feature_pairs.py) against the code and the tests: every
+pair has one entry, each cited test exists, each config refusal is raised by check_config
+in one line, each build refusal passes check_config and is raised as the run is assembled
+(abstract: shapes only, nothing allocated or compiled), and the README holds the table."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.feature_pairs import FEATURES, PAIRS, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"works": {"works", "note"},
+        "refused": {"refused", "message", "when", "note", "tested_by"},
+        "undecided": {"undecided"}}
+
+
+def _ids(pairs) -> list[str]:
+    return [f"{a}+{b}" for a, b in pairs]
+
+
+def _with(*keys: str, build: bool | None = None) -> list[tuple[str, str]]:
+    return [p for p, e in PAIRS.items() if any(k in e for k in keys)
+            and (build is None or (e.get("when") == "build") == build)]
+
+
+def test_every_pair_has_one_entry():
+    assert len(FEATURES) == len(set(FEATURES)) == 11
+    assert list(PAIRS) == list(itertools.combinations(FEATURES, 2))  # 55, in table order
+    for pair, entry in PAIRS.items():
+        kinds = [k for k in KEYS if k in entry]
+        assert len(kinds) == 1, pair
+        assert set(entry) <= KEYS[kinds[0]], pair
+        if "refused" in entry:
+            assert entry["refused"] and entry["message"], pair
+            assert entry.get("when", "build") == "build", pair
+            assert "when" not in entry or entry.get("note"), pair
+        if "undecided" in entry:
+            assert entry["undecided"].strip(), pair
+
+
+@pytest.mark.parametrize("pair", _with("works", "tested_by"), ids=_ids(_with("works",
+                                                                            "tested_by")))
+def test_cited_tests_exist(pair):
+    entry = PAIRS[pair]
+    for ref in (entry.get("works"), entry.get("tested_by")):
+        if ref is None:
+            continue
+        path, _, name = ref.partition("::")
+        assert path.startswith("tests/") and name.startswith("test_"), ref
+        text = (ROOT / path).read_text()
+        assert re.search(rf"^\s*def {re.escape(name)}\(", text, re.M), ref
+
+
+@pytest.mark.parametrize("pair", _with("refused", build=False),
+                         ids=_ids(_with("refused", build=False)))
+def test_config_refusals_are_one_line_from_check_config(pair):
+    import jaxpar
+    from jaxpar.config.validate import check_config
+
+    entry = PAIRS[pair]
+    config = jaxpar.load_config(None, entry["refused"])
+    with pytest.raises(jaxpar.JaxparError, match=re.escape(entry["message"])) as err:
+        check_config(config, devices=8, processes=1)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("pair", _with("refused", build=True),
+                         ids=_ids(_with("refused", build=True)))
+def test_build_refusals_pass_check_config_and_come_as_the_run_is_built(devices, pair):
+    import jaxpar
+    from jaxpar.config.assembly import assemble
+    from jaxpar.config.validate import check_config
+
+    entry = PAIRS[pair]
+    config = jaxpar.load_config(None, entry["refused"])
+    check_config(config, devices=len(devices), processes=1)
+    with pytest.raises(jaxpar.JaxparError, match=re.escape(entry["message"])) as err:
+        assemble(config, devices, abstract=True)
+    assert "\n" not in str(err.value)
+
+
+def test_the_table_has_a_row_and_a_bullet_for_each():
+    table = markdown_table()
+    rows = [line for line in table.splitlines() if line.startswith("| **")]
+    assert [r.split("|")[1].strip(" *") for r in rows] == list(FEATURES)
+    assert all(len(r.split("|")) == len(FEATURES) + 3 for r in rows)
+    bullets = [line for line in table.splitlines() if line.startswith("- ")]
+    assert len(bullets) == len(_with("refused"))
+
+
+def test_readme_holds_the_table():
+    held = markdown_table() in (ROOT / "README.md").read_text()
+    assert held, ("README.md does not hold the feature-pair table as markdown_table() writes "
+                  "it: paste python -c 'from tests.feature_pairs import markdown_table; "
+                  "print(markdown_table())'")
