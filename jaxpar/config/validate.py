@@ -179,10 +179,13 @@ def _check_relations(config: Config) -> None:
     if d.eos_id < -1 or (not config.model.factory and d.eos_id >= config.model.vocab_size):
         raise _bad("data.eos_id", d.eos_id, f"must be -1 (no document masks) or an id below "
                    f"model.vocab_size={config.model.vocab_size}")
-    if d.eos_id >= 0 and (config.mesh.stage > 1 or config.mesh.context > 1):
-        axis = "stage" if config.mesh.stage > 1 else "context"
-        raise JaxparError(f"packed documents (data.eos_id={d.eos_id}) with mesh.{axis} > 1 "
-                          f"are not supported yet: set data.eos_id to -1 or mesh.{axis} to 1")
+    if d.eos_id >= 0 and config.mesh.stage > 1:
+        raise JaxparError(f"packed documents (data.eos_id={d.eos_id}) with mesh.stage > 1 "
+                          "are not supported yet: set data.eos_id to -1 or mesh.stage to 1")
+    if d.eos_id >= 0 and config.mesh.context > 1 and config.plan.context_balance:
+        raise JaxparError(f"packed documents (data.eos_id={d.eos_id}) under context "
+                          "parallelism need the natural sequence order: set "
+                          "plan.context_balance=false (or data.eos_id to -1)")
     for i, entry in enumerate(d.sources):
         if isinstance(entry, dict):
             check_url(entry.get("path", ""), f"data.sources[{i}].path")

@@ -181,15 +181,11 @@ class Attention(nnx.Module):
             return attention_lib.attention(q, k, v, implementation=self.implementation,
                                            window=self.window, block=self.block,
                                            segments=segments)
-        if segments is not None:
-            raise JaxparError("packed documents (data.eos_id) under context parallelism "
-                              "(mesh.context > 1) are not supported yet: set data.eos_id "
-                              "to -1 or mesh.context to 1")
         order = sequence_order(q.shape[1])
         positions = jnp.arange(q.shape[1]) if order is None else jnp.asarray(order)
         return context_lib.context_attention(
             q, k, v, positions, mesh=plan.mesh, kind=plan.context_attention,
-            window=self.window,
+            window=self.window, segments=segments,
             q_spec=plan.act_spec(("batch", "seq", "heads", "head_dim"), shape=q.shape),
             kv_spec=plan.act_spec(("batch", "seq", "kv_heads", "head_dim"), shape=k.shape))
 
@@ -338,7 +334,7 @@ class Transformer(nnx.Module):
         positions = order if segments is None else attention_lib.document_positions(segments)
         if segments is not None and order is not None:
             raise JaxparError("packed documents (data.eos_id) with plan.context_balance are "
-                              "not supported yet: set data.eos_id to -1")
+                              "not supported yet: set plan.context_balance=false")
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=positions,
                                  freqs=rope_frequencies(self.config))
         call = self._block_call(block_fn) or (lambda block, h, *args: block(h, *args))

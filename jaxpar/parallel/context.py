@@ -90,8 +90,8 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                       mesh: Mesh, q_spec: PartitionSpec, kv_spec: PartitionSpec,
-                      kind: str = "allgather", window: int = 0, axis: str = "context"
-                      ) -> jax.Array:
+                      kind: str = "allgather", window: int = 0, axis: str = "context",
+                      segments: jax.Array | None = None) -> jax.Array:
     """Causal attention with the sequence split over mesh axis ``axis``.
 
     Args:
@@ -109,6 +109,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
       window: if positive, a query at position ``p`` sees only keys in
         ``(p - window, p]``; otherwise every key at or before ``p``.
       axis: the mesh axis the sequence is split over.
+      segments: int ``(batch, seq)``, each token's document in a packed row: a query sees
+        only keys of its own document (gathered or passed round the ring with the keys).
 
     Returns:
       ``(batch, seq, heads, head_dim)`` in ``q.dtype``, laid out as ``q_spec``. Scores
@@ -143,9 +145,15 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         _allgather_local if kind == "allgather" else _ring_local, window=int(window),
         axis=axis if seq_split else None, size=mesh.shape[axis] if seq_split else 1)
     pos_spec = PartitionSpec(q_spec[1])
-    shard = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, pos_spec),
+    if segments is None:  # one document a row: every key is of the query's document
+        segments = jnp.zeros((b, s), jnp.int32)
+    elif segments.shape != (b, s):
+        raise JaxparError(f"segments must be shaped ({b}, {s}), got {segments.shape}")
+    seg_spec = PartitionSpec(q_spec[0], q_spec[1])
+    shard = jax.shard_map(local, mesh=mesh,
+                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, seg_spec),
                           out_specs=q_spec, check_vma=False)
-    return shard(q, k, v, positions.astype(jnp.int32))
+    return shard(q, k, v, positions.astype(jnp.int32), segments.astype(jnp.int32))
 
 
 # --- checks -------------------------------------------------------------------------------
@@ -189,14 +197,16 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _partial(qg: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-             window: int) -> _Partial:
-    """One block's unnormalised softmax output, row max and row sum (all float32)."""
+             window: int, q_seg: jax.Array, k_seg: jax.Array) -> _Partial:
+    """One block's unnormalised softmax output, row max and row sum (all float32); keys
+    are visible to a query at or before it, within the window, in its document."""
     scores = jnp.einsum("bqkgh,bckh->bqkgc", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (qg.shape[-1] ** -0.5)
     keep = k_pos[None, :] <= q_pos[:, None]
     if window:
         keep &= k_pos[None, :] > q_pos[:, None] - window
-    scores = jnp.where(keep[None, :, None, None, :], scores, -jnp.inf)
+    keep = keep[None] & (q_seg[:, :, None] == k_seg[:, None, :])  # (batch, q, keys)
+    scores = jnp.where(keep[:, :, None, None, :], scores, -jnp.inf)
     # The result does not depend on the shift, so it needs no gradient.
     top = jax.lax.stop_gradient(scores.max(-1))
     p = jnp.exp(scores - _finite(top)[..., None])
@@ -231,13 +241,15 @@ def _finish(acc: _Partial, dtype) -> jax.Array:
 
 
 # --- per-device computations (inside shard_map) -------------------------------------------
-def _allgather_local(q, k, v, pos, *, window: int, axis: str | None, size: int):
+def _allgather_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int):
     """Local queries against the whole gathered sequence of keys and values."""
-    k_pos = pos
+    k_pos, k_seg = pos, seg
     if axis is not None:
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
         k, v, k_pos = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
-    return _finish(_partial(_grouped(q, k.shape[2]), k, v, pos, k_pos, window), q.dtype)
+        k_seg = gather(seg, axis=1)
+    return _finish(_partial(_grouped(q, k.shape[2]), k, v, pos, k_pos, window, seg, k_seg),
+                   q.dtype)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -248,10 +260,10 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
     return seen
 
 
-def _masked_partial(qg, k, v, q_pos, k_pos, window: int) -> _Partial:
+def _masked_partial(qg, k, v, q_pos, k_pos, window: int, q_seg, k_seg) -> _Partial:
     """:func:`_partial`, or the neutral result without computing when nothing is visible."""
     return jax.lax.cond(_visible(q_pos, k_pos, window),
-                        lambda: _partial(qg, k, v, q_pos, k_pos, window),
+                        lambda: _partial(qg, k, v, q_pos, k_pos, window, q_seg, k_seg),
                         lambda: _neutral(qg))
 
 
@@ -260,32 +272,35 @@ def _halves(x: jax.Array, axis: int) -> list[jax.Array]:
     return jnp.split(x, 2, axis=axis) if x.shape[axis] % 2 == 0 else [x]
 
 
-def _ring_local(q, k, v, pos, *, window: int, axis: str | None, size: int):
-    """Local queries against key/value blocks passed round the ring, merged online."""
+def _ring_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int):
+    """Local queries against key/value blocks passed round the ring (with their positions
+    and documents), merged online."""
     qg = _grouped(q, k.shape[2])
-    q_parts = list(zip(_halves(qg, 1), _halves(pos, 0), strict=True))
+    q_parts = list(zip(_halves(qg, 1), _halves(pos, 0), _halves(seg, 1), strict=True))
 
     @jax.checkpoint  # the backward pass recomputes each step's scores, never stores them
-    def absorb(accs, k, v, k_pos):
+    def absorb(accs, k, v, k_pos, k_seg):
         """Merge one key/value block into each query half's running result."""
-        kv_parts = list(zip(_halves(k, 1), _halves(v, 1), _halves(k_pos, 0), strict=True))
+        kv_parts = list(zip(_halves(k, 1), _halves(v, 1), _halves(k_pos, 0),
+                            _halves(k_seg, 1), strict=True))
         return [functools.reduce(
-                    _merge, [_masked_partial(qh, kh, vh, qp, kp, window)
-                             for kh, vh, kp in kv_parts], acc)
-                for acc, (qh, qp) in zip(accs, q_parts, strict=True)]
+                    _merge, [_masked_partial(qh, kh, vh, qp, kp, window, qs, ks)
+                             for kh, vh, kp, ks in kv_parts], acc)
+                for acc, (qh, qp, qs) in zip(accs, q_parts, strict=True)]
 
-    accs = [_neutral(qh) for qh, _ in q_parts]
+    accs = [_neutral(qh) for qh, _, _ in q_parts]
     if axis is not None and size > 1:
         ring = [(i, (i + 1) % size) for i in range(size)]
 
         def step(carry, _):
-            accs, k, v, k_pos = carry
+            accs, k, v, k_pos, k_seg = carry
             # Send the current block on first, so the transfer can overlap the compute.
-            nxt = [jax.lax.ppermute(x, axis, ring) for x in (k, v, k_pos)]
-            return (absorb(accs, k, v, k_pos), *nxt), None
+            nxt = [jax.lax.ppermute(x, axis, ring) for x in (k, v, k_pos, k_seg)]
+            return (absorb(accs, k, v, k_pos, k_seg), *nxt), None
 
-        (accs, k, v, pos_kv), _ = jax.lax.scan(step, (accs, k, v, pos), length=size - 1)
+        (accs, k, v, pos_kv, seg_kv), _ = jax.lax.scan(step, (accs, k, v, pos, seg),
+                                                       length=size - 1)
     else:
-        pos_kv = pos
-    accs = absorb(accs, k, v, pos_kv)
+        pos_kv, seg_kv = pos, seg
+    accs = absorb(accs, k, v, pos_kv, seg_kv)
     return jnp.concatenate([_finish(acc, q.dtype) for acc in accs], axis=1)

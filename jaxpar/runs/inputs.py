@@ -58,7 +58,7 @@ def document_loader(config: Config, *, holdout: bool = False) -> DocumentLoader:
     """This process's :class:`DocumentLoader` over the config's document sources: the first
     ``1 - data.holdout_fraction`` of each source's documents for training, the rest held
     out. Documents end with the tokenizer's EOS id; rows carry segment ids unless the mesh
-    has stages or a context axis (which do not take them yet)."""
+    has stages, or a context axis in the balanced order (which do not take them yet)."""
     data, train = config.data, config.train
     tokenizer = load_tokenizer(data.tokenizer)
     vocab = vocab_size(tokenizer)
@@ -74,7 +74,8 @@ def document_loader(config: Config, *, holdout: bool = False) -> DocumentLoader:
         sources, tokenizer, eos, train.global_batch, train.seq_len,
         seed=train.seed + (1 if holdout else 0), process_index=jax.process_index(),
         process_count=jax.process_count(), part=(cut, 1.0) if holdout else (0.0, cut),
-        segments=config.mesh.stage == 1 and config.mesh.context == 1,
+        segments=config.mesh.stage == 1 and (config.mesh.context == 1
+                                             or not config.plan.context_balance),
         workers=data.workers)
 
 

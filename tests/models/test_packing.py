@@ -75,8 +75,14 @@ def test_the_loss_skips_the_targets_that_cross_a_document_end(loss_chunk):
     np.testing.assert_allclose(float(got), total / count, rtol=1e-5)
 
 
-def test_a_sharded_run_trains_on_packed_batches(devices):
-    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 4, "tensor": 2}), "fsdp_tp")
+@pytest.mark.parametrize("axes,knobs", [({"fsdp": 4, "tensor": 2}, {}),
+                                        ({"fsdp": 2, "context": 4},
+                                         {"context_attention": "ring",
+                                          "context_balance": False})])
+def test_a_sharded_run_trains_on_packed_batches(devices, axes, knobs):
+    """On fsdp x tensor, and with the sequence split over context=4 (documents crossing
+    the split), three steps on packed batches equal one device's."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), "fsdp_tp", **knobs)
     trainer = jaxpar.Trainer(jaxpar.init_sharded(lambda: _model("chunked", 8), plan),
                              optax.adam(1e-2), plan)
     rows = np.stack([np.append(_row(s), 7) for s in range(8)])

@@ -236,6 +236,31 @@ def test_packed_documents_never_attend_to_each_other(impl, block):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("kind", ["allgather", "ring"])
+def test_packed_documents_stay_apart_under_context_parallelism(devices, kind):
+    """The sequence split over context=4 (32 positions a device), documents crossing the
+    split: the segment ids travel with the keys (gathered, or round the ring), and the
+    outputs and gradients equal every document run alone."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel.context import context_attention
+
+    q, k, v, ct = _qkv(2, 128, 4, 2, 8)
+    segments = jnp.asarray(np.stack([np.repeat([1, 2, 3], [50, 40, 38]),
+                                     np.repeat([5, 9], [7, 121])]), jnp.int32)
+    want = _documents_one_by_one(q, k, v, segments, ct)
+    mesh = jaxpar.make_mesh({"data": 2, "context": 4})
+    spec = P("data", "context", None, None)
+
+    def f(q, k, v):
+        out = context_attention(q, k, v, jnp.arange(128), mesh=mesh, q_spec=spec,
+                                kv_spec=spec, kind=kind, segments=segments)
+        return jnp.sum(out * ct), out
+
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    _assert_same(got, want)
+
+
 def test_cudnn_refuses_document_masks():
     q, k, v, _ = _qkv(1, 16, 2, 1, 8)
     with pytest.raises(JaxparError, match="'cudnn' does not take document masks"):
