@@ -36,7 +36,7 @@ from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.sharding.plan import check_knob, check_knob_pairs, knobs
 from jaxpar.sharding.rules import PRESETS, preset
 from jaxpar.storage.folders import refuse_url
-from jaxpar.storage.remote import check_url, is_remote
+from jaxpar.storage.remote import check_url
 from jaxpar.training.optimizer import OPTIMIZERS
 
 
@@ -190,9 +190,6 @@ def _check_relations(config: Config) -> None:
         if isinstance(entry, dict):
             check_url(entry.get("path", ""), f"data.sources[{i}].path")
     check_url(d.source, "data.source")
-    if is_remote(d.source) and d.tokenizer:
-        raise _bad("data.source", d.source, "is in object storage, which jaxpar reads as "
-                   "token shards: write them with jaxpar tokenize, then drop data.tokenizer")
     refuse_url(config.init_from, "init_from")
     if uses_documents(d.source, d.sources, d.tokenizer):
         _check_documents(config)

@@ -12,6 +12,10 @@ here is a random-access table of documents (``len(docs)``, ``docs[i] -> str``), 
 * ``.arrow`` files and Hugging Face ``datasets`` folders (``save_to_disk``): memory-mapped;
 * ``.array_record``: each record UTF-8 text, or a JSON object holding ``data.field``.
 
+In a bucket (``s3://``, ``gs://``; :mod:`jaxpar.storage.remote`), Parquet is read by byte
+ranges a row group at a time, ``.jsonl`` (plain or compressed) and Arrow files are read
+whole into memory; ArrayRecord files must be local.
+
 :func:`open_documents` expands a glob, a folder or a file into one table over its files.
 """
 
@@ -30,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.storage.remote import filesystem, is_remote, remote_files, storage_error
 
 DOCUMENT_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet",
                                       ".arrow", ".array_record")
@@ -52,6 +57,8 @@ def names_documents(spec: str) -> bool:
     """Whether ``spec`` names documents to tokenize as read: a glob of document files, a
     Hugging Face ``datasets`` folder, or a file or folder of a kind in
     :data:`STREAMED_ONLY`."""
+    if is_remote(spec):  # a bucket holds no up-front cache: its documents stream
+        return spec.rstrip("/").endswith(DOCUMENT_SUFFIXES)
     if is_hf_dataset(spec):
         return True
     if any(c in spec for c in "*?["):
@@ -95,15 +102,22 @@ class JsonlDocuments:
         self._data = data  # a memory map, or a compressed file's bytes (kept in memory)
 
     def _bytes(self) -> np.ndarray:
-        name = self.path.name
+        name = str(self.path).rsplit("/", 1)[-1]
         try:
+            if is_remote(self.path):  # read whole: a line index needs every byte
+                raw = _remote_bytes(str(self.path))
+                if name.endswith(".gz"):
+                    raw = gzip.decompress(raw)
+                if not name.endswith(".zst"):
+                    return np.frombuffer(raw, np.uint8)
             if name.endswith(".gz"):
                 with gzip.open(self.path, "rb") as f:
                     return np.frombuffer(f.read(), np.uint8)
             if name.endswith(".zst"):
                 import zstandard
 
-                rest, parts = self.path.read_bytes(), []
+                rest = raw if is_remote(self.path) else self.path.read_bytes()
+                parts = []
                 while rest:  # frame by frame: a truncated one is an error, not an end
                     frame = zstandard.ZstdDecompressor().decompressobj()
                     parts.append(frame.decompress(rest))
@@ -143,7 +157,9 @@ class ParquetDocuments:
 
         self.path, self.field = path, field
         try:
-            self._file = pq.ParquetFile(path)
+            source = (filesystem(str(path), "data source").open(str(path), "rb")
+                      if is_remote(path) else path)  # read by ranges, a row group at a time
+            self._file = pq.ParquetFile(source)
         except Exception as exc:  # pyarrow.ArrowInvalid and OSError
             raise JaxparError(f"data source {str(path)!r}: not a readable Parquet file "
                               f"({exc})") from None
@@ -185,7 +201,8 @@ class ArrowDocuments:
         tables = []
         for path in paths:
             try:
-                source = pa.memory_map(str(path))
+                source = (pa.py_buffer(_remote_bytes(str(path))) if is_remote(path)
+                          else pa.memory_map(str(path)))
                 try:
                     table = pa.ipc.open_stream(source).read_all()
                 except pa.ArrowInvalid:  # the file format rather than the stream format
@@ -219,6 +236,11 @@ class ArrayRecordDocuments:
         from array_record.python.array_record_data_source import ArrayRecordDataSource
 
         self.name, self.field = name, field
+        remote = [str(p) for p in paths if is_remote(p)]
+        if remote:
+            raise JaxparError(f"data source {remote[0]!r}: ArrayRecord files are read from "
+                              "local (or mounted) storage; copy them there, or use Parquet "
+                              "or jsonl in the bucket")
         try:
             self._source = ArrayRecordDataSource([str(p) for p in paths])
         except Exception as exc:
@@ -261,13 +283,15 @@ class Documents:
         return self.tables[part][index - (self._ends[part - 1] if part else 0)]
 
 
-def document_files(spec: str) -> list[Path]:
+def document_files(spec: str) -> list[Path] | list[str]:
     """The document files ``spec`` names, sorted (a glob's matches, a folder's files of
     :data:`DOCUMENT_SUFFIXES`, a Hugging Face folder's Arrow shards, or one file).
 
     Raises:
       JaxparError: when nothing matches or a file is of no kind read here.
     """
+    if is_remote(spec):
+        return remote_files(spec, DOCUMENT_SUFFIXES, "data source")
     root = Path(spec)
     if is_hf_dataset(spec):
         try:
@@ -297,17 +321,31 @@ def document_files(spec: str) -> list[Path]:
     return files
 
 
+def _remote_bytes(url: str) -> bytes:
+    """A whole object of a bucket (one line on failure)."""
+    try:
+        return filesystem(url, "data source").cat_file(url)
+    except JaxparError:
+        raise
+    except Exception as exc:  # botocore's and aiohttp's errors share no base
+        raise storage_error(exc, url, "data source") from None
+
+
+def _name(file: Path | str) -> str:
+    return str(file).rsplit("/", 1)[-1]
+
+
 def open_documents(spec: str, field: str = "text") -> Documents:
     """All documents of ``spec`` (see :func:`document_files`): its ``.jsonl`` and Parquet
     files in order, then its Arrow files, then its ArrayRecord files."""
     files = document_files(spec)
     tables: list[Any] = []
-    arrow = [f for f in files if f.suffix == ".arrow"]
-    records = [f for f in files if f.suffix == ".array_record"]
+    arrow = [f for f in files if _name(f).endswith(".arrow")]
+    records = [f for f in files if _name(f).endswith(".array_record")]
     for file in files:
-        if file.name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
+        if _name(file).endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
             tables.append(JsonlDocuments(file, field))
-        elif file.suffix == ".parquet":
+        elif _name(file).endswith(".parquet"):
             tables.append(ParquetDocuments(file, field))
     if arrow:
         tables.append(ArrowDocuments(arrow, field, spec))

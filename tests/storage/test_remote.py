@@ -103,13 +103,39 @@ def test_shards_in_a_bucket_read_as_the_same_shards_on_disk(s3, tmp_path, monkey
         [away[i] for i in range(len(away))]
 
 
+def test_documents_in_a_bucket_stream_as_the_same_files_on_disk(s3, tmp_path):
+    """Parquet (by ranges), zstd jsonl and Arrow read from the bucket give the documents of
+    the same files on disk, and a document loader over them the same packed batches;
+    ArrayRecord must be local (one line)."""
+    from jaxpar.data.documents import open_documents
+    from jaxpar.data.streams import DocumentLoader
+    from tests.data.test_streams import _docs, _write_every_kind
+    from tests.data.test_tokenizer import make_tokenizer
+
+    kinds = _write_every_kind(tmp_path / "d", _docs(40))
+    arrow = sorted((tmp_path / "d" / "hf").glob("*.arrow"))[0]
+    local = {"parquet": kinds["parquet"], "zst": kinds["zst"], "gz": kinds["gz"],
+             "arrow": str(arrow)}
+    for name, path in {**local, "array_record": kinds["array_record"]}.items():
+        s3.put_file(path, f"{BUCKET}/docs/{name}/{Path(path).name}")
+    for name, path in local.items():
+        here, away = open_documents(path), open_documents(f"s3://{BUCKET}/docs/{name}/")
+        assert [away[i] for i in range(len(away))] == [here[i] for i in range(len(here))]
+    tok = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    loaders = [DocumentLoader([(open_documents(spec), 1.0)], tok, tok.token_to_id("</s>"),
+                              4, 16, seed=1)
+               for spec in (kinds["parquet"], f"s3://{BUCKET}/docs/parquet/*.parquet")]
+    for step in range(3):
+        np.testing.assert_array_equal(*(ld.batch(step)["tokens"] for ld in loaders))
+    with pytest.raises(JaxparError, match="ArrayRecord files are read from local"):
+        open_documents(f"s3://{BUCKET}/docs/array_record/")
+
+
 def test_bad_urls_and_buckets_fail_in_one_line(s3):
     cases = [
         ([f"data.source=hdfs://{BUCKET}/x.bin"], "hdfs:// is not supported"),
         ([f"data.source=s3://{BUCKET}/none/*.bin"], "the pattern matches no object"),
         (["data.source=s3://no-such-bucket-here/x.bin"], "does not exist"),
-        ([f"data.source=s3://{BUCKET}/corpus/a.txt", "data.tokenizer=gpt2"],
-         "write them with jaxpar tokenize"),
     ]
     for overrides, message in cases:
         with pytest.raises(JaxparError, match=re.escape(message)):
