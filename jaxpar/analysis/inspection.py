@@ -134,9 +134,13 @@ def _timeline_text(schedule: Schedule | None) -> str:
         return ""
     tl = schedules.timeline(schedule.kind, schedule.stages, schedule.microbatches,
                             schedule.repeats)
+    idle = sum(tl.idle_ticks())
+    busy = idle / tl.bubble() if tl.bubble() else 0
+    share = idle / (idle + busy) if idle + busy else 0.0
     return (f"timeline: {tl.ticks} ticks, {max(tl.idle_ticks())} idle on each stage (bubble "
-            f"{100 * tl.bubble():.1f}% of busy time), at most {max(tl.in_flight())} stage "
-            "inputs held")
+            f"{100 * share:.1f}% of stage-ticks, as counted; {100 * tl.bubble():.1f}% of "
+            f"busy time, Megatron's measure), at most {max(tl.in_flight())} stage inputs "
+            "held")
 
 
 def for_slices(config: Any, slices: int) -> Any:

@@ -77,8 +77,12 @@ def test_a_1f1b_pipeline_reports_its_ticks_and_bubble(devices, capsys):
     assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
     out = capsys.readouterr().out
     assert "pipeline interleaved_1f1b: S=4 stages x R=2 repeats, M=4 microbatches" in out
-    assert ("timeline: 22 ticks, 6 idle on each stage (bubble 37.5% of busy time), at most "
-            "8 stage inputs held") in out
+    # One measure named the same on both lines: idle stage-ticks over all of them (the
+    # counted ticks agree with the formula's 3/11); Megatron's idle over busy beside it.
+    assert "bubble 27.3%," in out
+    assert ("timeline: 22 ticks, 6 idle on each stage (bubble 27.3% of stage-ticks, as "
+            "counted; 37.5% of busy time, Megatron's measure), at most 8 stage inputs "
+            "held") in out
 
 
 def test_quantized_plans_are_named_in_the_header(devices, capsys):
