@@ -18,24 +18,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def device_count(text: str) -> int:
+def _at_least_one(text: str, why: str) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: simulate at least 1 device")
+        raise argparse.ArgumentTypeError(f"{n}: {why}")
     return n
+
+
+def device_count(text: str) -> int:
+    return _at_least_one(text, "simulate at least 1 device")
 
 
 def positive_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: give at least 1")
-    return n
+    return _at_least_one(text, "give at least 1")
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:

@@ -86,6 +86,14 @@ def _record_text(record: Any, field: str, where: str) -> str:
     return text
 
 
+def _column_text(text: Any, source: str, index: int, field: str) -> str:
+    """A table cell that must be a document's text (one line naming the row otherwise)."""
+    if not isinstance(text, str):
+        raise JaxparError(f"data source {source!r}: row {index}: data.field={field!r} is "
+                          f"{type(text).__name__}, not text")
+    return text
+
+
 class JsonlDocuments:
     """The lines of a ``.jsonl`` file (or a decompressed ``.jsonl.gz``/``.jsonl.zst``)."""
 
@@ -184,11 +192,8 @@ class ParquetDocuments:
                 while len(self._groups) > self.KEEP:
                     self._groups.popitem(last=False)
             rows = self._groups[group]
-        text = rows[index - (self._ends[group - 1] if group else 0)]
-        if not isinstance(text, str):
-            raise JaxparError(f"data source {str(self.path)!r}: row {index}: data.field="
-                              f"{self.field!r} is {type(text).__name__}, not text")
-        return text
+        return _column_text(rows[index - (self._ends[group - 1] if group else 0)],
+                            str(self.path), index, self.field)
 
 
 class ArrowDocuments:
@@ -222,11 +227,9 @@ class ArrowDocuments:
 
     def __getitem__(self, index: int) -> str:
         part = bisect.bisect_right(self._ends, index)
-        text = self._columns[part][index - (self._ends[part - 1] if part else 0)].as_py()
-        if not isinstance(text, str):
-            raise JaxparError(f"data source {self.name!r}: row {index}: data.field="
-                              f"{self.field!r} is {type(text).__name__}, not text")
-        return text
+        return _column_text(
+            self._columns[part][index - (self._ends[part - 1] if part else 0)].as_py(),
+            self.name, index, self.field)
 
 
 class ArrayRecordDocuments:
