@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 from collections.abc import Sequence
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
@@ -16,6 +17,33 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        if self.prog.split()[-1] in ("train", "inspect", "compile"):  # takes key=value
+            text += "\n" + config_keys_help()
+        return text
+
+
+def config_keys_help() -> str:
+    """Every config key a ``key=value`` override can set, by section, with its default
+    (read from the schema's dataclasses when help is asked for: the schema imports JAX)."""
+    import dataclasses
+
+    from jaxpar.config.schema import Config
+
+    lines = ["config keys (section.key=value; defaults shown):"]
+    for field in dataclasses.fields(Config):
+        default = getattr(Config(), field.name)
+        if not dataclasses.is_dataclass(default):
+            lines.append(f"  {field.name}={default!r}")
+            continue
+        items = [f"{f.name}={getattr(default, f.name)!r}"
+                 for f in dataclasses.fields(default)]
+        lines.append(textwrap.fill(", ".join(items), width=100, break_long_words=False,
+                                   initial_indent=f"  {field.name}: ",
+                                   subsequent_indent="      "))
+    return "\n".join(lines) + "\n"
 
 
 def _at_least_one(text: str, why: str) -> int:

@@ -30,10 +30,10 @@ def _probe(*argv: str, cwd: Path = ROOT) -> tuple[dict, str]:
 
 def test_help_and_a_missing_config_import_no_jax(tmp_path):
     for argv, status, said in [(["--help"], 0, "usage: jaxpar"),
-                               (["train", "--help"], 0, "--max-steps N"),
+                               (["train", "--max-steps", "0"], 2, "0: give at least 1"),
                                (["train", "--config", "missing.yaml"], 2,
                                 "jaxpar: error: config file 'missing.yaml' does not exist"),
-                               (["train", "--max-steps", "0"], 2, "0: give at least 1")]:
+                               (["plan", "--help"], 0, "--global-batch")]:
         got, out = _probe(*argv)
         assert got == {"status": status, "loaded": []}, (argv, got)
         assert said in out, out
@@ -46,3 +46,22 @@ def test_resume_on_a_finished_run_builds_nothing(tmp_path):
     got, out = _probe("train", "--out", str(run), "--resume")
     assert got["status"] == 0 and "jaxpar.runs.loop" not in got["loaded"], got
     assert "done: already at step 12 of train.steps=12; nothing to train" in out
+
+
+def test_train_help_lists_every_config_key():
+    """``jaxpar train --help`` ends with every section's keys and defaults (read from the
+    schema, so they cannot drift)."""
+    import dataclasses
+
+    from jaxpar.config.schema import Config
+
+    got, out = _probe("train", "--help")
+    assert got["status"] == 0 and "--max-steps N" in out
+    listed = out[out.index("config keys"):]
+    for section in dataclasses.fields(Config):
+        value = getattr(Config(), section.name)
+        names = ([f.name for f in dataclasses.fields(value)]
+                 if dataclasses.is_dataclass(value) else [section.name])
+        for name in names:
+            assert f"{name}=" in listed, (section.name, name)
+
