@@ -395,7 +395,7 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                     log.write(row)
             last = rows[-1]
             bar.set_postfix(loss=f"{last['loss']:.4f}",
-                            tok_s_dev=f"{last['tokens_per_s'] / jax.device_count():,.0f}",
+                            tok_s_dev=f"{last['tokens_per_s_per_device']:,.0f}",
                             step_s=f"{last['step_time_s']:.3f}",
                             **({"mfu": f"{last['mfu']:.1%}"} if "mfu" in last else {}))
             if due.stop:

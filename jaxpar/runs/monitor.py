@@ -31,6 +31,7 @@ TAGS: dict[str, str] = {
     "loss": "train/loss", "eval_loss": "eval/loss", "lr": "train/lr",
     "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+    "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "checkpoint_block_s": "perf/checkpoint_block_s", "memory_bytes": "memory/bytes_in_use",
 }
 """Metric-row key -> TensorBoard tag; other keys become ``train/<key>``."""

@@ -103,8 +103,9 @@ class RunLog:
     def enrich(self, metrics: dict[str, Any], step_time_s: float) -> dict[str, Any]:
         """Add step time, tokens/s, learning rate, MFU and memory to a step's metrics."""
         train = self.config.train
-        metrics.update(step_time_s=step_time_s,
-                       tokens_per_s=train.global_batch * train.seq_len / step_time_s)
+        rate = train.global_batch * train.seq_len / step_time_s
+        metrics.update(step_time_s=step_time_s, tokens_per_s=rate,
+                       tokens_per_s_per_device=rate / self._devices)
         metrics["lr"] = float(self._lr[metrics["step"] - 1])
         if self._flops is not None:
             mfu = monitor.mfu(self._flops, step_time_s, self._devices, self._peak)
