@@ -32,6 +32,38 @@ def _stages(*mesh: str) -> list[str]:
     return ["mesh.stage=2", *mesh, "pipeline.schedule=1f1b"]
 
 
+_MOE = ["model.n_experts=4", "model.expert_d_ff=32"]
+COMBINATIONS: dict[str, list[str]] = {
+    # Each set's features compiled together in one step (tests/test_feature_pairs.py::
+    # test_combinations_compile_together): every pair inside a set works together.
+    "offload, quantize, diloco, lora, expert": [
+        "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", *_MOE, "plan.offload_optimizer=1",
+        "plan.quantize=int8", "diloco.sync_every=2", "lora.enabled=true"],
+    "offload, quantize, compression, lora, expert": [
+        "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", *_MOE, "plan.offload_optimizer=1",
+        "plan.quantize=int8", "plan.compress_gradients=sign", "lora.enabled=true"],
+    "offload, quantize, lora, context, expert": [
+        "mesh.fsdp=2", "mesh.context=2", "mesh.expert=2", *_MOE, "plan.offload_optimizer=1",
+        "plan.quantize=int8", "lora.enabled=true"],
+    "quantize, zero++, lora, context, expert": [
+        "mesh.fsdp=2", "mesh.context=2", "mesh.expert=2", *_MOE, "plan.zero_stage=3",
+        "plan.quantize_gather=int8", "plan.quantize=int8", "lora.enabled=true"],
+    "1f1b, quantize, lora": [
+        "mesh.stage=2", "mesh.fsdp=4", "pipeline.schedule=1f1b", "plan.quantize=int8",
+        "lora.enabled=true"],
+}
+"""Sets of features compiled together, on the reference decoder (8 CPU devices)."""
+COMPILED = "tests/test_feature_pairs.py::test_combinations_compile_together"
+
+
+def combination_of(pair: tuple[str, str]) -> str | None:
+    """The first set of :data:`COMBINATIONS` holding both features of ``pair``."""
+    for name in COMBINATIONS:
+        if set(pair) <= set(name.split(", ")):
+            return name
+    return None
+
+
 PAIRS: dict[tuple[str, str], dict] = {
     # --- 1f1b --------------------------------------------------------------------------------
     ("1f1b", "offload"): {
@@ -39,8 +71,7 @@ PAIRS: dict[tuple[str, str], dict] = {
         "message": "streams the layers of one layer loop; it does not combine with pipeline "
                    "stages",
         "note": "plan.offload_optimizer on pipeline stages is neither tested nor refused"},
-    ("1f1b", "quantize"): {
-        "undecided": "No test runs plan.quantize on pipeline stages, and no check refuses it."},
+    ("1f1b", "quantize"): {"works": COMPILED},
     ("1f1b", "zero++"): {
         "refused": [*_stages("mesh.fsdp=4"), "plan.quantize_reduce=int8"],
         "message": "plan.quantize_reduce runs the step manual over the data-parallel axes",
@@ -82,9 +113,7 @@ PAIRS: dict[tuple[str, str], dict] = {
         "tested_by": "tests/parallel/test_staged.py::test_stages_without_a_split_or_on_an_"
                      "explicit_mesh_are_refused"},
     # --- offload -----------------------------------------------------------------------------
-    ("offload", "quantize"): {
-        "undecided": "No test turns on host offload and plan.quantize together, and no check "
-                     "refuses it."},
+    ("offload", "quantize"): {"works": COMPILED},
     ("offload", "zero++"): {
         "refused": ["mesh.fsdp=8", "plan.zero_stage=3", "plan.quantize_gather=int8",
                     "plan.offload_params=true"],
@@ -92,22 +121,14 @@ PAIRS: dict[tuple[str, str], dict] = {
         "note": "plan.hpz and plan.quantize_reduce are refused with plan.offload_params too; "
                 "plan.offload_optimizer with ZeRO++ is untested",
         "tested_by": "tests/parallel/test_zeropp.py::test_int8_gathers_refuse_streamed_weights"},
-    ("offload", "diloco"): {
-        "undecided": "No test wraps a Trainer with offloaded state in DiLoCo, and no check "
-                     "refuses it."},
-    ("offload", "compression"): {
-        "undecided": "No test turns on host offload and plan.compress_gradients together, and "
-                     "no check refuses it."},
+    ("offload", "diloco"): {"works": COMPILED},
+    ("offload", "compression"): {"works": COMPILED},
     ("offload", "lora"): {
         "works": "tests/parallel/test_offload.py::test_lora_streams_the_frozen_base_and_keeps_"
                  "adapters_on_the_device",
         "note": "plan.offload_params"},
-    ("offload", "context"): {
-        "undecided": "No test turns on host offload on a mesh with a context axis, and no "
-                     "check refuses it."},
-    ("offload", "expert"): {
-        "undecided": "No test turns on host offload for a mixture of experts on an expert "
-                     "axis, and no check refuses it."},
+    ("offload", "context"): {"works": COMPILED},
+    ("offload", "expert"): {"works": COMPILED},
     ("offload", "linen"): {
         "works": "tests/sharding/test_block_remat.py::test_optimizer_offload_on_a_users_model_"
                  "equals_one_device",
@@ -122,20 +143,13 @@ PAIRS: dict[tuple[str, str], dict] = {
         "works": "tests/cli/test_inspection.py::test_quantized_plans_are_named_in_the_header",
         "note": "jaxpar inspect compiles the step with plan.quantize=int8 and "
                 "plan.quantize_gather=int8"},
-    ("quantize", "diloco"): {
-        "undecided": "No test runs DiLoCo with plan.quantize, and no check refuses it."},
-    ("quantize", "compression"): {
-        "undecided": "No test turns on plan.quantize and plan.compress_gradients together, and "
-                     "no check refuses it."},
+    ("quantize", "diloco"): {"works": COMPILED},
+    ("quantize", "compression"): {"works": COMPILED},
     ("quantize", "lora"): {
         "works": "tests/sharding/test_quantization.py::test_lora_keeps_its_update_unquantized_"
                  "and_quantizes_the_base"},
-    ("quantize", "context"): {
-        "undecided": "No test runs plan.quantize on a mesh with a context axis, and no check "
-                     "refuses it."},
-    ("quantize", "expert"): {
-        "undecided": "No test runs plan.quantize on a mixture of experts on an expert axis, "
-                     "and no check refuses it."},
+    ("quantize", "context"): {"works": COMPILED},
+    ("quantize", "expert"): {"works": COMPILED},
     ("quantize", "linen"): {
         "works": "tests/sharding/test_quantization.py::test_a_linen_model_trains_on_int8_"
                  "matmuls_and_tracks_its_f32_run"},
@@ -155,15 +169,9 @@ PAIRS: dict[tuple[str, str], dict] = {
         "message": "it does not combine with plan.compress_gradients",
         "tested_by": "tests/parallel/test_zeropp.py::test_int8_reductions_refuse_what_they_"
                      "cannot_run"},
-    ("zero++", "lora"): {
-        "undecided": "No test runs ZeRO++'s int8 gathers or reductions on a LoRA model, and no "
-                     "check refuses it."},
-    ("zero++", "context"): {
-        "undecided": "No test runs ZeRO++ on a mesh with a context axis, and no check refuses "
-                     "it."},
-    ("zero++", "expert"): {
-        "undecided": "No test runs ZeRO++ on a mixture of experts on an expert axis, and no "
-                     "check refuses it."},
+    ("zero++", "lora"): {"works": COMPILED},
+    ("zero++", "context"): {"works": COMPILED},
+    ("zero++", "expert"): {"works": COMPILED},
     ("zero++", "linen"): {
         "works": "tests/parallel/test_zeropp.py::test_qwz_and_qgz_on_a_scanned_and_a_linen_"
                  "model",
@@ -184,14 +192,11 @@ PAIRS: dict[tuple[str, str], dict] = {
         "message": "diloco keeps a whole optimizer state per replica",
         "when": "build",
         "note": "DiLoCo refuses an inner Trainer with plan.compress_gradients"},
-    ("diloco", "lora"): {
-        "undecided": "No test runs DiLoCo on a LoRA model, and no check refuses it."},
+    ("diloco", "lora"): {"works": COMPILED},
     ("diloco", "context"): {
-        "undecided": "No test runs DiLoCo on a mesh with a context axis, and no check refuses "
-                     "it."},
-    ("diloco", "expert"): {
-        "undecided": "No test runs DiLoCo on a mixture of experts on an expert axis, and no "
-                     "check refuses it."},
+        "refused": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "diloco.sync_every=2"],
+        "message": "context-parallel attention cannot run inside it"},
+    ("diloco", "expert"): {"works": COMPILED},
     ("diloco", "linen"): {
         "works": "tests/training/test_diloco.py::test_diloco_on_a_linen_model_equals_"
                  "synchronous_at_h1"},
@@ -199,15 +204,11 @@ PAIRS: dict[tuple[str, str], dict] = {
         "works": "tests/training/test_diloco.py::test_diloco_on_an_explicit_mesh_reads_its_"
                  "anchor_back"},
     # --- compression -------------------------------------------------------------------------
-    ("compression", "lora"): {
-        "undecided": "No test compresses the gradients of a LoRA model, and no check refuses "
-                     "it."},
+    ("compression", "lora"): {"works": COMPILED},
     ("compression", "context"): {
-        "undecided": "No test compresses gradients on a mesh with a context axis, and no check "
-                     "refuses it."},
-    ("compression", "expert"): {
-        "undecided": "No test compresses the gradients of a mixture of experts on an expert "
-                     "axis, and no check refuses it."},
+        "refused": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "plan.compress_gradients=sign"],
+        "message": "context-parallel attention cannot run inside it"},
+    ("compression", "expert"): {"works": COMPILED},
     ("compression", "linen"): {
         "undecided": "No test compresses the gradients of a linen model, and no check refuses "
                      "it."},
@@ -215,9 +216,7 @@ PAIRS: dict[tuple[str, str], dict] = {
         "undecided": "No test compresses gradients on an explicit-sharding mesh, and no check "
                      "refuses it."},
     # --- lora --------------------------------------------------------------------------------
-    ("lora", "context"): {
-        "undecided": "No test trains LoRA adapters on a mesh with a context axis, and no check "
-                     "refuses it."},
+    ("lora", "context"): {"works": COMPILED},
     ("lora", "expert"): {
         "works": "tests/models/test_expert_parallel.py::test_lora_on_experts_trains_per_"
                  "expert_adapters"},

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.feature_pairs import FEATURES, PAIRS, markdown_table
+from tests.feature_pairs import (
+    COMBINATIONS,
+    COMPILED,
+    FEATURES,
+    PAIRS,
+    combination_of,
+    markdown_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"works": {"works", "note"},
@@ -82,6 +89,36 @@ def test_build_refusals_pass_check_config_and_come_as_the_run_is_built(devices, 
     with pytest.raises(jaxpar.JaxparError, match=re.escape(entry["message"])) as err:
         assemble(config, devices, abstract=True)
     assert "\n" not in str(err.value)
+
+
+SMALL_MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+               "model.d_ff=64", "model.max_seq_len=64", "train.seq_len=32",
+               "train.global_batch=16"]
+
+
+def test_every_compiled_pair_is_in_a_combination():
+    for pair, entry in PAIRS.items():
+        if entry.get("works") == COMPILED:
+            assert combination_of(pair) is not None, pair
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_combinations_compile_together(devices, name):
+    """Each set's features on at once: the config passes its checks, no warning says a
+    knob does nothing, and the train step compiles for 8 devices (the SPMD partitioner is
+    where combinations fail)."""
+    import warnings
+
+    import jaxpar
+    from jaxpar.analysis.inspection import compile_step
+    from jaxpar.config.validate import check_config
+
+    config = jaxpar.load_config(None, [*SMALL_MODEL, *COMBINATIONS[name]])
+    check_config(config, devices=len(devices), processes=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxpar.errors.JaxparWarning)
+        step = compile_step(config)
+    assert step.compiled.as_text()
 
 
 def test_the_table_has_a_row_and_a_bullet_for_each():

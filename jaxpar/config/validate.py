@@ -328,6 +328,13 @@ def _check_layout(config: Config, devices: int, processes: int) -> None:
         raise JaxparError(f"model.attention='cudnn' needs an NVIDIA GPU (cuDNN), but this "
                           f"run's backend is {jax.default_backend()}: use "
                           "model.attention=auto (the best this backend has)")
+    if sizes["context"] > 1 and (config.diloco.sync_every or p.compress_gradients != "none"):
+        other = ("diloco.sync_every" if config.diloco.sync_every
+                 else f"plan.compress_gradients={p.compress_gradients}")
+        raise JaxparError(f"{other} runs the step manual over the data axis, and "
+                          "context-parallel attention cannot run inside it (XLA's SPMD "
+                          "partitioner aborts on the nested shard_map): set mesh.context "
+                          "to 1, or drop one")
     if sizes["stage"] > 1:
         if config.model.factory and not config.pipeline.split:
             raise JaxparError(STAGES_NEED_SPLIT)
