@@ -8,7 +8,8 @@ Each unordered pair of :data:`FEATURES` (key ordered as in ``FEATURES``) has one
 - ``{"refused": [overrides], "message": "substring"}``: ``jaxpar.load_config(None,
   overrides)`` is refused by ``check_config(config, devices=8)`` in one line holding the
   substring; with ``"when": "build"`` the config passes ``check_config`` and the refusal
-  comes as the run is built (the Trainer, or DiLoCo around it), said in ``"note"``;
+  comes as the run is built (the Trainer, or DiLoCo around it), said in ``"note"``; with
+  ``"when": "run"`` at the first step, checked by the ``"tested_by"`` test;
   ``"tested_by"`` names a test that already checks the refusal, where one does;
 - ``{"undecided": "note"}``: no test runs the pair together and nothing refuses it.
 
@@ -54,6 +55,7 @@ COMBINATIONS: dict[str, list[str]] = {
 }
 """Sets of features compiled together, on the reference decoder (8 CPU devices)."""
 COMPILED = "tests/test_feature_pairs.py::test_combinations_compile_together"
+USER_MODELS = "tests/test_feature_pairs.py::test_user_models_train_with_the_feature"
 
 
 def combination_of(pair: tuple[str, str]) -> str | None:
@@ -209,12 +211,14 @@ PAIRS: dict[tuple[str, str], dict] = {
         "refused": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "plan.compress_gradients=sign"],
         "message": "context-parallel attention cannot run inside it"},
     ("compression", "expert"): {"works": COMPILED},
-    ("compression", "linen"): {
-        "undecided": "No test compresses the gradients of a linen model, and no check refuses "
-                     "it."},
+    ("compression", "linen"): {"works": USER_MODELS},
     ("compression", "explicit"): {
-        "undecided": "No test compresses gradients on an explicit-sharding mesh, and no check "
-                     "refuses it."},
+        "refused": ["plan.compress_gradients=sign", "mesh.explicit=true"],
+        "message": "leave it out of the model's PartitionSpecs",
+        "when": "run",
+        "note": "The step runs by hand over the data axis, which an explicit model names in "
+                "its own shardings: refused in one line at its first step",
+        "tested_by": USER_MODELS},
     # --- lora --------------------------------------------------------------------------------
     ("lora", "context"): {"works": COMPILED},
     ("lora", "expert"): {
@@ -233,11 +237,11 @@ PAIRS: dict[tuple[str, str], dict] = {
         "note": "parametrization moe_expert2_context2_ring: the step of a mixture of experts "
                 "compiled on expert=2 x context=2"},
     ("context", "linen"): {
-        "undecided": "Context-parallel attention is the built-in decoder's; no test puts a "
-                     "linen model on a context axis, and nothing refuses it."},
+        "works": USER_MODELS,
+        "note": "The sequence split over context by GSPMD (the model's own attention)"},
     ("context", "explicit"): {
-        "undecided": "No test trains on an explicit-sharding mesh with a context axis, and no "
-                     "check refuses it."},
+        "works": USER_MODELS,
+        "note": "The sequence split over context by GSPMD (the model's own attention)"},
     # --- expert ------------------------------------------------------------------------------
     ("expert", "linen"): {
         "undecided": "Expert parallelism is the built-in decoder's mixture of experts "
@@ -275,7 +279,8 @@ def markdown_table() -> str:
               "Refused pairs (overrides, then what the refusal says):", ""]
     for (a, b), entry in PAIRS.items():
         if "refused" in entry:
-            when = ", as the run is built" if entry.get("when") == "build" else ""
+            when = {"build": ", as the run is built",
+                    "run": ", at the first step"}.get(entry.get("when"), "")
             lines.append(f"- {a} + {b}: `{' '.join(entry['refused'])}`{when}: "
                          f"\"{entry['message']}\"")
     return "\n".join(lines) + "\n"

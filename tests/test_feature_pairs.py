@@ -9,6 +9,7 @@ import itertools
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.feature_pairs import (
@@ -32,7 +33,7 @@ def _ids(pairs) -> list[str]:
 
 def _with(*keys: str, build: bool | None = None) -> list[tuple[str, str]]:
     return [p for p, e in PAIRS.items() if any(k in e for k in keys)
-            and (build is None or (e.get("when") == "build") == build)]
+            and (build is None or e.get("when") == ("build" if build else None))]
 
 
 def test_every_pair_has_one_entry():
@@ -44,7 +45,8 @@ def test_every_pair_has_one_entry():
         assert set(entry) <= KEYS[kinds[0]], pair
         if "refused" in entry:
             assert entry["refused"] and entry["message"], pair
-            assert entry.get("when", "build") == "build", pair
+            assert entry.get("when", "build") in ("build", "run"), pair
+            assert entry.get("when") != "run" or entry.get("tested_by"), pair
             assert "when" not in entry or entry.get("note"), pair
         if "undecided" in entry:
             assert entry["undecided"].strip(), pair
@@ -119,6 +121,34 @@ def test_combinations_compile_together(devices, name):
         warnings.simplefilter("error", jaxpar.errors.JaxparWarning)
         step = compile_step(config)
     assert step.compiled.as_text()
+
+
+@pytest.mark.parametrize("model,feature", [("linen", "compression"), ("linen", "context"),
+                                           ("explicit", "context"),
+                                           ("explicit", "compression")])
+def test_user_models_train_with_the_feature(devices, model, feature):
+    """Users' models (tests/user_models.py: a linen Llama, an explicit-sharding model) with
+    compressed gradients or a context axis: two steps that learn, or one line."""
+    import optax
+
+    import jaxpar
+    from tests.sharding.test_block_remat import MODELS, tokens
+
+    factory, knobs, explicit = MODELS[model]
+    axes = {"data": 2, "fsdp": 2, **({"context": 2} if feature == "context"
+                                     else {"tensor": 2})}
+    extra = {"compress_gradients": "sign"} if feature == "compression" else {}
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes, explicit=explicit), "fsdp_tp",
+                                   **knobs, **extra)
+    trainer = jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
+    if (model, feature) == ("explicit", "compression"):
+        entry = PAIRS[("compression", "explicit")]
+        with pytest.raises(jaxpar.JaxparError, match=re.escape(entry["message"])) as err:
+            trainer.step(tokens(0))
+        assert "\n" not in str(err.value)
+        return
+    losses = [trainer.step(tokens(i))["loss"] for i in range(2)]
+    assert np.isfinite(losses).all() and losses[1] < losses[0], losses
 
 
 def test_the_table_has_a_row_and_a_bullet_for_each():
