@@ -28,6 +28,7 @@ def main() -> None:
         run = Path(tmp) / "run"
         (run / "checkpoints" / "12").mkdir(parents=True)
         (run / "config.yaml").write_text("train:\n  steps: 12\n")
+        (run / "finished.json").write_text('{"step": 12, "bytes": 0}')
         cases = {"jaxpar --help": ["--help"],
                  "train --config missing.yaml": ["train", "--config", "missing.yaml"],
                  "train --resume (finished run)": ["train", "--out", str(run), "--resume"]}

@@ -4,11 +4,13 @@ or as one process of several."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxpar.config.yaml_files import read_yaml
+from jaxpar.runs.run_folder import FINISHED, folder_bytes
 from jaxpar.storage.remote import RunMirror, is_remote
 
 if TYPE_CHECKING:
@@ -35,17 +37,25 @@ def checked_train_config(args: argparse.Namespace) -> Config:
 
 
 def finished_step(out: str | None) -> int | None:
-    """The newest checkpoint step of run folder ``out`` (local or in a bucket), read from
-    the folder names alone; None without one."""
+    """The step a run folder finished at, when nothing changed since: ``FINISHED`` names
+    the step and the byte size of its checkpoint, written at the end of a run, and the
+    newest checkpoint still is that one, of that size (a truncated or replaced file sends
+    the resume down the full path, which reads the checkpoint and falls back past a
+    damaged one). In a bucket, the newest uploaded step. None otherwise."""
     if not out:
         return None
     if is_remote(out):
-        steps = RunMirror(out).remote_steps()
-    else:
-        folder = Path(out) / "checkpoints"
-        steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if (
-            folder.is_dir()) else []
-    return max(steps, default=None)
+        return max(RunMirror(out).remote_steps(), default=None)
+    try:
+        done = json.loads((Path(out) / FINISHED).read_text())
+    except (OSError, ValueError):
+        return None
+    folder = Path(out) / "checkpoints"
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if (
+        folder.is_dir()) else []
+    if not steps or steps[-1] != done.get("step"):
+        return None
+    return steps[-1] if folder_bytes(folder / str(steps[-1])) == done.get("bytes") else None
 
 
 def command(args: argparse.Namespace) -> int:

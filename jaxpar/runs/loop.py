@@ -41,7 +41,7 @@ from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
 from jaxpar.runs.replicas import LauncherGone, ReplicaClient
-from jaxpar.runs.run_folder import check_run_folder
+from jaxpar.runs.run_folder import check_run_folder, mark_finished
 from jaxpar.runs.runlog import RunLog
 from jaxpar.storage.folders import LOCK_NAME, FolderLock
 from jaxpar.storage.remote import RunMirror, is_remote
@@ -233,6 +233,10 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
         result = _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
                         max_steps=max_steps, executable=executable, mirror=mirror)
         clean = True
+        trainer = result[0]
+        if (out_dir is not None and jax.process_index() == 0
+                and trainer.step_count >= config.train.steps):
+            mark_finished(Path(out_dir), trainer.step_count)
         return result
     except (RunStopped, LauncherGone):  # every process stopped at the same step
         clean = True

@@ -3,13 +3,34 @@ them before JAX starts)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
 from jaxpar.storage.folders import LOCK_NAME
 from jaxpar.storage.remote import RunMirror, check_url, is_remote
+
+if TYPE_CHECKING:
+    from jaxpar.config.schema import Config
+
+FINISHED = "finished.json"
+"""Written at the end of a run: its last step and that checkpoint's size in bytes (what lets
+``--resume`` on a finished run answer without building anything)."""
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder``."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def mark_finished(out: Path, step: int) -> None:
+    """Record that the run in ``out`` finished at ``step``, with its checkpoint's size."""
+    checkpoint = out / "checkpoints" / str(step)
+    if checkpoint.is_dir():
+        (out / FINISHED).write_text(json.dumps({"step": step,
+                                                "bytes": folder_bytes(checkpoint)}))
 
 
 def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,

@@ -43,6 +43,7 @@ def test_resume_on_a_finished_run_builds_nothing(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "12").mkdir(parents=True)
     (run / "config.yaml").write_text("train:\n  steps: 12\n")
+    (run / "finished.json").write_text('{"step": 12, "bytes": 0}')  # what a finished run writes
     got, out = _probe("train", "--out", str(run), "--resume")
     assert got["status"] == 0 and "jaxpar.runs.loop" not in got["loaded"], got
     assert "done: already at step 12 of train.steps=12; nothing to train" in out
