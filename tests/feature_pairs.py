@@ -105,8 +105,11 @@ PAIRS: dict[tuple[str, str], dict] = {
         "message": "model.n_experts > 0 with mesh.stage > 1 is not supported yet",
         "tested_by": "tests/config/test_validate.py::test_layout"},
     ("1f1b", "linen"): {
-        "undecided": "No test divides a from_linen model into pipeline stages "
-                     "(jaxpar.stage_model, pipeline.split), and nothing refuses it."},
+        "refused": ["jaxpar.stage_model(jaxpar.from_linen(...), ...)"],
+        "message": "cannot be divided into pipeline stages yet",
+        "when": "run",
+        "note": "jaxpar.stage_model refuses a linen model: its blocks are linen modules",
+        "tested_by": USER_MODELS},
     ("1f1b", "explicit"): {
         "refused": [*_stages("mesh.fsdp=4"), "mesh.explicit=true"],
         "message": "pipeline stages on an explicit-sharding mesh are not supported",
@@ -244,15 +247,18 @@ PAIRS: dict[tuple[str, str], dict] = {
         "note": "The sequence split over context by GSPMD (the model's own attention)"},
     # --- expert ------------------------------------------------------------------------------
     ("expert", "linen"): {
-        "undecided": "Expert parallelism is the built-in decoder's mixture of experts "
-                     "(model.n_experts); no test runs a linen model on an expert axis."},
+        "works": USER_MODELS,
+        "note": "A dense model on a mesh with an expert axis (batch split over it too)"},
     ("expert", "explicit"): {
-        "undecided": "No test trains a mixture of experts on an explicit-sharding mesh, and no "
-                     "check refuses it."},
+        "works": USER_MODELS,
+        "note": "A dense model on a mesh with an expert axis (batch split over it too)"},
     # --- linen -------------------------------------------------------------------------------
     ("linen", "explicit"): {
-        "undecided": "No test puts a from_linen model on an explicit-sharding mesh, and no "
-                     "check refuses it."},
+        "refused": ["jaxpar.from_linen(...) on jaxpar.make_mesh(..., explicit=True)"],
+        "message": "does not run on an explicit-sharding mesh",
+        "when": "run",
+        "note": "The Trainer refuses it as it is built: linen arrays carry no sharding types",
+        "tested_by": USER_MODELS},
 }
 
 _CELL = {"works": "yes", "refused": "no", "undecided": "?"}

@@ -98,6 +98,10 @@ SMALL_MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model
                "train.global_batch=16"]
 
 
+def test_no_pair_is_left_undecided():
+    assert [pair for pair, entry in PAIRS.items() if "undecided" in entry] == []
+
+
 def test_every_compiled_pair_is_in_a_combination():
     for pair, entry in PAIRS.items():
         if entry.get("works") == COMPILED:
@@ -125,21 +129,39 @@ def test_combinations_compile_together(devices, name):
 
 @pytest.mark.parametrize("model,feature", [("linen", "compression"), ("linen", "context"),
                                            ("explicit", "context"),
-                                           ("explicit", "compression")])
+                                           ("explicit", "compression"), ("linen", "expert"),
+                                           ("explicit", "expert"), ("linen", "explicit"),
+                                           ("linen", "1f1b")])
 def test_user_models_train_with_the_feature(devices, model, feature):
     """Users' models (tests/user_models.py: a linen Llama, an explicit-sharding model) with
-    compressed gradients or a context axis: two steps that learn, or one line."""
+    compressed gradients, a context or expert axis, an explicit mesh or pipeline stages:
+    two steps that learn, or one line."""
     import optax
 
     import jaxpar
     from tests.sharding.test_block_remat import MODELS, tokens
 
     factory, knobs, explicit = MODELS[model]
-    axes = {"data": 2, "fsdp": 2, **({"context": 2} if feature == "context"
-                                     else {"tensor": 2})}
+    if feature == "1f1b":
+        with pytest.raises(jaxpar.JaxparError, match=re.escape(
+                PAIRS[("1f1b", "linen")]["message"])):
+            split = jaxpar.StageSplit(embed=lambda m, x: x, head=lambda m, h: h,
+                                      blocks="layers")
+            jaxpar.stage_model(factory(), split, stages=2, schedule="1f1b")
+        return
+    axes = {"data": 2, "fsdp": 2,
+            **{"context": {"context": 2}, "expert": {"expert": 2}}.get(feature,
+                                                                       {"tensor": 2})}
     extra = {"compress_gradients": "sign"} if feature == "compression" else {}
-    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes, explicit=explicit), "fsdp_tp",
-                                   **knobs, **extra)
+    plan = jaxpar.Plan.from_preset(
+        jaxpar.make_mesh(axes, explicit=explicit or feature == "explicit"), "fsdp_tp",
+        **knobs, **extra)
+    if feature == "explicit":
+        with pytest.raises(jaxpar.JaxparError, match=re.escape(
+                PAIRS[("linen", "explicit")]["message"])) as err:
+            jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
+        assert "\n" not in str(err.value)
+        return
     trainer = jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
     if (model, feature) == ("explicit", "compression"):
         entry = PAIRS[("compression", "explicit")]

@@ -296,6 +296,10 @@ def stage_model(model: nnx.Module, split: StageSplit, *, stages: int, microbatch
     """
     if isinstance(model, StagedModel):
         raise JaxparError("the model is already staged")
+    if hasattr(model, "linen_modules"):  # jaxpar.from_linen's wrapper: no NNX blocks to stack
+        raise JaxparError("a linen model (jaxpar.from_linen) cannot be divided into pipeline "
+                          "stages yet: its blocks are linen modules, not NNX ones; train it "
+                          "without stages, or write the model in NNX")
     _, _, container, path = _locate(model, split.blocks)
     n = len(container) if isinstance(container, nnx.List | list | tuple) else _stacked_state(
         container, path)[2]

@@ -18,6 +18,11 @@ def check_model_support(model: nnx.Module, plan: Plan, pipeline_schedule: Any) -
     """Refuse the plan knobs ``model`` cannot take: ZeRO++'s quantized collectives on an
     explicit-sharding mesh, and pipeline stages on a model without a pipeline layout
     (``pipeline_schedule`` None), whose stages would repeat each other's work."""
+    if is_explicit(plan.mesh) and hasattr(model, "linen_modules"):
+        raise JaxparError(
+            "a linen model (jaxpar.from_linen) does not run on an explicit-sharding mesh: "
+            "its arrays carry no sharding types for the mesh to follow; build the mesh "
+            "with jaxpar.make_mesh(..., explicit=False)")
     if is_explicit(plan.mesh):
         knobs = [k for k in ("quantize_gather", "quantize_reduce")
                  if getattr(plan, k) != "none"]
