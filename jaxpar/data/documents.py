@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import JaxparError
-from jaxpar.storage.remote import filesystem, is_remote, remote_files, storage_error
+from jaxpar.storage.remote import filesystem, is_remote, read_object, remote_files
 
 DOCUMENT_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet",
                                       ".arrow", ".array_record")
@@ -113,7 +113,7 @@ class JsonlDocuments:
         name = str(self.path).rsplit("/", 1)[-1]
         try:
             if is_remote(self.path):  # read whole: a line index needs every byte
-                raw = _remote_bytes(str(self.path))
+                raw = read_object(str(self.path), "data source")
                 if name.endswith(".gz"):
                     raw = gzip.decompress(raw)
                 if not name.endswith(".zst"):
@@ -206,7 +206,7 @@ class ArrowDocuments:
         tables = []
         for path in paths:
             try:
-                source = (pa.py_buffer(_remote_bytes(str(path))) if is_remote(path)
+                source = (pa.py_buffer(read_object(str(path), "data source")) if is_remote(path)
                           else pa.memory_map(str(path)))
                 try:
                     table = pa.ipc.open_stream(source).read_all()
@@ -322,16 +322,6 @@ def document_files(spec: str) -> list[Path] | list[str]:
         raise JaxparError(f"data source {spec!r}: {odd[0]} is not a document file "
                           f"({', '.join(DOCUMENT_SUFFIXES)})")
     return files
-
-
-def _remote_bytes(url: str) -> bytes:
-    """A whole object of a bucket (one line on failure)."""
-    try:
-        return filesystem(url, "data source").cat_file(url)
-    except JaxparError:
-        raise
-    except Exception as exc:  # botocore's and aiohttp's errors share no base
-        raise storage_error(exc, url, "data source") from None
 
 
 def _name(file: Path | str) -> str:

@@ -11,6 +11,7 @@ Parquet, Arrow, ArrayRecord, Hugging Face ``datasets`` folders with ``data.token
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,17 +26,25 @@ from jaxpar.data.tokenizer import eos_id, load_tokenizer, tokenizer_json, vocab_
 from jaxpar.errors import JaxparError
 
 
+def fitting_tokenizer(config: Config) -> Any:
+    """``data.tokenizer``, loaded; refused in one line when its vocabulary outgrows
+    ``model.vocab_size`` (checked before anything is tokenized)."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    vocab = vocab_size(tokenizer)
+    if vocab > config.model.vocab_size:
+        raise JaxparError(
+            f"data.tokenizer {config.data.tokenizer!r} has a vocabulary of {vocab} tokens "
+            f"but model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
+            "or more")
+    return tokenizer
+
+
 def load_corpus(config: Config) -> np.ndarray:
     """The whole corpus of ``config.data`` as token ids (a tokenizer's vocabulary is checked
     against ``model.vocab_size`` before anything is tokenized)."""
     data = config.data
     if data.tokenizer:
-        vocab = vocab_size(load_tokenizer(data.tokenizer))
-        if vocab > config.model.vocab_size:
-            raise JaxparError(
-                f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} tokens but "
-                f"model.vocab_size={config.model.vocab_size}: set model.vocab_size={vocab} "
-                "or more")
+        fitting_tokenizer(config)
     return load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
                        field=data.field)
 
@@ -60,12 +69,7 @@ def document_loader(config: Config, *, holdout: bool = False) -> DocumentLoader:
     out. Documents end with the tokenizer's EOS id; rows carry segment ids unless the mesh
     has stages, or a context axis in the balanced order (which do not take them yet)."""
     data, train = config.data, config.train
-    tokenizer = load_tokenizer(data.tokenizer)
-    vocab = vocab_size(tokenizer)
-    if vocab > config.model.vocab_size:
-        raise JaxparError(f"data.tokenizer {data.tokenizer!r} has a vocabulary of {vocab} "
-                          f"tokens but model.vocab_size={config.model.vocab_size}: set "
-                          f"model.vocab_size={vocab} or more")
+    tokenizer = fitting_tokenizer(config)
     eos = eos_id(tokenizer, tokenizer_json(data.tokenizer).parent)
     cut = 1.0 - data.holdout_fraction
     sources = [(open_documents(entry["path"], data.field), float(entry.get("weight", 1.0)))

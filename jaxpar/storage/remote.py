@@ -103,6 +103,13 @@ def _reported(url: str, what: str) -> Iterator[None]:
         raise storage_error(exc, url, what) from None
 
 
+def read_object(url: str, what: str) -> bytes:
+    """A whole object of a bucket (one line naming ``what`` on failure)."""
+    fs = filesystem(url, what)
+    with _reported(url, what):
+        return fs.cat_file(url)
+
+
 def remote_files(spec: str, suffixes: tuple[str, ...], what: str) -> list[str]:
     """The objects ``spec`` names, sorted URLs: a glob's matches, the files under a folder
     (those ending in ``suffixes``), or one object.
@@ -246,7 +253,8 @@ class RunMirror:
             bucket = self.url.split("://", 1)[1].split("/", 1)[0]
             if not self.fs.exists(f"{url_scheme(self.url)}://{bucket}"):
                 raise JaxparError(f"--out {self.url!r}: bucket {bucket!r} does not exist")
-            self.fs.ls(self.url) if self.fs.exists(self.url) else None
+            if self.fs.exists(self.url):  # an existing run folder must be listable too
+                self.fs.ls(self.url)
 
     def fetch(self, rel: str) -> Path | None:
         """Download one file of the run folder (``config.yaml``) into the local copy; None
