@@ -1,0 +1,157 @@
+"""MkDocs hook: the parts of the site written from the code, at every build.
+
+A page line ``<!-- insert: NAME -->`` is replaced by what :data:`GENERATORS` [NAME] writes:
+the command line reference (from the ``argparse`` parser the ``jaxpar`` command uses), the
+config keys (from the config dataclasses and the attribute docstrings of their fields), the
+Python API (mkdocstrings directives for every public name of ``jaxpar``), the feature-pair
+table (from the tests' own record of what is tested together) and each benchmark's tables
+(``insert: bench NAME``: ``benchmarks/NAME.py``'s ``markdown`` over its saved results), so
+none of them can drift from what they describe.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_MARK = re.compile(r"^<!-- insert: (?P<name>[\w-]+)(?: (?P<arg>[\w.-]+))? -->$", re.M)
+
+
+# --- command line --------------------------------------------------------------------------
+def cli_reference(_: str | None = None) -> str:
+    """Every ``jaxpar`` command's ``--help``, as the parser prints it."""
+    os.environ["COLUMNS"] = "100"
+    from jaxpar.cli.parser import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and a.dest == "command")
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    out = ["```text", parser.format_help().rstrip(), "```", ""]
+    for name, command in sub.choices.items():
+        out += [f"## jaxpar {name}", "", (helps.get(name) or "").capitalize() + ".", "",
+                "```text", command.format_help().rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+# --- config keys ---------------------------------------------------------------------------
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``name -> docstring`` of the fields of ``cls`` and its bases that have one (a string
+    right after the field, as the config classes write them)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for field, after in zip(body, body[1:], strict=False):
+            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[field.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_reference(_: str | None = None) -> str:
+    """Every config key by section: default, type and what its docstring says."""
+    from jaxpar.config.schema import Config
+    from jaxpar.sharding.plan import Plan
+
+    out: list[str] = []
+    top: list[dataclasses.Field] = []
+    for field in dataclasses.fields(Config):
+        default = getattr(Config(), field.name)
+        if not dataclasses.is_dataclass(default):
+            top.append(field)
+            continue
+        cls = type(default)
+        docs = _attribute_docs(Plan if field.name == "plan" else cls)
+        out += [f"## {field.name}", "", inspect.cleandoc(cls.__doc__ or ""), "",
+                "| key | default | type | |", "|---|---|---|---|"]
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name] if isinstance(hints[f.name], str) else getattr(
+                hints[f.name], "__name__", str(hints[f.name]))
+            out.append(f"| `{field.name}.{f.name}` | `{getattr(default, f.name)!r}` | "
+                       f"{_cell(str(kind))} | {_cell(docs.get(f.name, ''))} |")
+        out.append("")
+    docs = _attribute_docs(Config)
+    out += ["## top level", "", "| key | default | |", "|---|---|---|"]
+    for f in top:
+        out.append(f"| `{f.name}` | `{getattr(Config(), f.name)!r}` | "
+                   f"{_cell(docs.get(f.name, ''))} |")
+    return "\n".join(out) + "\n"
+
+
+# --- Python API ----------------------------------------------------------------------------
+def api_reference(_: str | None = None) -> str:
+    """An mkdocstrings directive for every public name of ``jaxpar``, by module."""
+    import jaxpar
+
+    by_module: dict[str, list[str]] = {}
+    for name, module in sorted(jaxpar._EXPORTS.items(), key=lambda kv: (kv[1], kv[0])):
+        if module.endswith(f".{name}"):
+            continue  # a submodule exported whole (jaxpar.lora, jaxpar.models ...)
+        by_module.setdefault(module, []).append(name)
+    out = []
+    for module, names in by_module.items():
+        out += [f"## `{module}`", ""]
+        out += [f"::: {module}.{name}\n" for name in names]
+    out += ["## `jaxpar.planner`", "", "::: jaxpar.planner.api.plan", ""]
+    return "\n".join(out)
+
+
+# --- feature pairs -------------------------------------------------------------------------
+def feature_pairs(_: str | None = None) -> str:
+    """The table of features tested together (``tests/feature_pairs.py``)."""
+    from tests.feature_pairs import markdown_table
+
+    return markdown_table()
+
+
+# --- benchmarks ----------------------------------------------------------------------------
+def benchmark(name: str | None) -> str:
+    """``benchmarks/NAME.py``'s ``markdown(results)`` over ``benchmarks/results/NAME.json``,
+    under the date the results were committed and the command that wrote them."""
+    assert name, "insert: bench needs the benchmark's name"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    date = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(path)], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip() or "not committed"
+    head = (f"*Results of `{module.COMMAND}`, committed {date} "
+            f"(`benchmarks/results/{name}.json`).*")
+    return head + "\n\n" + module.markdown(json.loads(path.read_text()))
+
+
+GENERATORS: dict[str, Callable[[str | None], str]] = {
+    "cli": cli_reference, "config": config_reference, "api": api_reference,
+    "feature-pairs": feature_pairs, "bench": benchmark,
+}
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    """Replace every ``<!-- insert: NAME -->`` line of a page."""
+    if str(ROOT) not in sys.path:  # MkDocs restores sys.path after loading a hook
+        sys.path.insert(0, str(ROOT))
+    return _MARK.sub(lambda m: GENERATORS[m["name"]](m["arg"]), markdown)

@@ -1,0 +1,36 @@
+"""Every snippet of the README and the docs site runs as printed, and prints what it quotes
+(see :mod:`tests.docs_snippets`): one fresh process per page, as a reader starts one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.docs_snippets import ROOT, check_output, commands, line_matches, page_blocks, pages
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_runs_as_printed(page):
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_snippets.py"), str(page)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-3000:] + done.stderr[-6000:])
+
+
+def test_quoted_numbers_are_compared_within_tolerance():
+    assert line_matches("step 10: loss 2.31", "step 10:   loss 2.3120")
+    assert not line_matches("loss 2.31 at step 10", "loss 2.61 at step 10")
+    assert line_matches("bubble 27.3% ... 4 in flight", "bubble 27.3% of 22 ticks, 4 in flight")
+    assert not line_matches("stage=2 tensor=4", "stage=2 fsdp=2 tensor=2")
+    with pytest.raises(AssertionError, match="not printed"):
+        check_output("a 1\nb 2", "b 2\na 1", "here")
+
+
+def test_blocks_commands_and_outputs_are_read_from_the_markdown(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("x\n\n```python\nprint(1)\n```\n\n```text\n1\n```\n\n<!-- exits 2 -->\n"
+                    "```bash\n# a comment\njaxpar plan \\\n  --seq 8\n```\n")
+    py, sh = page_blocks(page)
+    assert (py.lang, py.output, sh.note) == ("python", "1\n", "exits 2")
+    assert commands(sh.body) == ["jaxpar plan    --seq 8"]
