@@ -4,7 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: train test lint bench clean
+.PHONY: train test docs lint bench clean
+# Debian's Chromium, for the docs site's browser check (the tests drive it with Playwright).
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +18,17 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/jaxpar train --config configs/tiny.yaml --devices 8 --out runs/tiny --resume
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check jaxpar tests benchmarks examples notebooks
-	$(PY) -m pytest -q -n 2 --durations=25
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium
+
+# The site in site/: strict (a broken link, reference or nav entry fails the build).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
+test: $(STAMP) $(CHROMIUM) docs
+	$(VENV)/bin/ruff check jaxpar tests benchmarks examples notebooks docs/hooks
+	JAXPAR_DOCS_SITE=site $(PY) -m pytest -q -n 2 --durations=25
 
 bench: $(STAMP)
 	$(PY) benchmarks/memory.py
@@ -25,4 +36,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/published.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

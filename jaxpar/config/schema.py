@@ -167,11 +167,15 @@ class TrainConfig:
     profile_steps: tuple = ()
     compile_cache: str = "auto"
     trackers: tuple = ("tensorboard",)
-    """Where metrics go besides ``OUT/metrics.jsonl``: ``tensorboard``, ``wandb`` (see
-    :mod:`jaxpar.runs.trackers`); ``[]`` for neither."""
+    """Where metrics go: ``jsonl`` (``OUT/metrics.jsonl``, always written: the run's own
+    record), ``tensorboard``, ``wandb`` (see :mod:`jaxpar.runs.trackers`)."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one device for MFU where the chip catalog has no figure (a CPU: the
-    ``peak_flops`` ``jaxpar calibrate`` measured); 0: the catalog's, or no MFU."""
+    """Peak FLOP/s of one device for MFU, given by hand; 0: from ``train.catalog``, else
+    the built-in chip catalog (GPUs and TPUs it knows), else no MFU."""
+    catalog: str = ""
+    """A chip catalog YAML (what ``jaxpar calibrate --out`` writes): MFU and the planner's
+    prediction use its entry for this run's devices (by device kind; CPU devices: the
+    entry ``jaxpar calibrate`` names ``cpuN`` for N devices, or the file's only entry)."""
 
 
 @dataclasses.dataclass(frozen=True)

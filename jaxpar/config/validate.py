@@ -461,7 +461,7 @@ def no_op_knobs(config: Config) -> list[str]:
     return found
 
 
-TRACKERS: tuple[str, ...] = ("tensorboard", "wandb")
+TRACKERS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb")
 
 
 def check_trackers(names: Any) -> None:

@@ -36,7 +36,7 @@ from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
-from jaxpar.runs import compile_cache
+from jaxpar.runs import compile_cache, monitor
 from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
@@ -207,6 +207,7 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
     check_run_folder(out_dir, resume=resume, config=config)
+    monitor.run_chip(config.train.catalog)  # a bad train.catalog: one line, before any work
     mirror = None
     if is_remote(out_dir):  # the run works in a local copy, uploaded after each save
         mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))

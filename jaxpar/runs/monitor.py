@@ -23,7 +23,7 @@ import jax
 from jaxpar.config.validate import check_profile_steps
 from jaxpar.errors import JaxparError
 from jaxpar.models.config import TransformerConfig
-from jaxpar.planner.catalog import BUILTIN
+from jaxpar.planner.catalog import BUILTIN, Chip, load_catalog
 from jaxpar.planner.cost import model_flops
 from jaxpar.planner.model import from_transformer
 
@@ -144,6 +144,32 @@ def peak_flops_per_device(device: Any = None, chips: Mapping[str, Any] | None = 
         return None
     key = chip_for_kind(str(getattr(device, "device_kind", "")), chips)
     return None if key is None else float(chips[key].peak_flops)
+
+
+def run_chip(catalog: str = "", devices: Sequence[Any] | None = None) -> Chip | None:
+    """The catalog entry for a run's devices (default ``jax.devices()``): from the
+    ``catalog`` file (``train.catalog``, what ``jaxpar calibrate --out`` writes) when given
+    (CPU devices: its ``cpuN`` entry for N devices, or its only entry), else the built-in
+    catalog (GPUs and TPUs it knows); None when neither has one. A file without an entry
+    for these CPU devices is a :class:`JaxparError` naming it and its entries."""
+    devices = jax.devices() if devices is None else devices
+    device = devices[0]
+    chips: Mapping[str, Chip] = BUILTIN
+    if catalog:
+        chips = load_catalog(catalog)
+        own = {k: c for k, c in chips.items() if BUILTIN.get(k) != c}
+        if device.platform == "cpu":
+            name = f"cpu{len(devices)}"
+            if name in own or len(own) == 1:
+                return own.get(name) or next(iter(own.values()))
+            raise JaxparError(f"train.catalog {catalog!r} has no entry {name!r} for these "
+                              f"{len(devices)} CPU devices (it holds "
+                              f"{', '.join(sorted(own)) or 'none'}): run jaxpar calibrate "
+                              f"--devices {len(devices)} --out FILE")
+    if device.platform == "cpu":
+        return None
+    key = chip_for_kind(str(getattr(device, "device_kind", "")), chips)
+    return None if key is None else chips[key]
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, n_devices: int,

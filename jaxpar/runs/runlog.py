@@ -25,6 +25,8 @@ import numpy as np
 
 from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
+from jaxpar.planner.catalog import Machine
+from jaxpar.planner.prediction import predict
 from jaxpar.runs import monitor
 from jaxpar.runs.trackers import WandbTracker
 from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
@@ -68,7 +70,9 @@ class RunLog:
             self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
         self._flops = monitor.model_flops_per_step(config.model, config.train.global_batch,
                                                    config.train.seq_len)
-        self._peak = config.train.peak_flops or monitor.peak_flops_per_device()
+        self._chip = monitor.run_chip(config.train.catalog)
+        self._peak = config.train.peak_flops or (self._chip.peak_flops if self._chip
+                                                 else None)
         self._devices = jax.device_count()
         self._fd: int | None = None
         self._tensorboard: monitor.TensorBoardLog | None = None
@@ -89,7 +93,24 @@ class RunLog:
             if "wandb" in trackers:
                 self._wandb = WandbTracker(out, self._wandb_config(), {
                     "model_flops_per_step": self._flops or 0.0,
-                    "peak_flops_per_device": self._peak or 0.0}, resumed_at is not None)
+                    "peak_flops_per_device": self._peak or 0.0, **self._prediction()},
+                    resumed_at is not None)
+
+    def _prediction(self) -> dict[str, float]:
+        """The planner's figures for this run on these devices (``predicted/*``: step time,
+        MFU, memory per device), from the chip the catalog or ``train.catalog`` gives;
+        none for a model the planner does not describe (a ``model.factory``)."""
+        platform = jax.devices()[0].platform
+        if self._chip is None and platform != "cpu":
+            return {}
+        try:
+            figures = predict(self.config, self._devices, backend=platform, machine=(
+                Machine(self._chip, self._devices, 1) if self._chip else None))
+        except (JaxparError, ValueError):  # a layout the cost model does not describe
+            return {}
+        return {"predicted/step_time_s": figures["step_time_s"],
+                "predicted/mfu": figures["mfu"],
+                "predicted/memory_bytes_per_device": figures["memory"]["total_bytes"]}
 
     def _wandb_config(self) -> dict[str, Any]:
         """The run config, with what the run resolved: devices, processes, the mesh."""

@@ -64,10 +64,15 @@ def test_an_offline_wandb_run_holds_config_metrics_and_mfu(tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    config = small_config("train.steps=3", "train.trackers=[tensorboard, wandb]",
-                          "train.peak_flops=1e9", "checkpoint.every=2")
+    # What jaxpar calibrate writes for 8 CPU devices: MFU against its measured peak.
+    catalog = tmp_path / "cpu.yaml"
+    catalog.write_text("cpu8: {peak_flops: 1.0e9, f32_flops: 1.0e9, hbm_bytes: 3.0e9, "
+                       "hbm_bw: 1.0e9, ici_bw: 1.0e9, dcn_bw: 1.0e9, domain: 8}\n")
+    config = small_config("train.steps=3", "train.trackers=[jsonl, tensorboard, wandb]",
+                          f"train.catalog={catalog}", "checkpoint.every=2")
     _, history = train(config, out, progress=False)
-    assert "mfu" in history[-1] and history[-1]["mfu"] > 0  # against the given peak
+    assert "mfu" in history[-1] and history[-1]["mfu"] > 0  # against the calibrated peak
+    assert history[0]["compile_s"] > 0 and "data_wait_s" in history[-1]
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     logged, rows, summary = _read_run(runs[0])
@@ -78,6 +83,9 @@ def test_an_offline_wandb_run_holds_config_metrics_and_mfu(tmp_path, monkeypatch
         assert row["train/loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert row["perf/mfu"] == pytest.approx(want["mfu"], rel=1e-6)
     assert summary["model_flops_per_step"] > 0 and summary["peak_flops_per_device"] == 1e9
+    # The planner's prediction for this run on the calibrated chip, beside what it measured.
+    assert summary["predicted/step_time_s"] > 0 and 0 < summary["predicted/mfu"] <= 1
+    assert summary["predicted/memory_bytes_per_device"] > 0
     run_id = (out / "wandb-id").read_text()
     assert run_id in runs[0].name
 
@@ -87,3 +95,21 @@ def test_trackers_and_peak_are_checked():
                                (["train.peak_flops=-1"], "train.peak_flops=-1")]:
         with pytest.raises(JaxparError, match=re.escape(message)):
             check_config(jaxpar.load_config(None, overrides), devices=8, processes=1)
+
+
+def test_a_catalog_gives_cpu_devices_their_calibrated_peak(tmp_path):
+    import jax
+
+    from jaxpar.runs.monitor import run_chip
+
+    assert run_chip("") is None  # CPU devices: no peak unless calibrated
+    both = tmp_path / "two.yaml"
+    fields = "f32_flops: 1, hbm_bytes: 1, hbm_bw: 1, ici_bw: 1, dcn_bw: 1, domain: 8"
+    both.write_text(f"cpu8: {{peak_flops: 8.0, {fields}}}\n"
+                    f"cpu4: {{peak_flops: 4.0, {fields}}}\n")
+    assert run_chip(str(both)).peak_flops == 8.0
+    assert run_chip(str(both), jax.devices()[:4]).peak_flops == 4.0
+    with pytest.raises(JaxparError, match=r"no entry 'cpu2' .* cpu4, cpu8\): run jaxpar calib"):
+        run_chip(str(both), jax.devices()[:2])
+    with pytest.raises(JaxparError, match="does not exist"):
+        run_chip(str(tmp_path / "missing.yaml"))
