@@ -1,4 +1,4 @@
-"""Which pairs of jaxpar's features run together: the data behind the README's feature-pair
+"""Which pairs of jaxpar's features run together: the data behind the docs' feature-pair
 table, checked by tests/test_feature_pairs.py.
 
 Each unordered pair of :data:`FEATURES` (key ordered as in ``FEATURES``) has one entry:
@@ -272,7 +272,7 @@ def verdict(a: str, b: str) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table: every feature against every other (symmetric), ``yes`` where a
+    """The docs' table: every feature against every other (symmetric), ``yes`` where a
     test runs the two together, ``no`` where jaxpar refuses them, ``?`` where neither;
     then the refused pairs, the overrides that show it and what the refusal says."""
     lines = ["| | " + " | ".join(FEATURES) + " |",

@@ -3,7 +3,7 @@ module level and inside functions) goes to the same layer or one below, and no c
 imports comes back to where it started. Also: no module shadows a standard-library name,
 and no package attribute hides a submodule of the same name.
 
-The layer order is written here once; README's Layout section describes each layer.
+The layer order is written here once; docs/reference/layout.md describes each layer.
 """
 
 from __future__ import annotations

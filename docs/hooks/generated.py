@@ -85,7 +85,7 @@ def config_reference(_: str | None = None) -> str:
         cls = type(default)
         docs = _attribute_docs(Plan if field.name == "plan" else cls)
         out += [f"## {field.name}", "", inspect.cleandoc(cls.__doc__ or ""), "",
-                "| key | default | type | |", "|---|---|---|---|"]
+                "| key | default | type | what it does |", "|---|---|---|---|"]
         hints = {f.name: f.type for f in dataclasses.fields(cls)}
         for f in dataclasses.fields(cls):
             kind = hints[f.name] if isinstance(hints[f.name], str) else getattr(
@@ -94,7 +94,7 @@ def config_reference(_: str | None = None) -> str:
                        f"{_cell(str(kind))} | {_cell(docs.get(f.name, ''))} |")
         out.append("")
     docs = _attribute_docs(Config)
-    out += ["## top level", "", "| key | default | |", "|---|---|---|"]
+    out += ["## top level", "", "| key | default | what it does |", "|---|---|---|"]
     for f in top:
         out.append(f"| `{f.name}` | `{getattr(Config(), f.name)!r}` | "
                    f"{_cell(docs.get(f.name, ''))} |")
@@ -102,17 +102,24 @@ def config_reference(_: str | None = None) -> str:
 
 
 # --- Python API ----------------------------------------------------------------------------
+# The modules of the public names, the ones a first script uses first.
+_API_ORDER = ("jaxpar.sharding.mesh", "jaxpar.sharding.plan", "jaxpar.sharding.rules",
+              "jaxpar.sharding.partitioning", "jaxpar.sharding.annotations",
+              "jaxpar.sharding.layouts", "jaxpar.training.trainer", "jaxpar.parallel.staged",
+              "jaxpar.models.linen", "jaxpar.config.schema", "jaxpar.config.assembly")
 def api_reference(_: str | None = None) -> str:
     """An mkdocstrings directive for every public name of ``jaxpar``, by module."""
     import jaxpar
 
-    by_module: dict[str, list[str]] = {}
+    by_module: dict[str, list[str]] = {m: [] for m in _API_ORDER}
     for name, module in sorted(jaxpar._EXPORTS.items(), key=lambda kv: (kv[1], kv[0])):
         if module.endswith(f".{name}"):
             continue  # a submodule exported whole (jaxpar.lora, jaxpar.models ...)
         by_module.setdefault(module, []).append(name)
     out = []
     for module, names in by_module.items():
+        if not names:
+            continue
         out += [f"## `{module}`", ""]
         out += [f"::: {module}.{name}\n" for name in names]
     out += ["## `jaxpar.planner`", "", "::: jaxpar.planner.api.plan", ""]
@@ -148,6 +155,15 @@ GENERATORS: dict[str, Callable[[str | None], str]] = {
     "cli": cli_reference, "config": config_reference, "api": api_reference,
     "feature-pairs": feature_pairs, "bench": benchmark,
 }
+
+
+_ROLE = re.compile(r":(?:func|class|mod|meth|data|attr|exc):(?=<code>)")
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    """Docstrings cross-reference in Sphinx's roles (``:func:`name```), which mkdocstrings
+    renders as the role's text followed by the code: keep the code."""
+    return _ROLE.sub("", html)
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
