@@ -35,14 +35,16 @@ def is_pattern(spec: str) -> bool:
 
 def names_shards(spec: str) -> bool:
     """Whether ``data.source`` names token shards: a glob, a folder whose visible files
-    are all ``.bin``/``.npy`` (at least one), or anything in object storage (``s3://``,
+    are all ``.bin``/``.npy`` (at least one; the ``tokenize.json`` manifest ``jaxpar
+    tokenize`` writes beside them aside), or anything in object storage (``s3://``,
     ``gs://``: a bucket holds token shards)."""
     if is_pattern(spec) or is_remote(spec):
         return True
     path = Path(spec)
     if not path.is_dir():
         return False
-    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+             and p.name != "tokenize.json"]
     return bool(files) and all(p.suffix in SHARD_SUFFIXES for p in files)
 
 

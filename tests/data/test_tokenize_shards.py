@@ -55,6 +55,9 @@ def test_the_command_says_how_to_train_and_refuses_a_folder_with_shards(corpus, 
     eos = tokenizer.token_to_id("</s>")
     assert f"train on them with data.source={out} data.token_dtype=uint16 data.eos_id={eos}" \
         in said
+    from jaxpar.data.shards import names_shards
+
+    assert names_shards(str(out))  # the folder as printed: its shards, the manifest aside
     assert main(argv) == 2
     assert "holds shards already; choose another folder" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
