@@ -28,21 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxpar.data.documents import open_documents  # noqa: E402
-from jaxpar.data.loader import stdlib_corpus  # noqa: E402
-from jaxpar.data.mixture import MixtureLoader, Source  # noqa: E402
-from jaxpar.data.shards import Windows, open_shard, shard_paths  # noqa: E402
-from jaxpar.data.streams import DocumentLoader  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
 EOS = 0
 
 
 def write_sources(root: Path, tokens: int, shards: int = 8) -> list[str]:
     """Three folders of shards, random ids with an EOS about every 600 tokens."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
     specs = []
     for name, share in (("web", 0.5), ("code", 0.3), ("books", 0.2)):
@@ -57,7 +50,11 @@ def write_sources(root: Path, tokens: int, shards: int = 8) -> list[str]:
     return specs
 
 
-def loaders(specs: list[str], seq: int, batch: int) -> dict[str, MixtureLoader]:
+def loaders(specs: list[str], seq: int, batch: int) -> dict:
+    """The token-shard loaders (:class:`jaxpar.data.mixture.MixtureLoader`) by name."""
+    from jaxpar.data.mixture import MixtureLoader, Source
+    from jaxpar.data.shards import Windows, open_shard, shard_paths
+
     def windows(spec: str) -> Windows:
         return Windows([open_shard(p) for p in shard_paths(spec)], seq, name=spec)
 
@@ -78,6 +75,8 @@ def write_documents(root: Path, doc_bytes: int) -> tuple[list[str], object, int]
     import zstandard
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from jaxpar.data.loader import stdlib_corpus
+
     text = stdlib_corpus(doc_bytes).tobytes().decode("utf-8", "replace")
     docs = [text[i:i + 4096] for i in range(0, len(text), 4096)]
     pq.write_table(pa.table({"text": docs}), root / "docs.parquet", row_group_size=1024)
@@ -94,7 +93,11 @@ def write_documents(root: Path, doc_bytes: int) -> tuple[list[str], object, int]
 
 
 def document_loaders(specs: list[str], tokenizer: object, eos: int, seq: int,
-                     batch: int) -> dict[str, DocumentLoader]:
+                     batch: int) -> dict:
+    """The tokenizing loaders (:class:`jaxpar.data.streams.DocumentLoader`) by name."""
+    from jaxpar.data.documents import open_documents
+    from jaxpar.data.streams import DocumentLoader
+
     one = [(open_documents(specs[0]), 1.0)]
     mix = [(open_documents(s), 1.0) for s in specs]
     return {f"docs, {name}, {w} worker{'s' * (w > 1)}":
@@ -115,6 +118,8 @@ def main() -> None:
                         help="bytes of documents for the tokenizing loaders")
     parser.add_argument("--json", help="write the table to this file")
     args = parser.parse_args()
+    if str(ROOT) not in sys.path:  # run from a clone without installing jaxpar
+        sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
         specs = write_sources(Path(tmp), args.tokens)
         runs: dict = loaders(specs, args.seq, args.batch)
@@ -145,6 +150,41 @@ def main() -> None:
         import json
 
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": table}, indent=1))
+
+
+# --- the site's table (docs/hooks/generated.py) ---------------------------------------------
+
+COMMAND = ("python benchmarks/data.py --rounds 3 --step-tokens-per-s 6817 "
+           "--json benchmarks/results/data.json")
+"""The command that wrote ``benchmarks/results/data.json``."""
+
+
+def _rate(tokens_per_s: float) -> str:
+    return (f"{tokens_per_s / 1e6:.1f}M" if tokens_per_s >= 1e6
+            else f"{tokens_per_s / 1e3:.0f}k")
+
+
+def markdown(results: dict) -> str:
+    """The printed table as markdown, from the saved ``--json`` file."""
+    a = results["args"]
+    need = a.get("step_tokens_per_s") or 0
+    lines = ["| loader | variant | tokens/s | batches/s"
+             + (" | x the step's need |" if need else " |"),
+             "|---|---|---:|---:" + ("|---:|" if need else "|")]
+    for row in results["rows"]:
+        name, rate = row["variant"], row["tokens_per_s"]
+        kind = "documents, tokenized as read" if name.startswith("docs, ") else "token shards"
+        variant = name.removeprefix("docs, ")
+        lines.append(f"| {kind} | {variant} | {_rate(rate)} | "
+                     f"{rate / a['batch'] / a['seq']:.1f} |"
+                     + (f" {rate / need:,.0f} |" if need else ""))
+    lines += ["", f"Tokens per second of one process at batch {a['batch']} x seq {a['seq']} "
+              f"({a['tokens'] / 1e6:.0f}M tokens in 24 shards; {a['doc_bytes'] / 1e6:.0f} MB "
+              f"of documents), the median of {a['rounds']} alternated rounds of {a['steps']} "
+              "batches."
+              + (f" \"x the step's need\" divides by {need:,.0f} tokens/s, the training "
+                 "step the loader feeds." if need else "")]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

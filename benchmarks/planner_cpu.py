@@ -26,19 +26,14 @@ model.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 N_DEVICES = 8
 MODEL = ["model.vocab_size=4096", "model.d_model=256", "model.n_layers=4",
@@ -176,7 +171,76 @@ def ranks(values: dict[str, float]) -> dict[str, int]:
     return {n: i + 1 for i, n in enumerate(sorted(values, key=values.get))}
 
 
+def simulate_devices() -> None:
+    """8 simulated CPU devices for the jax this process imports next."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={N_DEVICES}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def table_rows(pred: dict[str, float], measured: dict[str, float]) -> list[tuple]:
+    """``(layout, predicted s, measured s, ratio, rank predicted, rank measured)`` a row."""
+    rp, rm = ranks(pred), ranks(measured)
+    return [(n, pred[n], measured[n], pred[n] / measured[n], rp[n], rm[n]) for n in pred]
+
+
+def verdict(pred: dict[str, float], measured: dict[str, float]) -> tuple[str, str]:
+    """The planner's first choice against the two fastest measured, and the errors."""
+    first = min(pred, key=pred.get)
+    two = sorted(measured, key=measured.get)[:2]
+    worst = max(pred, key=lambda n: abs(pred[n] / measured[n] - 1))
+    within = sum(abs(pred[n] / measured[n] - 1) <= 0.25 for n in pred)
+    return (f"planner's first choice among these: {first}; two fastest measured: "
+            f"{', '.join(two)} -> {'OK' if first in two else 'MISSED'}",
+            f"largest error: {worst} ({pred[worst] / measured[worst] - 1:+.0%}); within 25%: "
+            f"{within}/{len(pred)}")
+
+
+def text_table(pred: dict[str, float], measured: dict[str, float]) -> str:
+    """The table this script prints."""
+    lines = [f"{'layout':22} {'predicted s':>11} {'measured s':>10} {'ratio':>6} "
+             f"{'rank pred':>9} {'rank meas':>9}"]
+    lines += [f"{n:22} {p:11.3f} {m:10.3f} {r:6.2f} {a:9d} {b:9d}"
+              for n, p, m, r, a, b in table_rows(pred, measured)]
+    return "\n".join([*lines, "", *verdict(pred, measured)])
+
+
+# --- the site's table (docs/hooks/generated.py) ---------------------------------------------
+
+COMMAND = ("python benchmarks/planner_cpu.py --rounds 5 --steps 3 "
+           "--save benchmarks/results/planner_cpu.json")
+"""The command that wrote ``benchmarks/results/planner_cpu.json``."""
+
+
+def markdown(results: dict) -> str:
+    """The printed table as markdown, from saved results (the predictions as saved)."""
+    layouts = results["layouts"]
+    pred = {n: r["predicted_s"] for n, r in layouts.items()}
+    measured = {n: r["measured_s"] for n, r in layouts.items()}
+    rounds = {len(r["rounds_s"]) for r in layouts.values()}
+    lines = ["| layout | config overrides | predicted s | measured s | predicted / measured "
+             "| rank predicted | rank measured |", "|---|---|---:|---:|---:|---:|---:|"]
+    for n, p, m, r, a, b in table_rows(pred, measured):
+        over = ("the planner's winner: " + results["plan_winner"].split(" (")[0]
+                if n == "plan" and "plan_winner" in results
+                else ", ".join(f"`{o}`" for o in layouts[n]["overrides"]))
+        lines.append(f"| {n} | {over} | {p:.3f} | {m:.3f} | {r:.2f} | {a} | {b} |")
+    first, errors = verdict(pred, measured)
+    lines += ["", f"{first[0].upper()}{first[1:]}; {errors}.", ""]
+    model = ", ".join(f"`{o}`" for o in results["model_overrides"])
+    lines.append(f"Measured {results['date']} on {results['devices']} simulated CPU devices, "
+                 f"the model {model} on `configs/tiny.yaml`. A layout's measured time is the "
+                 f"median over {', '.join(map(str, sorted(rounds)))} alternated rounds of "
+                 "each round's median step; its prediction is the planner's step time on the "
+                 "calibrated chip below, as the script computed it then.")
+    if results.get("calibrations"):
+        lines += ["", f"Calibrations (before the rounds, then one a round; the chip is each "
+                  f"figure's median): {describe_calibrations(results['calibrations'])}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    simulate_devices()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--catalog", help="catalog YAML from jaxpar calibrate (default: "
                                           "calibrate now)")
@@ -231,19 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     predicted = {n: predict_layout(layouts[n], chip) for n in names}
     measured = {n: statistics.median(v) for n, v in times.items()}
     pred = {n: predicted[n]["step_s"] for n in names}
-    rp, rm = ranks(pred), ranks(measured)
-    print(f"\n{'layout':22} {'predicted s':>11} {'measured s':>10} {'ratio':>6} "
-          f"{'rank pred':>9} {'rank meas':>9}")
-    for n in names:
-        print(f"{n:22} {pred[n]:11.3f} {measured[n]:10.3f} {pred[n] / measured[n]:6.2f} "
-              f"{rp[n]:9d} {rm[n]:9d}")
-    first = min(pred, key=pred.get)
-    two = sorted(measured, key=measured.get)[:2]
-    worst = max(names, key=lambda n: abs(pred[n] / measured[n] - 1))
-    print(f"\nplanner's first choice among these: {first}; two fastest measured: "
-          f"{', '.join(two)} -> {'OK' if first in two else 'MISSED'}")
-    print(f"largest error: {worst} ({pred[worst] / measured[worst] - 1:+.0%}); within 25%: "
-          f"{sum(abs(pred[n] / measured[n] - 1) <= 0.25 for n in names)}/{len(names)}")
+    print()
+    print(text_table(pred, measured))
     if args.save:
         out = {"chip": {"name": args.name, **figures},
                "devices": N_DEVICES, "model_overrides": MODEL,

@@ -18,6 +18,8 @@ temporaries the compiler reported.
     python benchmarks/tpu_compile.py                 # the default selection, ~30 min
     python benchmarks/tpu_compile.py --only 0,16     # rows by index in the YAML
     python benchmarks/tpu_compile.py --save benchmarks/results/tpu_compile.json
+    python benchmarks/tpu_compile.py --replan benchmarks/results/tpu_compile.json \\
+        --save benchmarks/results/tpu_compile.json   # the planner's columns anew, ~5 s
 """
 
 from __future__ import annotations
@@ -28,23 +30,25 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxpar.analysis.report import fmt_bytes, table
 
-from published import candidate, load_runs, model_config  # noqa: E402
+if TYPE_CHECKING:
+    from jaxpar.config.schema import Config
 
-from jaxpar.analysis.inspection import (  # noqa: E402
-    StepDoesNotFit,
-    compile_step,
-    for_slices,
-    planner_prediction,
-    step_report,
-)
-from jaxpar.analysis.report import fmt_bytes, table  # noqa: E402
-from jaxpar.analysis.targets import topology_for, tpu_target  # noqa: E402
-from jaxpar.config.schema import Config, from_dict  # noqa: E402
-from jaxpar.sharding.mesh import MESH_AXES  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
+
+def _published():
+    """``benchmarks/published.py`` (the published runs and their jaxpar models), imported
+    when first needed: it brings in the planner."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import published
+
+    return published
+
 
 DEFAULT = (
     "tpu-recipes Llama3.1-8B v6e-8 seq8192 bf16",
@@ -81,10 +85,13 @@ def run_config(run: dict, devices_per_chip: int = 1) -> Config:
     """The published run as a jaxpar run config (bf16 compute, f32 master weights); on
     chips that expose two devices (TPU7x's two TensorCores), its largest in-slice axis
     spans both."""
-    cand = candidate(run)
+    from jaxpar.config.schema import Config, from_dict
+    from jaxpar.sharding.mesh import MESH_AXES
+
+    cand = _published().candidate(run)
     ici = {a: dict(cand.ici).get(a, 1) for a in MESH_AXES}
     ici[max(ici, key=ici.get)] *= devices_per_chip
-    model = {**model_config(run).__dict__, "loss_chunk": 1024}
+    model = {**_published().model_config(run).__dict__, "loss_chunk": 1024}
     remat = jaxpar_remat(run)
     return from_dict(Config, {
         "model": model,
@@ -101,6 +108,11 @@ def run_config(run: dict, devices_per_chip: int = 1) -> Config:
 
 
 def measure(run: dict) -> dict:
+    """Compile the run's jaxpar step for its slice; the compiler's figures beside the
+    planner's."""
+    from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
+    from jaxpar.analysis.targets import topology_for, tpu_target
+
     kind, count = run["chips"].split(":")
     slices = run.get("slices", 1)
     name = f"{kind}:{topology_for(kind, int(count) // slices)}"
@@ -135,6 +147,9 @@ def measure(run: dict) -> dict:
 
 def planner_figures(run: dict, target_name: str, slices: int) -> dict:
     """The planner's memory and collective bytes per device for the run's jaxpar step."""
+    from jaxpar.analysis.inspection import for_slices, planner_prediction
+    from jaxpar.analysis.targets import tpu_target
+
     target = tpu_target(target_name, slices)
     config = run_config(run, len(target.devices) // target.chips)
     pred, note = planner_prediction(for_slices(config, slices), len(target.devices), target)
@@ -151,6 +166,7 @@ def replan(row: dict, run: dict) -> dict:
     if out["compiler_bytes"]:
         out["hbm_bytes"] = out["catalog_hbm_bytes"]
         out["fits"] = out["compiler_bytes"] <= out["hbm_bytes"]
+        out["planner_fits"] = out["planner_bytes"] <= out["hbm_bytes"]
     return out
 
 
@@ -177,6 +193,49 @@ def render(rows: list[dict]) -> str:
               "fit their chips under jaxpar")
 
 
+# --- the site's table (docs/hooks/generated.py) ---------------------------------------------
+
+COMMAND = "python benchmarks/tpu_compile.py --save benchmarks/results/tpu_compile.json"
+"""The command that wrote ``benchmarks/results/tpu_compile.json`` (its planner columns
+refreshed since by ``--replan benchmarks/results/tpu_compile.json --save ...``)."""
+
+
+def markdown(rows: list[dict]) -> str:
+    """:func:`render`'s table as markdown, from saved rows."""
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
+    lines = ["| run | target | planner mem | compiler mem | ratio | fits HBM | planner coll "
+             "| compiler coll | ratio | compile s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        compiler = (fmt_bytes(r["compiler_bytes"]) if r["compiler_bytes"]
+                    else f"> {fmt_bytes(r['compiler_temp_at_least'])}")
+        fits = f"{'yes' if r['fits'] else '**no**'} ({fmt_bytes(r['hbm_bytes'])})"
+        target = r["target"] + (f" x {r['slices']}" if r["slices"] > 1 else "")
+        coll = (fmt_bytes(r["compiler_collective_bytes"]) if r["compiler_collective_bytes"]
+                else "-")
+        lines.append(f"| {r['name']} | `{target}` | {fmt_bytes(r['planner_bytes'])} | "
+                     f"{compiler} | {ratio(r['planner_bytes'], r['compiler_bytes'])} | {fits} | "
+                     f"{fmt_bytes(r['planner_collective_bytes'])} | {coll} | "
+                     f"{ratio(r['planner_collective_bytes'], r['compiler_collective_bytes'])} | "
+                     f"{r['compile_s']:.0f} |")
+    within = sum(1 for r in rows if r["planner_bytes"] and r["compiler_bytes"]
+                 and abs(r["planner_bytes"] / r["compiler_bytes"] - 1) <= 0.10)
+    fits = sum(r["fits"] for r in rows)
+    lines += ["", f"{within} of {len(rows)} within 10% on memory; {fits} of {len(rows)} fit "
+              "their chips under jaxpar.", "",
+              "Memory and collective bytes are per device. \"compiler mem\" is what the TPU "
+              "compiler lays out for the step (arguments and temporaries); \"> X\" marks a "
+              "step it refused, X being the temporaries it reported; \"fits HBM\" sets the "
+              "compiler's memory against the chip's HBM (for a refused step, against what "
+              "the compiler gave a program). Collective bytes sum each "
+              "collective instruction's bytes, a loop body once. The planner's columns are "
+              "its figures for the same config (`--replan` recomputes them without "
+              "compiling); \"compile s\" is the compile time on the 2-core host."]
+    return "\n".join(lines) + "\n"
+
+
 def save(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` into the table at ``path``, replacing rows of the same run."""
     old = json.loads(path.read_text()) if path.exists() else []
@@ -191,13 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", help="write the rows as JSON here")
     parser.add_argument("--replan", metavar="JSON",
                         help="print a saved table with the planner's figures computed anew "
-                             "(the compiler's as saved): no compiling")
+                             "(the compiler's as saved): no compiling; with --save, write "
+                             "it")
     args = parser.parse_args(argv)
-    runs = load_runs()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler needs no TPU
+    runs = _published().load_runs()
     if args.replan:
         rows = [replan(row, {r["name"]: r for r in runs}[row["name"]])
                 for row in json.loads(Path(args.replan).read_text())]
         print(render(rows))
+        if args.save:
+            save(Path(args.save), rows)
         return 0
     if args.only:
         chosen = [runs[int(i)] for i in args.only.split(",")]

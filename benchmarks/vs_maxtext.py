@@ -258,6 +258,14 @@ def _coll(report: dict) -> str:
     return " ".join(f"{c[k]['count']}/{c[k]['bytes'] / 1e6:.1f}" for k in KINDS)
 
 
+def _op_diff(result: dict) -> list[str]:
+    """``"kind jaxpar|MaxText"`` for each HLO instruction kind whose counts in the two
+    programs differ by more than 10% of the larger (of 5 when both are smaller)."""
+    oj, om = result["programs"]["jaxpar"]["ops"], result["programs"]["maxtext"]["ops"]
+    return [f"{k} {oj.get(k, 0)}|{om.get(k, 0)}" for k in sorted(set(oj) | set(om))
+            if abs(oj.get(k, 0) - om.get(k, 0)) > 0.1 * max(oj.get(k, 0), om.get(k, 0), 5)]
+
+
 def print_table(results: dict) -> None:
     print(f"\n{'layout':15} {'jaxpar ms':>9} {'MaxText ms':>10} {'ratio':>6} {'[min-max]':>11}"
           f"  {'GFLOP j/m':>11}  collectives count/MB a device "
@@ -270,10 +278,67 @@ def print_table(results: dict) -> None:
               f"{pm['flops'] / 1e9:5.2f}  {_coll(pj)} | {_coll(pm)}")
     print("\nHLO instructions by kind (jaxpar | MaxText), where they differ by > 10%:")
     for name, r in results.items():
-        oj, om = r["programs"]["jaxpar"]["ops"], r["programs"]["maxtext"]["ops"]
-        diff = [f"{k} {oj.get(k, 0)}|{om.get(k, 0)}" for k in sorted(set(oj) | set(om))
-                if abs(oj.get(k, 0) - om.get(k, 0)) > 0.1 * max(oj.get(k, 0), om.get(k, 0), 5)]
-        print(f"  {name}: " + ", ".join(diff))
+        print(f"  {name}: " + ", ".join(_op_diff(r)))
+
+
+# --- the site's tables (docs/hooks/generated.py) --------------------------------------------
+
+COMMAND = ("python benchmarks/vs_maxtext.py --rounds 5 --steps 5 "
+           "--save benchmarks/results/vs_maxtext.json")
+"""The command that wrote ``benchmarks/results/vs_maxtext.json``."""
+
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+          "collective-permute": "CP"}
+
+
+def _layout_name(name: str) -> str:
+    """``fsdp4xtensor2`` -> ``fsdp 4 x tensor 2`` (from :data:`LAYOUTS`' jaxpar mesh)."""
+    if name not in LAYOUTS:
+        return name
+    over = dict(o.split("=", 1) for o in LAYOUTS[name][1])
+    mesh = " x ".join(f"{k[5:]} {v}" for k, v in over.items() if k.startswith("mesh."))
+    micro = over.get("pipeline.microbatches")
+    return mesh + (f" ({micro} microbatches)" if micro else "")
+
+
+def _coll_md(report: dict) -> str:
+    """``6 AR 6.3 MB, 18 AG 10.5 MB, 2 A2A``: each kind present, its count and (where the
+    bytes reach 0.1 MB) its result bytes a device."""
+    out = []
+    for kind in KINDS:
+        c = report["collectives"][kind]
+        if c["count"]:
+            mb = f" {c['bytes'] / 1e6:.1f} MB" if c["bytes"] >= 5e4 else ""
+            out.append(f"{c['count']} {_SHORT[kind]}{mb}")
+    return ", ".join(out) or "none"
+
+
+def markdown(results: dict) -> str:
+    """The tables :func:`print_table` prints, as markdown, from the saved results."""
+    lines = ["| layout (8 CPU devices) | jaxpar ms | MaxText ms | jaxpar / MaxText (range) "
+             "| GFLOP jaxpar / MaxText | collectives a device, jaxpar | MaxText |",
+             "|---|---:|---:|---|---|---|---|"]
+    for name, r in results.items():
+        pj, pm = r["programs"]["jaxpar"], r["programs"]["maxtext"]
+        lo, hi = r["ratio_range"]
+        lines.append(f"| {_layout_name(name)} | {r['ms']['jaxpar']:.0f} | "
+                     f"{r['ms']['maxtext']:.0f} | **{r['ratio']:.3f}** ({lo:.2f}-{hi:.2f}) | "
+                     f"{pj['flops'] / 1e9:.2f} / {pm['flops'] / 1e9:.2f} | {_coll_md(pj)} | "
+                     f"{_coll_md(pm)} |")
+    rounds = {len(v) for r in results.values() for v in r["rounds"].values()}
+    lines += ["", f"Times are the median over {', '.join(map(str, sorted(rounds)))} alternated "
+              "rounds of each round's median step; the ratio is the median of the per-round "
+              "ratios, its range their lowest and highest. AR all-reduce, AG all-gather, RS "
+              "reduce-scatter, A2A all-to-all, CP collective-permute; bytes are each "
+              "collective's result bytes a device, summed, a loop body counted once, as are "
+              "XLA's FLOPs.", "",
+              "HLO instructions by kind where the two programs' counts differ by more than "
+              "10%:", "",
+              "| layout | instruction: count in jaxpar's program / in MaxText's |", "|---|---|"]
+    for name, r in results.items():
+        diff = ", ".join(d.replace("|", " / ") for d in _op_diff(r))
+        lines.append(f"| {_layout_name(name)} | {diff or 'none'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
