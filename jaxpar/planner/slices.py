@@ -155,7 +155,9 @@ def report(est: Estimate, machine: Machine, n_params: float,
     """The table ``jaxpar plan`` prints for a multislice machine."""
     opts = options(est, machine, n_params, hpz=hpz)
     best, why = recommend(opts)
-    lines = [f"across {dict(est.candidate.dcn).get('data', 1)} slices (data over DCN), "
+    spans = {a: n for a, n in dict(est.candidate.dcn).items() if n > 1}
+    over = " x ".join(f"{a}={n}" if len(spans) > 1 else a for a, n in spans.items())
+    lines = [f"across {math.prod(spans.values())} slices ({over or 'nothing'} over DCN), "
              "per device and step:",
              f"  {'method':16} {'DCN bytes':>12} {'DCN s':>9} {'waited s':>9} {'step s':>9} "
              f"{'share':>6} {'extra GiB':>9}"]

@@ -65,7 +65,11 @@ def test_slow_networks_get_diloco_fast_ones_stay_synchronous():
     assert best.method == "diloco" and best.dcn_share <= 0.05
     assert why.startswith(f"DiLoCo H={best.sync_every}: synchronous waits")
     text = report(_estimate(slow, 4), slow, n)
-    assert "across 4 slices" in text and "recommended: DiLoCo" in text
+    assert "across 4 slices (data over DCN)" in text and "recommended: DiLoCo" in text
+    # A plan that spans the slices with another axis than data: the header says which.
+    over_fsdp = dataclasses.replace(_estimate(slow, 4), candidate=dataclasses.replace(
+        _estimate(slow, 4).candidate, dcn=(("fsdp", 4),)))
+    assert "across 4 slices (fsdp over DCN)" in report(over_fsdp, slow, n)
 
 
 def test_jaxpar_plan_reports_across_slices():
