@@ -101,8 +101,9 @@ def test_each_section_renders_navigates_and_searches_in_chromium(server):
         page.wait_for_url(re.compile(r"/guides/pipelines/"))
         assert "pipeline" in page.locator("h1").first.inner_text().lower()
         # Search: the index loads in the page's worker and finds the pipeline guide.
-        page.locator("label.md-search__icon, .md-header__button[for=__search]").first.click()
-        page.locator("input.md-search__input").fill("microbatches")
+        search = page.locator("input.md-search__input")
+        search.click()
+        search.fill("microbatches")
         results = page.locator(".md-search-result__item")
         results.first.wait_for(timeout=30_000)
         assert results.count() >= 1
