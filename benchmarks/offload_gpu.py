@@ -21,7 +21,7 @@ next starts (the peak memory is the process's, so the first mode's is the cleane
 
 On a machine without a GPU it runs the ``tiny`` preset on one CPU device (a check of the
 code path; CPU memory reports no peaks) unless ``--model`` says otherwise. Figures from a
-lent GPU are in the README (section "ZeRO-Offload on one GPU").
+lent GPU are in the docs (docs/guides/memory.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ devices, both with MaxText's default remat policy (``full``: every layer recompu
 the backward pass) and jaxpar with the vocabulary split over fsdp under FSDP (the
 ``plan.vocab_over_fsdp`` its planner picks for this model). MaxText (0.2.4, an optional
 dependency in its own virtual environment: see
-the README's Performance section for the install steps) is found through
+docs/benchmarks/vs-maxtext.md for the install steps) is found through
 ``MAXTEXT_PYTHON`` or ``../maxtext-venv/bin/python``; without it the benchmark says so
 and exits 0.
 
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     mt_python = maxtext_python()
     if mt_python is None:
         print("MaxText not found (set MAXTEXT_PYTHON to its environment's python, or install "
-              "it in ../maxtext-venv as the README's Performance section says): skipped")
+              "it in ../maxtext-venv as docs/benchmarks/vs-maxtext.md says): skipped")
         return 0
     results = {}
     for layout in args.layouts.split(","):

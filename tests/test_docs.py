@@ -34,3 +34,18 @@ def test_blocks_commands_and_outputs_are_read_from_the_markdown(tmp_path):
     py, sh = page_blocks(page)
     assert (py.lang, py.output, sh.note) == ("python", "1\n", "exits 2")
     assert commands(sh.body) == ["jaxpar plan    --seq 8"]
+
+
+def test_what_is_shown_without_running_is_listed_with_its_reason():
+    """A block the tests do not run needs a reason, and there are few: each one here."""
+    shown = [(str(p.relative_to(ROOT)), b.note.removeprefix("not run:").strip())
+             for p in pages() for b in page_blocks(p) if b.note.startswith("not run:")]
+    assert all(reason for _, reason in shown), shown
+    assert sorted(page for page, _ in shown) == [
+        "docs/benchmarks/vs-maxtext.md",  # installs MaxText from PyPI, then minutes
+        "docs/get-started/first-run.md",  # make train's 200 steps (run below cut to 10)
+        "docs/get-started/install.md",  # a second install (make test does it)
+        "docs/guides/lora.md",  # a 300-step base then fine-tune pair
+        "docs/guides/memory.md",  # the 8B step compiled for a TPU, minutes each
+        "docs/guides/multihost.md",  # gcloud: a Cloud project and a TPU pod
+    ]
