@@ -197,7 +197,8 @@ def command(args: argparse.Namespace) -> int:
                   else "")
         header = (f"plan: {spec.n_params / 1e9:.2f}B params{active} ({resolved.name}) on "
                   f"{machine.describe()}, "
-                  f"global batch {args.global_batch} x seq {args.seq}, bf16 compute, "
+                  f"global batch {args.global_batch} x seq {args.seq}, bf16 compute"
+                  f"{'' if args.quantize == 'none' else f' ({args.quantize} matmuls)'}, "
                   f"f32 master + Adam")
         print(table(rows, header))
         if plans and machine.slices > 1:

@@ -310,3 +310,17 @@ def test_partition_spec_and_short_metadata():
     assert logical_names(q.layers[0].base.kernel) == ("embed", None)
     bf = quant.convert_frozen(nnx.Sequential(nnx.clone(layer)), "bfloat16")
     assert bf.layers[0].kernel[...].dtype == jnp.bfloat16  # a matrix despite one name
+
+
+def test_a_target_matching_a_layer_lora_cannot_adapt_says_how_to_narrow_it():
+    class EmbedAndProject(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(16, 8, rngs=rngs)
+            self.proj = nnx.Linear(8, 8, rngs=rngs)
+
+    model = EmbedAndProject(nnx.Rngs(0))
+    with pytest.raises(jaxpar.JaxparError, match=r"embed \(flax.*anchor it with '\$'"):
+        lora.apply(model, "embed|proj", rank=2)
+    with pytest.raises(jaxpar.JaxparError, match=r"embed \(flax.*; leave them out of the regex\. "
+                                          r"Adaptable paths: \['proj'\]"):
+        lora.apply(model, "embed$", rank=2)

@@ -123,8 +123,10 @@ def apply(
         raise JaxparError(
             f"LoRA target {target!r} matches modules that hold parameters but are not "
             f"projections LoRA can adapt (nnx.Linear, nnx.LinearGeneral, nnx.Einsum): "
-            f"{', '.join(bad)}; narrow the regex (e.g. anchor it with '$'). Adaptable "
-            f"paths: {available}"
+            f"{', '.join(bad)}; "
+            + ("narrow the regex (e.g. anchor it with '$')" if not target.endswith("$")
+               else "leave them out of the regex")
+            + f". Adaptable paths: {available}"
         )
     if not chosen:
         done = [p for p, _ in adapted(model)]
