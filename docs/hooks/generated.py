@@ -107,6 +107,8 @@ _API_ORDER = ("jaxpar.sharding.mesh", "jaxpar.sharding.plan", "jaxpar.sharding.r
               "jaxpar.sharding.partitioning", "jaxpar.sharding.annotations",
               "jaxpar.sharding.layouts", "jaxpar.training.trainer", "jaxpar.parallel.staged",
               "jaxpar.models.linen", "jaxpar.config.schema", "jaxpar.config.assembly")
+
+
 def api_reference(_: str | None = None) -> str:
     """An mkdocstrings directive for every public name of ``jaxpar``, by module."""
     import jaxpar

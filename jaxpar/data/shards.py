@@ -33,6 +33,11 @@ def is_pattern(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
 
+MANIFEST = "tokenize.json"
+"""What ``jaxpar tokenize`` writes beside the shards it makes (tokenizer, EOS id, id type,
+each shard's documents and tokens)."""
+
+
 def names_shards(spec: str) -> bool:
     """Whether ``data.source`` names token shards: a glob, a folder whose visible files
     are all ``.bin``/``.npy`` (at least one; the ``tokenize.json`` manifest ``jaxpar
@@ -44,7 +49,7 @@ def names_shards(spec: str) -> bool:
     if not path.is_dir():
         return False
     files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-             and p.name != "tokenize.json"]
+             and p.name != MANIFEST]
     return bool(files) and all(p.suffix in SHARD_SUFFIXES for p in files)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.data.shards import is_pattern
+from jaxpar.data.shards import MANIFEST, is_pattern
 from jaxpar.data.tokenizer import (
     data_files,
     documents,
@@ -35,8 +35,6 @@ from jaxpar.data.tokenizer import (
     vocab_size,
 )
 from jaxpar.errors import JaxparError
-
-MANIFEST = "tokenize.json"
 
 
 def input_files(inputs: list[str]) -> list[Path]:

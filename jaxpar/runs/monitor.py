@@ -133,17 +133,23 @@ def chip_for_kind(device_kind: str, chips: Mapping[str, Any] | None = None) -> s
     return None
 
 
+def catalog_chip(device: Any, chips: Mapping[str, Any] | None = None) -> Chip | None:
+    """The entry of ``chips`` (default: the planner's built-in catalog) for an accelerator
+    ``device``, found by its ``device_kind``; None on CPU and for kinds it does not hold."""
+    chips = BUILTIN if chips is None else chips
+    if getattr(device, "platform", "") == "cpu":
+        return None
+    key = chip_for_kind(str(getattr(device, "device_kind", "")), chips)
+    return None if key is None else chips[key]
+
+
 def peak_flops_per_device(device: Any = None, chips: Mapping[str, Any] | None = None
                           ) -> float | None:
     """Dense bf16 peak FLOP/s of ``device`` (default ``jax.devices()[0]``) from the planner's
     chip catalog (or ``chips``, e.g. :func:`jaxpar.planner.load_catalog`'s result); None on
     CPU and for kinds the catalog does not hold."""
-    chips = BUILTIN if chips is None else chips
-    device = jax.devices()[0] if device is None else device
-    if getattr(device, "platform", "") == "cpu":
-        return None
-    key = chip_for_kind(str(getattr(device, "device_kind", "")), chips)
-    return None if key is None else float(chips[key].peak_flops)
+    chip = catalog_chip(jax.devices()[0] if device is None else device, chips)
+    return None if chip is None else float(chip.peak_flops)
 
 
 def run_chip(catalog: str = "", devices: Sequence[Any] | None = None) -> Chip | None:
@@ -166,10 +172,7 @@ def run_chip(catalog: str = "", devices: Sequence[Any] | None = None) -> Chip | 
                               f"{len(devices)} CPU devices (it holds "
                               f"{', '.join(sorted(own)) or 'none'}): run jaxpar calibrate "
                               f"--devices {len(devices)} --out FILE")
-    if device.platform == "cpu":
-        return None
-    key = chip_for_kind(str(getattr(device, "device_kind", "")), chips)
-    return None if key is None else chips[key]
+    return catalog_chip(device, chips)
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, n_devices: int,
