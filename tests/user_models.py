@@ -7,6 +7,8 @@ Used by tests/sharding/test_user_models.py and by ``model.factory`` configs in t
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import linen, nnx
@@ -604,3 +606,98 @@ class ExplicitBlocksLM(nnx.Module):
             x = block(x)
         head = jax.sharding.reshard(self.head[...], P(None, None))
         return jnp.einsum("bsd,dv->bsv", x, head)
+
+
+# --- (i) nanoGPT, ported to NNX as such ports are written ---------------------------------
+
+
+class CausalSelfAttention(nnx.Module):
+    """GPT-2 attention with one fused q/k/v projection (``c_attn``), split in three."""
+
+    def __init__(self, d: int, heads: int, rate: float, *, rngs: nnx.Rngs):
+        self.c_attn = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.c_proj = nnx.Linear(d, d, rngs=rngs)
+        self.attn_dropout = nnx.Dropout(rate, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(rate, rngs=rngs)
+        self.n_head = heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, c = x.shape
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=2)
+        q, k, v = (a.reshape(b, t, self.n_head, c // self.n_head).transpose(0, 2, 1, 3)
+                   for a in (q, k, v))
+        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / jnp.sqrt(k.shape[-1]))
+        att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -jnp.inf)
+        att = self.attn_dropout(jax.nn.softmax(att, axis=-1))
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class GPTMLP(nnx.Module):
+    def __init__(self, d: int, rate: float, *, rngs: nnx.Rngs):
+        self.c_fc = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.c_proj = nnx.Linear(4 * d, d, rngs=rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x))))
+
+
+class GPTBlock(nnx.Module):
+    def __init__(self, d: int, heads: int, rate: float, *, rngs: nnx.Rngs):
+        self.ln_1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = CausalSelfAttention(d, heads, rate, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(d, rngs=rngs)
+        self.mlp = GPTMLP(d, rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nnx.Module):
+    """Karpathy's nanoGPT in NNX: learned positions, a list of blocks, a tied head, dropout
+    with its own RNG stream, and a forward that returns ``(logits, loss)``."""
+
+    def __init__(self, vocab: int = VOCAB, block_size: int = 64, d: int = 32, heads: int = 4,
+                 layers: int = 2, dropout: float = 0.0, *, rngs: nnx.Rngs):
+        self.wte = nnx.Embed(vocab, d, rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
+        self.wpe = nnx.Embed(block_size, d, rngs=rngs,
+                             embedding_init=nnx.initializers.normal(0.02))
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.h = nnx.List([GPTBlock(d, heads, dropout, rngs=rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, idx: jax.Array, targets: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array | None]:
+        pos = jnp.arange(idx.shape[1])
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.wte.attend(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        loss = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+        return logits, loss
+
+
+def nanogpt(rngs: nnx.Rngs, **sizes: Any) -> NanoGPT:
+    """nanoGPT's constructor as a ``model.factory``."""
+    return NanoGPT(rngs=rngs, **sizes)
+
+
+def nanogpt_loss(model: NanoGPT, tokens: jax.Array) -> jax.Array:
+    """nanoGPT's own loss, as its training loop takes it: ``model(x, y)[1]``."""
+    return model(tokens[:, :-1], tokens[:, 1:])[1]
+
+
+NANOGPT_ANNOTATIONS = [
+    (r"wte/embedding$", ("vocab", "embed")),
+    (r"wpe/embedding$", (None, "embed")),
+    (r"attn/c_attn/kernel$", ("embed", "heads")),
+    (r"attn/c_proj/kernel$", ("heads", "embed")),
+    (r"mlp/c_fc/kernel$", ("embed", "mlp")),
+    (r"mlp/c_proj/kernel$", ("mlp", "embed")),
+]
+"""Names by path for :class:`NanoGPT` as the sharding guide tells a user to write them."""
