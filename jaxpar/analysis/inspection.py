@@ -233,6 +233,31 @@ def _memory(compiled: Any, target: Target) -> dict[str, Any]:
     return memory
 
 
+def traced_notes(predicted: dict[str, Any] | None, memory: dict[str, Any], remat: str
+                 ) -> list[str]:
+    """What a ``model.factory`` model's prediction rests on: its activations traced (see
+    :mod:`jaxpar.planner.traced`), its step time not predicted, and, when XLA keeps far
+    more temporaries than the traced step needs under a remat policy, that the compiler
+    did not keep to the policy."""
+    pmem = (predicted or {}).get("memory") or {}
+    notes = []
+    if "traced_residual_bytes" in pmem:
+        notes.append(f"activations traced: {fmt_bytes(pmem['activation_bytes'])} a device "
+                     "of the model's loss and gradient compiled for one device at its rows "
+                     f"(its VJP saves {fmt_bytes(pmem['traced_residual_bytes'])} by the "
+                     "jaxpr, before XLA's fusions)")
+    if (predicted or {}).get("not_predicted"):
+        notes.append(predicted["not_predicted"])
+    temp, want = memory.get("temp_bytes"), pmem.get("temp_bytes")
+    if "traced_residual_bytes" in pmem and remat != "none" and temp and want \
+            and temp > 1.5 * want:
+        notes.append(f"XLA keeps {fmt_bytes(temp)} of temporaries where the traced step "
+                     f"needs {fmt_bytes(want)} under remat {remat}: the compiler did not keep "
+                     "to the policy (XLA:CPU schedules the recomputation of blocks called "
+                     "one after another early; blocks run as one jax.lax.scan keep to it)")
+    return notes
+
+
 def inspect_config(config: Any, *, source: str = "defaults",
                    target: Target | None = None) -> dict[str, Any]:
     """Compile one train step for ``target`` (default: this machine's devices) without
@@ -267,6 +292,7 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
         notes.append(f"{matmuls['loops_without_trip_count']} loop(s) without a known trip "
                      "count: their bodies' FLOPs are counted once")
     notes += explain_collectives(hlo)  # each all-to-all's op and model line
+    notes += traced_notes(predicted, memory, plan.remat)
     schedule = run.schedule
     replication = trainer.replication
     if mostly_replicated(replication):

@@ -114,6 +114,24 @@ def breakdown_text(row: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _size(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def traced_text(row: dict, global_batch: int, seq: int) -> str:
+    """Where a ``model.factory`` model's figures come from: its activations per device
+    (its loss and gradient compiled for one device at the rows #1 gives a device, see
+    :mod:`jaxpar.planner.traced`), and why its step time and MFU rank but do not
+    predict."""
+    m = row["memory"]
+    return (f"activations of #1: {_size(m['activation_bytes'])} a device (the model's loss "
+            f"and gradient traced and compiled for one device at its share of "
+            f"{global_batch} x {seq}; its VJP saves {_size(m.get('traced_residual_bytes', 0))}"
+            f" by the jaxpr), temporaries {_size(m['temp_bytes'])} with the gradients\n"
+            "step s, TFLOP/s and MFU of a model.factory model: its traced matmul FLOPs at the "
+            "chip's matmul rate, a ranking, not a prediction of its step")
+
+
 def _check_write(path: Path, *, force: bool) -> None:
     """Refuse a ``--write`` target that cannot be written, or that exists (without
     ``--force``), before anything is planned."""
@@ -201,6 +219,8 @@ def command(args: argparse.Namespace) -> int:
                   f"{'' if args.quantize == 'none' else f' ({args.quantize} matmuls)'}, "
                   f"f32 master + Adam")
         print(table(rows, header))
+        if spec.tracer is not None and rows:
+            print(traced_text(rows[0], args.global_batch, args.seq))
         if plans and machine.slices > 1:
             best = plans[0]
             hpz = None

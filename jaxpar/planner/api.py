@@ -17,6 +17,7 @@ from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.cost import estimate as _estimate
 from jaxpar.planner.model import ModelSpec, from_nnx, from_transformer
 from jaxpar.planner.search import reason, search
+from jaxpar.planner.traced import StepTracer
 from jaxpar.sharding.annotations import annotate
 from jaxpar.sharding.mesh import MESH_AXES
 
@@ -75,10 +76,13 @@ def _no_stages(spec: ModelSpec) -> Callable[[int], ModelSpec]:
 
 def _resolve_factory(config: Config) -> Resolved:
     """A run config whose ``model.factory`` names a user's model: read its parameter shapes
-    abstractly, with the config's ``plan.annotations`` applied."""
+    abstractly, with the config's ``plan.annotations`` applied, and its activation memory
+    and FLOPs from its traced step (:class:`jaxpar.planner.traced.StepTracer`)."""
     build = model_factory(config)
     spec = from_nnx(lambda: annotate(build(), config.plan.annotations, warn=False),
                     name=config.model.factory)
+    if not spec.is_transformer:  # its activations and FLOPs come from its traced step
+        spec = dataclasses.replace(spec, tracer=StepTracer(config))
     return Resolved(_no_stages(spec), config, spec.name, pipeline=False)
 
 

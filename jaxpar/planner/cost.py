@@ -102,7 +102,11 @@ def model_flops(spec: ModelSpec, global_batch: int, seq: int) -> float:
     parameters a token uses (:attr:`ModelSpec.n_active_dense`: all of a dense model's,
     only the routed and shared experts it goes to in a mixture of experts) plus
     ``12 L h_q s`` per token for attention scores and values (the PaLM/Megatron
-    convention, full s x s attention)."""
+    convention, full s x s attention). A model with a :attr:`ModelSpec.tracer` (a
+    ``model.factory`` model) has its matmul FLOPs counted in its traced step instead
+    (:meth:`jaxpar.planner.traced.StepTracer.model_flops`: the same convention)."""
+    if spec.tracer is not None:
+        return spec.tracer.model_flops(global_batch, seq)
     tokens = global_batch * seq
     attn = 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq if spec.is_transformer else 0
     return tokens * (6 * spec.n_active_dense + attn)

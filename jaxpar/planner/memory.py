@@ -14,6 +14,11 @@ candidate.Local`). The formulas for the dense, single-sequence-shard case are ca
 against XLA:CPU (``tests/planner/test_planner.py``); the rest follow the code paths of
 :mod:`jaxpar.parallel.context` and :mod:`jaxpar.models.moe` tensor by tensor, unmeasured.
 
+A model jaxpar did not write (``model.factory``) has no formulas: its activations and
+backward working set are XLA's temporaries of its loss and gradient compiled for one device
+at the rows that device holds (:mod:`jaxpar.planner.traced`), in ``activation_bytes``
+(``working_bytes`` 0); ``traced_residual_bytes`` is what its VJP saves by the jaxpr.
+
 Host offload (:mod:`jaxpar.planner.offload`) moves state and saved activations to host
 memory: the device's arguments and saved activations drop by what moved (reported as
 ``host_*`` bytes), and its temporaries gain what comes back for a while: the streamed
@@ -275,6 +280,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     act = c
     stages = lay.sizes.get("stage", 1)
     host_act = staging = 0.0
+    traced = None
     if spec.is_transformer:
         layers = spec.n_layers / stages
         attention = attention_kind(spec, cand, backend)
@@ -303,6 +309,13 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         layer_work = layer_working_bytes(spec, loc, seq, 4 if backend == "cpu" else c,
                                          attention, cand.remat)
         loss_work = loss_working_bytes(spec, loc, seq)
+    elif spec.tracer is not None:
+        # A model of the user's: the one-device step compiled at this device's rows
+        # (jaxpar.planner.traced), activations and backward working set together.
+        rows = max(global_batch // (lay.dp * loc.context * cand.microbatches), 1)
+        traced = spec.tracer.activations(cand.remat, cand.precision, rows, seq)
+        saved, layer_work = traced.temp_bytes, 0.0
+        loss_work = 0.0
     else:
         saved = layer_work = loss_work = 0.0
     # Gradients: XLA:CPU accumulates them whole, in the compute layout, in f32 (its
@@ -313,7 +326,16 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     # layer's before reduction; weights outside the layer loop (the embedding, the output
     # head) have their whole gradient at once before it is reduced (measured:
     # benchmarks/tpu_compile.py). With gradient accumulation an f32 running sum as well.
-    if backend != "tpu":
+    # A user's model whose blocks are not stacked (traced: no ``layers`` axis) has each
+    # weight's gradient reduced as the backward pass makes it, on XLA:CPU too: the stored
+    # layout, and one weight's whole gradient before its reduction (measured on LlamaLike
+    # under fsdp: tests/planner/test_traced.py).
+    if backend != "tpu" and traced is not None:
+        unstacked = [p for p in lay.placed if not p.tensor.per_layer]
+        whole = max((p.compute - p.base for p in unstacked), default=0)
+        grads = (sum(p.compute if p.tensor.per_layer else p.base for p in lay.placed)
+                 + whole) * (4 if backend == "cpu" else c)
+    elif backend != "tpu":
         grads = lay.total("compute") * (4 if backend == "cpu" else c)
     else:
         layers = max(spec.n_layers / lay.sizes.get("stage", 1), 1)
@@ -358,7 +380,12 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         copy = sum((p.zero if cand.zero_stage >= 3 else p.base) * lay.sizes["data"]
                    for p in lay.placed if "data" in p.store_dp_axes)
         gathered += copy * (c + 4)
-    if backend == "tpu":
+    if traced is not None:
+        # A traced model's activations include its backward working set; the update runs
+        # once the backward pass has freed them (measured on LlamaLike: the step holds the
+        # gradients and the larger of the two).
+        peak = max(stream + staging + max(update_device - saved, 0.0), loss_work)
+    elif backend == "tpu":
         # The TPU compiler updates the optimizer state in place, after the backward pass
         # has freed its working set (measured: benchmarks/tpu_compile.py).
         peak = max(layer_work + stream + staging, update_device, loss_work)
@@ -378,4 +405,5 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
             "host_opt_bytes": off.optimizer, "host_param_bytes": off.params,
             "host_activation_bytes": host_act, "host_bytes": host,
             "offload_transient_bytes": stream + staging + transient,
-            "gathered_weight_bytes": gathered}
+            "gathered_weight_bytes": gathered,
+            **({"traced_residual_bytes": traced.residual_bytes} if traced else {})}

@@ -68,6 +68,11 @@ class ModelSpec:
     expert_d_ff: int = 0
     n_shared_experts: int = 0
     capacity_factor: float = 0.0
+    tracer: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """For a model jaxpar did not write, read from a run config: its
+    :class:`jaxpar.planner.traced.StepTracer`, whose traced step gives the activation
+    memory and model FLOPs the transformer fields give the reference model (None: not
+    known)."""
 
     @property
     def is_moe(self) -> bool:

@@ -82,6 +82,12 @@ def spec_from_config(config: Config, stages: int = 1) -> ModelSpec:
     return from_transformer(config.model, stages=stages)
 
 
+NOT_TIMED = ("no step time or MFU predicted for a model.factory model: the planner knows "
+             "its memory and model FLOPs from its traced step, not how fast its operations "
+             "run (only its matmul FLOPs at the chip's matmul rate, which is no prediction)")
+"""Why :func:`predict` leaves a user's model's step time and MFU out."""
+
+
 def predict(config: Config, n_devices: int, *, backend: str = "cpu",
             machine: Machine | None = None) -> dict[str, Any]:
     """The planner's figures for ``config`` on ``n_devices`` devices.
@@ -98,21 +104,27 @@ def predict(config: Config, n_devices: int, *, backend: str = "cpu",
       ``{"memory": {"argument_bytes", "output_bytes", "temp_bytes", "total_bytes", ...},
       "collectives": [{"kind", "axes", "count", "bytes_per_device", "bytes_per_step"}],
       "flops": per-device FLOPs of one step, "model_flops", "step_time_s", "mfu",
-      "mesh", "n_params"}``.
+      "mesh", "n_params"}``; for a ``model.factory`` model ``step_time_s`` and ``mfu``
+      are None and ``not_predicted`` says why (:data:`NOT_TIMED`).
     """
     cand = candidate_from_config(config, n_devices)
     spec = spec_from_config(config, cand.sizes["stage"])
     machine = machine or Machine(cpu_chip(n_devices), n_devices, 1)
     est = estimate(spec, machine, cand, config.train.global_batch, config.train.seq_len,
                    backend=backend)
+    # A model without the transformer's sizes (a model.factory model) has its memory and
+    # model FLOPs from its traced step, but its step time is its matmul FLOPs at the
+    # chip's matmul rate, nothing else: no prediction of a real step.
+    timed = spec.is_transformer
     return {
+        **({} if timed else {"not_predicted": NOT_TIMED}),
         "memory": {k: int(v) for k, v in est.memory.items()},
         "collectives": [{k: (int(v) if isinstance(v, float) and k != "time_s" else v)
                          for k, v in row.items()} for row in est.collectives],
         "flops": est.flops,
         "model_flops": est.model_flops,
-        "step_time_s": est.step_time_s,
-        "mfu": est.mfu,
+        "step_time_s": est.step_time_s if timed else None,
+        "mfu": est.mfu if timed else None,
         "mesh": cand.mesh_dict(),
         "n_params": spec.n_params,
         "backend": backend,

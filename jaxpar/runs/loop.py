@@ -359,6 +359,8 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
             out.mkdir(parents=True, exist_ok=True)
             config.save(out / "config.yaml")
         log = RunLog(config, out, resumed_at=resumed_at, writer=is_writer)
+        if config.model.factory and is_writer:
+            _say(f"mfu: {log.flops_source}")
         cleanup.callback(log.close)
         begin = trainer.step_count
         end = config.train.steps if max_steps is None else min(config.train.steps,

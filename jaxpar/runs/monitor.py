@@ -196,6 +196,29 @@ def model_flops_per_step(model_config: Any, global_batch: int, seq_len: int) -> 
     return float(model_flops(from_transformer(model_config), global_batch, seq_len))
 
 
+def step_model_flops(config: Any) -> tuple[float | None, str]:
+    """``(model FLOPs of one training step, where the figure comes from)`` for a run
+    config: the reference decoder's formula (:func:`model_flops_per_step`), or for a
+    ``model.factory`` model the ``dot_general`` FLOPs of its traced step (the loss's
+    forward and backward without remat, see :class:`jaxpar.planner.traced.StepTracer`);
+    ``(None, why)`` when neither can be had."""
+    train = config.train
+    flops = model_flops_per_step(config.model, train.global_batch, train.seq_len)
+    if flops is not None:
+        return flops, "model FLOPs from the reference decoder's formula (6 N + 12 L H Q s a token)"
+    if not getattr(config.model, "factory", ""):
+        return None, "model FLOPs not known for this model"
+    from jaxpar.planner.traced import StepTracer
+
+    try:
+        flops = StepTracer(config).model_flops(train.global_batch, train.seq_len)
+    except JaxparError as err:
+        return None, f"model FLOPs not known (no MFU): {err}"
+    return flops, ("model FLOPs counted in the traced step of model.factory "
+                   f"{config.model.factory!r} (the dot_general FLOPs of its loss's forward "
+                   "and backward, no remat)")
+
+
 def model_flops_per_token(model_config: Any, seq_len: int) -> float:
     """:func:`model_flops_per_step` for one token of a ``seq_len``-long sequence; raises
     :class:`JaxparError` for a model the formula does not cover (a user's factory)."""

@@ -68,8 +68,7 @@ class RunLog:
         # taken used the rate of the step count before it).
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
-        self._flops = monitor.model_flops_per_step(config.model, config.train.global_batch,
-                                                   config.train.seq_len)
+        self._flops, self.flops_source = monitor.step_model_flops(config)
         self._chip = monitor.run_chip(config.train.catalog)
         self._peak = config.train.peak_flops or (self._chip.peak_flops if self._chip
                                                  else None)
@@ -93,13 +92,16 @@ class RunLog:
             if "wandb" in trackers:
                 self._wandb = WandbTracker(out, self._wandb_config(), {
                     "model_flops_per_step": self._flops or 0.0,
+                    "model_flops_source": self.flops_source,
                     "peak_flops_per_device": self._peak or 0.0, **self._prediction()},
                     resumed_at is not None)
 
     def _prediction(self) -> dict[str, float]:
         """The planner's figures for this run on these devices (``predicted/*``: step time,
-        MFU, memory per device), from the chip the catalog or ``train.catalog`` gives;
-        none for a model the planner does not describe (a ``model.factory``)."""
+        MFU, memory per device), from the chip the catalog or ``train.catalog`` gives.
+        For a ``model.factory`` model the planner predicts memory (from its traced step)
+        but no step time: ``predicted/step_time_s`` and ``predicted/mfu`` are left out and
+        ``predicted/not_predicted`` says why."""
         platform = jax.devices()[0].platform
         if self._chip is None and platform != "cpu":
             return {}
@@ -108,9 +110,11 @@ class RunLog:
                 Machine(self._chip, self._devices, 1) if self._chip else None))
         except (JaxparError, ValueError):  # a layout the cost model does not describe
             return {}
+        memory = {"predicted/memory_bytes_per_device": figures["memory"]["total_bytes"]}
+        if figures.get("step_time_s") is None:
+            return {**memory, "predicted/not_predicted": figures["not_predicted"]}
         return {"predicted/step_time_s": figures["step_time_s"],
-                "predicted/mfu": figures["mfu"],
-                "predicted/memory_bytes_per_device": figures["memory"]["total_bytes"]}
+                "predicted/mfu": figures["mfu"], **memory}
 
     def _wandb_config(self) -> dict[str, Any]:
         """The run config, with what the run resolved: devices, processes, the mesh."""

@@ -114,3 +114,30 @@ def test_write_refuses_an_existing_file_unless_forced(tmp_path, capsys):
     assert target.read_text() == "keep: me\n"
     assert main([*args, "--force"]) == 0
     assert "mesh:" in target.read_text()
+
+
+def test_plan_prints_a_factory_models_traced_activations(tmp_path, capsys):
+    # A user's LlamaLike: the activations #1 needs come from its traced step (nonzero),
+    # the figure StepTracer gives for #1's rows a device; no step time is claimed.
+    import re
+
+    import jaxpar
+    from jaxpar.planner.traced import StepTracer
+
+    yaml = tmp_path / "llama.yaml"
+    yaml.write_text("model:\n  factory: tests.user_models:llama_like\n  vocab_size: 64\n"
+                    "  kwargs: {d: 32, heads: 4, kv_heads: 2, ff: 64, layers: 2}\n")
+    assert main(["plan", "--model", str(yaml), "--chips", "cpu:8", "--global-batch", "8",
+                 "--seq", "32", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[3].split()  # the table's row #1
+    sizes = dict(a.split("=") for a in first[1:] if "=" in a)
+    row = re.search(r"^1 .*?(none|full|dots_with_no_batch_dims_saveable|"
+                    r"save_attention_and_mlp_outputs)\s+(\d+)\s", out, re.M)
+    remat, mb = row[1], int(row[2])
+    rows = 8 // (int(sizes.get("data", 1)) * int(sizes.get("fsdp", 1)) * mb)
+    got = re.search(r"activations of #1: ([\d.]+) MiB a device", out)
+    assert got and float(got[1]) > 0
+    want = StepTracer(jaxpar.load_config(str(yaml))).activations(remat, "bfloat16", rows, 32)
+    assert float(got[1]) == pytest.approx(want.temp_bytes / 2**20, abs=0.05)
+    assert "not a prediction of its step" in out

@@ -179,3 +179,35 @@ def test_check_profile_steps_rejects(bad):
 @pytest.mark.parametrize("good", [None, [], (), [1, 1], [2, 5], (3, 4)])
 def test_check_profile_steps_accepts(good):
     check_profile_steps(good)
+
+
+def test_a_factory_run_logs_mfu_from_its_traced_flops(tmp_path, capsys):
+    # A user's LlamaLike trained 2 steps on 8 CPU devices against a calibrated peak: its
+    # MFU is the traced step's matmul FLOPs over (step time x devices x peak), and those
+    # FLOPs are 6 N + 12 L d s a token by the test's own count.
+    import numpy as np
+
+    import jaxpar
+    from jaxpar.runs.loop import train
+    from tests.user_models import VOCAB
+
+    d, heads, kv, ff, layers, seq, batch = 32, 4, 2, 64, 2, 32, 8
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, VOCAB, 40_000).astype(np.int32))
+    catalog = tmp_path / "cpu.yaml"
+    catalog.write_text("cpu8: {peak_flops: 1.0e9, f32_flops: 1.0e9, hbm_bytes: 3.0e9, "
+                       "hbm_bw: 1.0e9, ici_bw: 1.0e9, dcn_bw: 1.0e9, domain: 8}\n")
+    config = jaxpar.load_config(None, [
+        "model.factory=tests.user_models:llama_like", f"model.vocab_size={VOCAB}",
+        f"model.kwargs={{d: {d}, heads: {heads}, kv_heads: {kv}, ff: {ff}, layers: {layers}}}",
+        "mesh.data=8", f"train.global_batch={batch}", f"train.seq_len={seq}",
+        "train.steps=2", "train.warmup_steps=1", f"train.catalog={catalog}",
+        "train.trackers=[jsonl]", f"data.source={tokens}"])
+    _, history = train(config, tmp_path / "run", progress=False)
+    hd = d // heads
+    n = layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ff) + d * VOCAB
+    flops = batch * seq * (6 * n + 12 * layers * d * seq)
+    for row in history:
+        assert row["mfu"] == pytest.approx(flops / (row["step_time_s"] * 8 * 1e9), rel=1e-3)
+    said = capsys.readouterr()
+    assert "model FLOPs counted in the traced step" in said.out + said.err
