@@ -35,6 +35,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.blocks import repeated_blocks
 from jaxpar.sharding.paths import path_str
+from jaxpar.sharding.scanned import is_scanned
 
 _WRAPPED = "_jaxpar_remat_base"
 """Class attribute of a wrapped block's class: the class it wraps."""
@@ -100,6 +101,9 @@ def apply_remat(model: nnx.Module, name: str, pattern: str = "") -> list[str]:
     policy = remat_lib.policy(remat_lib.check(name))
     blocks = remat_blocks(model, pattern)
     for _, module in blocks:
+        if is_scanned(module):  # a scanned stack applies the policy to each iteration
+            module._jaxpar_remat = name
+            continue
         base = getattr(type(module), _WRAPPED, type(module))
         cls = base if policy is None else _wrapped_class(base, name)
         object.__setattr__(module, "__class__", cls)

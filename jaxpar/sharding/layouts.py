@@ -43,6 +43,7 @@ from jaxpar.sharding.annotations import logical_names, pairs
 from jaxpar.sharding.blocks import repeated_blocks
 from jaxpar.sharding.paths import path_str
 from jaxpar.sharding.plan import constrain
+from jaxpar.sharding.scanned import layer_class, set_layer_class
 
 LayoutRules = Sequence[tuple[Any, Sequence[Any]]]
 """``(module type, "type:ClassName" or path regex, logical names)`` pairs."""
@@ -146,9 +147,9 @@ def constrain_outputs(model: nnx.Module, layouts: LayoutRules) -> nnx.Module:
                 pins[id(module)] = (module, names, entry[2])
                 break
     for module, names, weights in pins.values():
-        base = getattr(type(module), _BASE, type(module))
-        cls = _pinned_class(base, names, tuple(sorted(weights.items())))
-        object.__setattr__(module, "__class__", cls)
+        current = layer_class(module)  # a scanned stack pins each of its layers
+        base = getattr(current, _BASE, current)
+        set_layer_class(module, _pinned_class(base, names, tuple(sorted(weights.items()))))
     missing = [target for (target, _, _), u in zip(rules, used, strict=True) if not u]
     if missing:
         kinds = sorted({type(m).__name__ for _, m in modules})

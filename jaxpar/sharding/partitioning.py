@@ -27,6 +27,7 @@ from jaxpar.sharding.layouts import AUTO, auto_layouts, constrain_outputs
 from jaxpar.sharding.mesh import is_explicit
 from jaxpar.sharding.paths import path_str
 from jaxpar.sharding.plan import Plan
+from jaxpar.sharding.scanned import block_lists, scan_model_blocks
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -85,7 +86,11 @@ def prepare_model(model: M, plan: Plan) -> M:
             raise JaxparError(f"plan.remat={plan.remat!r} cannot reach inside a linen model: "
                               "wrap its blocks in flax.linen.remat (nn.remat) in the model's "
                               "code, with the policy you want")
-    elif not module.startswith("jaxpar."):  # jaxpar's own models apply the plan's remat
+    elif not module.startswith("jaxpar."):  # jaxpar's own models scan and remat themselves
+        mode = {True: "true", False: "false"}.get(plan.scan_blocks, plan.scan_blocks)
+        if plan.remat_blocks and mode == "auto":  # blocks chosen by path stay apart
+            mode = "false"
+        scan_model_blocks(model, block_lists(model), mode, plan.remat)
         apply_remat(model, plan.remat, plan.remat_blocks)
     return model
 
@@ -161,7 +166,9 @@ def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[st
         total += nbytes
         if all(e is None for e in variable_spec(plan, variable, path_str(path))):
             replicated += nbytes
-            largest.append((nbytes, path_str(path), shape))
+            names = logical_names(variable) or ()
+            layers = shape[0] if names and names[0] == "layers" else 1  # judged per layer
+            largest.append((nbytes // layers, path_str(path), shape))
     largest.sort(key=lambda x: -x[0])
     targets = {a for _, t in plan.param_rules.rules for a in t}
     return {
@@ -169,7 +176,7 @@ def replication_report(plan: Plan, state: nnx.State, *, top: int = 5) -> dict[st
         "replicated_bytes": replicated,
         "total_bytes": total,
         "largest": [(p, s) for _, p, s in largest[:top]],
-        "largest_share": largest[0][0] / total if largest and total else 0.0,
+        "largest_share": largest[0][0] / total if largest and total else 0.0,  # one layer
         "could_shard": any(plan.mesh.shape.get(a, 1) > 1 for a in targets),
     }
 

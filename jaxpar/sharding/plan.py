@@ -164,6 +164,11 @@ class Plan:
       remat_blocks: on a model jaxpar did not write, a regex of the paths of the blocks the
         remat policy wraps (default: its repeated blocks; see
         :mod:`jaxpar.sharding.block_remat`).
+      scan_blocks: on a model jaxpar did not write, run its list of uniform blocks as one
+        scanned stack (``auto``, the default: when the model's loop over them is a plain
+        chain, else one by one with a warning; ``True``: refuse a model whose blocks cannot
+        be scanned; ``False``: leave the list as written). See
+        :mod:`jaxpar.sharding.scanned`.
       microbatches: gradient accumulation: split each batch into this many microbatches and
         apply one update.
       annotations: ``(path regex, logical names)`` pairs applied to the model's variables
@@ -224,6 +229,8 @@ class Plan:
     remat: str = knob("none", check=remat_lib.is_policy, valid=remat_lib.VALID)
     remat_blocks: str = knob("", check=quantization.is_pattern,
                              valid="must be a valid regular expression")
+    scan_blocks: str | bool = knob("auto", check=lambda v: v in ("auto", True, False),
+                                   valid="choose auto, true or false")
     microbatches: int = knob(1, check=lambda v: v >= 1, valid="must be at least 1")
     annotations: tuple = knob(())
     layouts: tuple | str = knob("auto", check=lambda v: not isinstance(v, str) or v == "auto",

@@ -87,17 +87,18 @@ def specs(trainer: jaxpar.Trainer) -> dict[str, P]:
 
 # --- every layout equals one device ------------------------------------------------------
 
-EXPECTED_SPECS = {  # (model, layout): {path: spec}, as the rules say
-    ("mha", "fsdp_tp"): {"blocks/0/attn/query/kernel": P("fsdp", "tensor", None),
-                         "blocks/0/attn/out/kernel": P("tensor", None, None),
-                         "blocks/0/up/kernel": P("fsdp", "tensor"),
+EXPECTED_SPECS = {  # (model, layout): {path: spec}, as the rules say (blocks scanned: a
+    # leading "layers" dimension, never split)
+    ("mha", "fsdp_tp"): {"blocks/attn/query/kernel": P(None, "fsdp", "tensor", None),
+                         "blocks/attn/out/kernel": P(None, "tensor", None, None),
+                         "blocks/up/kernel": P(None, "fsdp", "tensor"),
                          "embed/embedding": P("tensor", "fsdp")},
-    ("mha", "fsdp"): {"blocks/0/attn/key/kernel": P("fsdp", None, None)},
-    ("llama", "tp"): {"layers/0/self_attn/q_proj/kernel": P(None, "tensor", None),
+    ("mha", "fsdp"): {"blocks/attn/key/kernel": P(None, "fsdp", None, None)},
+    ("llama", "tp"): {"layers/self_attn/q_proj/kernel": P(None, None, "tensor", None),
                       # 2 KV heads on 8-way tensor parallelism: replicated, as Megatron does.
-                      "layers/0/self_attn/k_proj/kernel": P(None, None, None),
-                      "layers/0/mlp/down_proj/kernel": P("tensor", None)},
-    ("llama", "fsdp_tp"): {"layers/1/self_attn/v_proj/kernel": P("fsdp", "tensor", None),
+                      "layers/self_attn/k_proj/kernel": P(None, None, None, None),
+                      "layers/mlp/down_proj/kernel": P(None, "tensor", None)},
+    ("llama", "fsdp_tp"): {"layers/self_attn/v_proj/kernel": P(None, "fsdp", "tensor", None),
                            "lm_head/kernel": P("fsdp", "tensor")},
     ("explicit", "fsdp_tp"): {"w_in": P("fsdp", "tensor"), "w_out": P("tensor", "fsdp")},
     ("explicit", "fsdp"): {"w_in": P("fsdp", None), "head": P("fsdp", None)},
