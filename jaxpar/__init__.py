@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "JaxparError": "jaxpar.errors", "from_linen": "jaxpar.models.linen",
     "StagedModel": "jaxpar.parallel.staged", "StageSplit": "jaxpar.parallel.staged",
     "stage_model": "jaxpar.parallel.staged", "size_host_pool": "jaxpar.runs.host_memory",
+    "scanned_paths": "jaxpar.sharding.scanned", "unscan_blocks": "jaxpar.sharding.scanned",
     "annotate": "jaxpar.sharding.annotations", "logical_names": "jaxpar.sharding.annotations",
     "constrain_outputs": "jaxpar.sharding.layouts", "MESH_AXES": "jaxpar.sharding.mesh",
     "make_mesh": "jaxpar.sharding.mesh", "init_sharded": "jaxpar.sharding.partitioning",

@@ -41,6 +41,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxpar.checkpoint import structure
 from jaxpar.checkpoint.reshard import flat_paths, flatten_dict, match, nest
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
@@ -238,7 +239,8 @@ class Checkpointer:
         meta = {"step": step, "seed": seed, "data": data,
                 "processes": jax.process_count(), "devices": mesh.size,
                 "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage,
-                "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule)}
+                "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule),
+                "stacks": [st.to_dict() for st in _stacks(trainer)]}
         state = nest(_keys_as_data(flat_paths(trainer.state)))
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
@@ -364,7 +366,8 @@ class Checkpointer:
         return dict(out[name] or {})
 
     def read(self, step: int, target: Mapping[str, Any], what: str = "",
-             partial: bool = False, stages: int = 1, layers_per_stage: int = 1
+             partial: bool = False, stages: int = 1, layers_per_stage: int = 1,
+             stacks: list[structure.Stack] | None = None
              ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """Read the arrays at ``target``'s paths from checkpoint ``step`` into ``target``'s
         shapes, dtypes and shardings; returns them and the checkpoint's ``meta``.
@@ -375,10 +378,17 @@ class Checkpointer:
             checkpoint are fine).
 
         ``stages``, ``layers_per_stage``: how ``target``'s stacked layers are laid out
-        (:class:`jaxpar.parallel.pipeline.Schedule`).
+        (:class:`jaxpar.parallel.pipeline.Schedule`). ``stacks``: the blocks ``target``
+        holds stacked (:func:`jaxpar.checkpoint.structure.stacks_of`); a checkpoint whose
+        blocks ran in another layout (scanned, staged, as a list) is read across
+        (:func:`jaxpar.checkpoint.structure.relayout`).
         """
         saved = self.saved_shapes(step)
         meta = self.meta(step)
+        saved_stacks = structure.from_meta(meta)
+        if structure.differ(saved_stacks, stacks or []):
+            return self._read_across(step, saved, target, meta, saved_stacks, stacks or [],
+                                     what, partial)
         saved_stages = int((meta.get("mesh") or {}).get("stage", 1))
         if partial:
             saved = {k: v for k, v in saved.items() if k in target}
@@ -397,6 +407,28 @@ class Checkpointer:
         values = flatten_dict(out[STATE])
         values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
         return values, meta
+
+    def _read_across(self, step: int, saved: Mapping[str, tuple], target: Mapping[str, Any],
+                     meta: dict[str, Any], saved_stacks: list, stacks: list, what: str,
+                     partial: bool) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        """:meth:`read` of a checkpoint whose blocks are laid out otherwise than ``target``'s."""
+        abstract, builders, missing, extra = structure.relayout(saved, target, saved_stacks,
+                                                                stacks)
+        if missing or (extra and not partial):
+            match({k: saved[k] for k in saved if k not in extra or not partial},
+                  {k: target[k] for k in target if k in missing} or target,
+                  what or f"checkpoint {self.path(step)}")  # raises, listing the paths
+        item = nest(abstract)
+        args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+        try:
+            with _quiet_asyncio():
+                out = self._manager.restore(step, args=ocp.args.Composite(**{STATE: args}))
+        except Exception as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
+        values = flatten_dict(out[STATE])
+        return {k: builders[k](values) for k in target}, meta
 
     def restore(self, trainer: Any, step: int | None = None) -> dict[str, Any]:
         """Load checkpoint ``step`` into ``trainer.state``, resharded to its plan.
@@ -433,7 +465,8 @@ class Checkpointer:
         target = flat_paths(trainer.state)
         values, meta = self.read(step, _keys_as_data(target),
                                  stages=trainer.plan.mesh.shape["stage"],
-                                 layers_per_stage=_layers_per_stage(trainer.pipeline_schedule))
+                                 layers_per_stage=_layers_per_stage(trainer.pipeline_schedule),
+                                 stacks=_stacks(trainer))
         for k, leaf in target.items():  # typed PRNG keys were stored as their key data
             if _is_key(leaf):
                 values[k] = jax.random.wrap_key_data(values[k], impl=jax.random.key_impl(leaf))
@@ -478,12 +511,18 @@ def read_only(source: str | Path) -> Checkpointer:
     return reader
 
 
+def _stacks(trainer: Any) -> list[structure.Stack]:
+    """The stacked blocks of a trainer's model (none for a trainer without one)."""
+    model = getattr(trainer, "structure", None)
+    return structure.stacks_of(model) if model is not None else []
+
+
 def _layers_per_stage(schedule: Any) -> int:
     return schedule.layers_per_stage if schedule is not None else 1
 
 
 def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
-                 variables: Any = nnx.Param) -> int:
+                 variables: Any = nnx.Param, what: str = "init_from") -> int:
     """Overwrite ``model``'s ``nnx.Param`` s with those of the newest readable checkpoint in
     ``source`` (a ``RUN/checkpoints`` or ``RUN`` folder), each read into the sharding of the
     variable it replaces; returns the checkpoint's step.
@@ -493,7 +532,8 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
     run's adapters too, after wrapping it the same way). ``stages``: pipeline stages
     ``model``'s stacked layers are laid out for (a model with a ``pipeline_schedule`` says
     itself). ``variables``: an ``nnx`` filter of the
-    variables to overwrite (default the ``nnx.Param`` s).
+    variables to overwrite (default the ``nnx.Param`` s). ``what``: what the user named the
+    source with, for messages (``init_from``, ``--run``).
 
     Raises:
       JaxparError: when no checkpoint can be read, or the checkpoint's model does not match
@@ -504,7 +544,7 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
     try:
         steps = reader.steps()
         if not steps:
-            raise JaxparError(f"init_from: no complete checkpoint in {directory}")
+            raise JaxparError(f"{what}: no complete checkpoint in {directory}")
         state = nnx.state(model, variables)
         wanted = flat_paths(state)
         schedule = getattr(model, "pipeline_schedule", None)
@@ -517,7 +557,8 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
                 target = {names[k]: v for k, v in wanted.items()}
                 values, _ = reader.read(step, target, partial=True, stages=stages,
                                         layers_per_stage=_layers_per_stage(schedule),
-                                        what=f"init_from checkpoint {reader.path(step)}")
+                                        what=f"{what} checkpoint {reader.path(step)}",
+                                        stacks=structure.stacks_of(model))
             except CorruptCheckpoint as e:
                 warnings.warn(f"{e}; trying an older checkpoint", CheckpointWarning,
                               stacklevel=2)
@@ -526,7 +567,7 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
             new = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves)
             nnx.update(model, new)
             return step
-        raise JaxparError(f"init_from: no readable checkpoint in {directory}")
+        raise JaxparError(f"{what}: no readable checkpoint in {directory}")
     finally:
         reader.close()
 

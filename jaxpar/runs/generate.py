@@ -403,7 +403,7 @@ def load_run_model(run: str | Path) -> tuple[nnx.Module, Config]:
     with plan.activate():
         lora_lib.apply_config(model, one.lora, rngs=one.train.seed, plan=plan)
     # Every variable the run saved, except RNG streams (int8 bases are not nnx.Params).
-    load_weights(model, directory, stages=1, variables=nnx.Not(nnx.RngState))
+    load_weights(model, directory, stages=1, variables=nnx.Not(nnx.RngState), what="--run")
     model.eval()
     return model, config
 

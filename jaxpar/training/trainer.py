@@ -686,6 +686,13 @@ class Trainer:
             return float(self._steps(batch).evaluate(self.state, batch))
 
     @property
+    def structure(self) -> nnx.Module:
+        """The model as the step runs it, sharing the state's arrays (no copy): for reading
+        its structure (stacked blocks, pipeline layout), not for handing out weights, which
+        the next step donates (use :attr:`model`)."""
+        return nnx.merge(self._graphdef, self.state["params"], self.state["frozen"])
+
+    @property
     def model(self) -> nnx.Module:
         """A snapshot of the model with the current weights, in arrays of its own.
 

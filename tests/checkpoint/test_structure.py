@@ -1,0 +1,143 @@
+"""Checkpoints read across the layouts a user's blocks ran in: a list, a scanned stack,
+pipeline stages. The model is :class:`tests.user_models.LlamaLike` (no jaxpar inside); a
+checkpoint written in one layout must restore onto another and continue with the losses
+the first layout gives, and a pipelined run from the CLI samples and resumes without
+stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.checkpoint import structure
+from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.parallel.staged import StageSplit, stage_model
+from tests import user_models as um
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = 4
+LLAMA_SPLIT = StageSplit(embed=lambda m, t: m.embed_tokens(t), blocks="layers",
+                         head=lambda m, h: m.lm_head(m.norm(h)))
+"""How LlamaLike divides into pipeline stages (``pipeline.split`` names it below)."""
+
+
+def tokens(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, um.VOCAB, (8, 17)).astype(np.int32)
+
+
+def trainer(layout: str) -> jaxpar.Trainer:
+    """LlamaLike as a list (``list``), scanned (``scan``) or on 2 stages by GPipe."""
+    axes = {"stage": 2, "fsdp": 4} if layout == "staged" else {"fsdp": 8}
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), "fsdp",
+                                   annotations=um.LLAMA_ANNOTATIONS,
+                                   scan_blocks=layout == "scan")
+
+    def build() -> nnx.Module:
+        model = um.LlamaLike(layers=LAYERS, rngs=nnx.Rngs(0))
+        return stage_model(model, LLAMA_SPLIT, stages=2, schedule="gpipe") if (
+            layout == "staged") else model
+
+    return jaxpar.Trainer(jaxpar.init_sharded(build, plan), optax.adam(1e-2), plan)
+
+
+def test_stacks_describe_each_layout(devices):
+    assert structure.stacks_of(trainer("list").structure) == []
+    assert structure.stacks_of(trainer("scan").structure) == [
+        structure.Stack("layers", "layers", LAYERS)]
+    assert structure.stacks_of(trainer("staged").structure) == [
+        structure.Stack("blocks", "layers", LAYERS, stages=2, per=2, rest="model/")]
+
+
+@pytest.mark.parametrize("saved,restored", [("scan", "list"), ("staged", "scan"),
+                                            ("list", "staged")])
+def test_a_checkpoint_restores_onto_another_layout_and_continues(devices, tmp_path, saved,
+                                                                   restored):
+    """Two steps in one layout, saved; restored in another, the third step's loss is the
+    one the saving layout computes (rtol 1e-5), and the weights are the same arrays."""
+    first = trainer(saved)
+    for i in range(2):
+        first.step(tokens(i))
+    with Checkpointer(tmp_path, every=1, async_save=False) as ckpt:
+        ckpt.save(first, force=True)
+    second = trainer(restored)
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.restore(second)["stacks"] == [s.to_dict() for s in
+                                                  structure.stacks_of(first.structure)]
+    assert second.step_count == 2
+    own = {layout: jaxpar.unscan_blocks(t.model.unstaged() if layout == "staged"
+                                        else t.model)
+           for layout, t in ((saved, first), (restored, second))}
+    a, b = (nnx.to_flat_state(nnx.state(own[k], nnx.Param)) for k in (saved, restored))
+    assert [p for p, _ in a] == [p for p, _ in b]
+    for (path, x), (_, y) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()),
+                                      err_msg=str(path))
+    np.testing.assert_allclose(second.step(tokens(2))["loss"], first.step(tokens(2))["loss"],
+                               rtol=1e-5)
+
+
+CONFIG = f"""\
+model:
+  factory: tests.user_models:llama_like
+  kwargs: {{d: 32, heads: 4, kv_heads: 2, ff: 64, layers: {LAYERS}}}
+  vocab_size: {um.VOCAB}
+mesh: {{stage: 2, fsdp: 4}}
+pipeline: {{schedule: 1f1b, microbatches: 4, split: tests.checkpoint.test_structure:LLAMA_SPLIT}}
+plan: {{rules: fsdp}}
+train: {{steps: 2, global_batch: 16, seq_len: 16}}
+checkpoint: {{every: 2}}
+data: {{source: ids.npy}}
+"""
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_1f1b_user_run_samples_and_resumes_without_stages(tmp_path):
+    """The issue's case: a 1F1B run of a user's model; `jaxpar sample --run` reads it into
+    the model without stages, and `--resume` on fsdp 8 without stages continues with the
+    losses the pipelined run gives (rtol 1e-5)."""
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(
+        0, um.VOCAB, 20_000).astype(np.uint16))
+    (tmp_path / "run.yaml").write_text(CONFIG)
+    done = cli("train", "--config", "run.yaml", "--devices", "8", "--out", "a", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sampled = cli("sample", "--run", "a", "--prompt", "!#", "--max-tokens", "4",
+                  "--temperature", "0", cwd=tmp_path)
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert sampled.stdout.startswith("!#") and len(sampled.stdout.strip()) >= 3
+    subprocess.run(["cp", "-r", "a", "b"], cwd=tmp_path, check=True)
+    losses = {}
+    for run, overrides in (("a", ()), ("b", ("mesh.stage=1", "mesh.fsdp=8"))):
+        done = cli("train", "--config", "run.yaml", "--devices", "8", "--out", run,
+                   "--resume", "train.steps=4", *overrides, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
+                .splitlines()]
+        losses[run] = [r["loss"] for r in rows if "loss" in r and r["step"] > 2]
+    assert len(losses["a"]) == 2
+    np.testing.assert_allclose(losses["b"], losses["a"], rtol=1e-5)
+
+
+def test_unscan_gives_the_model_as_written(devices):
+    model = trainer("scan").model
+    assert jaxpar.scanned_paths(model) == {"layers": LAYERS}
+    plain = jaxpar.unscan_blocks(model)
+    assert isinstance(plain.layers, nnx.List) and len(plain.layers) == LAYERS
+    assert isinstance(plain.layers[0], um.LlamaDecoderLayer) and not jaxpar.scanned_paths(plain)
+    x = jax.numpy.asarray(tokens(0)[:, :-1])
+    reference = um.LlamaLike(layers=LAYERS, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(plain(x), reference(x), rtol=1e-5, atol=1e-5)
