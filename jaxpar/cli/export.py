@@ -5,8 +5,10 @@ Python."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -16,6 +18,7 @@ from jaxpar.cli.convert import writer_lock
 from jaxpar.config.schema import hf_folder
 from jaxpar.errors import JaxparError
 from jaxpar.hf.families import to_hf
+from jaxpar.hf.own_weights import save_own_weights
 from jaxpar.models.transformer import Transformer
 from jaxpar.runs.generate import check_run, load_run_model, run_config
 from jaxpar.storage.folders import export_lock
@@ -46,7 +49,10 @@ def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
     A run without LoRA is written whole. A LoRA run needs ``merge_lora`` (the adapters
     folded into the base weights, written whole) or ``adapters`` (the adapters alone, in
     PEFT's format, for the base model the run started from). The run's tokenizer (its
-    ``data.tokenizer``, else the Hugging Face folder it started from) is copied along.
+    ``data.tokenizer``, else the Hugging Face folder it started from) is copied along. A
+    ``model.factory`` model, which no Hugging Face architecture describes, is written as
+    ``model.safetensors`` under its own parameter names, its blocks in their list however
+    the run laid them out (:mod:`jaxpar.hf.own_weights`).
     """
     target = check_export_target(to, merge_lora=merge_lora, adapters=adapters)
     check_run(run)
@@ -60,10 +66,10 @@ def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
 def _export(run: str | Path, target: Path, *, merge_lora: bool, adapters: bool,
             dtype: str) -> Path:
     model, config = load_run_model(run)
-    if not isinstance(model, Transformer):
-        raise JaxparError(f"the run's model is model.factory={config.model.factory!r}; only "
-                          "jaxpar's decoder has a Hugging Face layout")
     has_adapters = bool(lora.adapted(model))
+    if not isinstance(model, Transformer):
+        return _export_own(model, config, target, has_adapters=has_adapters,
+                           adapters=adapters, dtype=dtype)
     if has_adapters and not (merge_lora or adapters):
         raise JaxparError("the run trained LoRA adapters: pass --merge-lora (a whole model) "
                           "or --adapters (PEFT adapters for the base model)")
@@ -80,6 +86,21 @@ def _export(run: str | Path, target: Path, *, merge_lora: bool, adapters: bool,
     if has_adapters:
         lora.merge(model, dtype=jnp.float32)
     return hf.save(model, target, dtype=jnp.dtype(dtype), tokenizer=tokenizer)
+
+
+def _export_own(model: Any, config: Any, target: Path, *, has_adapters: bool,
+                adapters: bool, dtype: str) -> Path:
+    """A ``model.factory`` model: its own weights under its own names (no Hugging Face
+    architecture describes it), LoRA merged."""
+    if adapters:
+        raise JaxparError(f"--adapters writes PEFT adapters for a Hugging Face model; the run's "
+                          f"model is model.factory={config.model.factory!r}: use --merge-lora")
+    if has_adapters:
+        lora.merge(model, dtype=jnp.float32)
+    save_own_weights(model, target, dtype=jnp.dtype(dtype))
+    (target / "jaxpar_model.json").write_text(json.dumps(
+        {"factory": config.model.factory, "kwargs": dict(config.model.kwargs or {})}) + "\n")
+    return target
 
 
 def _has_tokenizer(folder: Path) -> bool:

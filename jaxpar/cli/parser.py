@@ -106,7 +106,9 @@ def _add_hf(sub: argparse._SubParsersAction) -> None:
     convert.set_defaults(command="convert")
     export = sub.add_parser("export", help="a jaxpar run -> a Hugging Face folder")
     export.add_argument("--run", required=True, help="run folder (the --out of jaxpar train)")
-    export.add_argument("--to-hf", required=True, help="folder to write")
+    export.add_argument("--to-hf", required=True,
+                        help="folder to write (a model.factory model: model.safetensors "
+                             "under its own parameter names)")
     export.add_argument("--merge-lora", action="store_true",
                         help="fold LoRA adapters into the weights and write the whole model")
     export.add_argument("--adapters", action="store_true",

@@ -21,7 +21,9 @@ from flax import nnx
 import jaxpar
 from jaxpar.checkpoint import structure
 from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.hf.own_weights import FILE, load_own_weights
 from jaxpar.parallel.staged import StageSplit, stage_model
+from jaxpar.runs.generate import load_run_model
 from tests import user_models as um
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,10 +108,11 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_1f1b_user_run_samples_and_resumes_without_stages(tmp_path):
+def test_a_1f1b_user_run_samples_exports_and_resumes_without_stages(devices, tmp_path):
     """The issue's case: a 1F1B run of a user's model; `jaxpar sample --run` reads it into
-    the model without stages, and `--resume` on fsdp 8 without stages continues with the
-    losses the pipelined run gives (rtol 1e-5)."""
+    the model without stages, `jaxpar export` writes it under the model's own names (read
+    back into the user's class, it computes what the run's model does), and `--resume` on
+    fsdp 8 without stages continues with the losses the pipelined run gives (rtol 1e-5)."""
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(
         0, um.VOCAB, 20_000).astype(np.uint16))
     (tmp_path / "run.yaml").write_text(CONFIG)
@@ -119,6 +122,14 @@ def test_a_1f1b_user_run_samples_and_resumes_without_stages(tmp_path):
                   "--temperature", "0", cwd=tmp_path)
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     assert sampled.stdout.startswith("!#") and len(sampled.stdout.strip()) >= 3
+    exported = cli("export", "--run", "a", "--to-hf", "own", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    mine = load_own_weights(um.LlamaLike(d=32, heads=4, kv_heads=2, ff=64, layers=LAYERS,
+                                         rngs=nnx.Rngs(1)), tmp_path / "own" / FILE)
+    assert mine.layers[3].self_attn.q_proj.kernel.shape == (32, 4, 8)  # under its own names
+    run_model, _ = load_run_model(tmp_path / "a")
+    x = jax.numpy.asarray(tokens(0)[:, :-1])
+    np.testing.assert_allclose(mine(x), run_model(x), rtol=1e-5, atol=1e-5)
     subprocess.run(["cp", "-r", "a", "b"], cwd=tmp_path, check=True)
     losses = {}
     for run, overrides in (("a", ()), ("b", ("mesh.stage=1", "mesh.fsdp=8"))):
