@@ -24,9 +24,16 @@ Two parts:
 * **The executor** (:func:`pipeline_value_and_grad`): the table, compiled into per-stage
   index arrays (gathered by ``lax.axis_index``), drives one ``lax.scan`` over ticks inside
   ``jax.shard_map`` over the ``stage`` axis; other mesh axes stay automatic (GSPMD) or
-  split the batch by hand (``batch_axes``). Each tick a stage runs its forward and its
-  backward (``lax.switch``, so only the branch it needs executes), then activations move
-  one stage on and activation gradients one stage back by ``lax.ppermute``. A backward
+  split the batch by hand (``batch_axes``). Each tick a stage runs its forward or its
+  backward, then activations move one stage on and activation gradients one stage back by
+  ``lax.ppermute``. When every other mesh axis is manual or of size 1, a ``lax.switch`` on
+  the stage's own work runs only the branch it needs. Otherwise the stages run in
+  lockstep: GSPMD puts collectives over the automatic axes (``fsdp``, ``tensor``) inside
+  the work, and a collective that the stages reach in different branches never meets (a
+  ``collective-permute`` spans every device); so every stage runs one and the same
+  computation, a backward (forward recomputed, VJP) on its own forward's or backward's
+  operands, whose results it keeps only as far as its work needs (see
+  :func:`pipeline_value_and_grad`'s ``lockstep``). A backward
   recomputes its chunk from the stored input (``jax.vjp``) and pulls back the gradient
   that came from the next stage; the last chunk's backward runs head and loss instead,
   so its forward is folded into it. Stored inputs and arriving gradients live in two
@@ -384,6 +391,28 @@ def _resolve(schedule: str | Timeline, stages: int, microbatches: int | None,
     return tl
 
 
+def _lockstep_variants(tabs: dict[str, np.ndarray], embedded: bool
+                       ) -> tuple[list[tuple[bool, bool, bool]], np.ndarray]:
+    """The computations a lockstep executor runs, and which one at each tick: ``(variants,
+    index per tick)``, a variant ``(grad, head, embed)``: a VJP (a backward somewhere),
+    the head and loss (the last chunk's backward somewhere), the embedding (a stage starts
+    from the pipeline input, with ``embed_fn``).
+
+    Raises:
+      JaxparError: for a timeline with a forward and a backward on one stage in one tick.
+    """
+    fwd, bwd = tabs["f_kind"] > 0, tabs["b_kind"] > 0
+    if (fwd & bwd).any():
+        raise JaxparError("the schedule runs a forward and a backward on one stage in one "
+                          "tick, which a lockstep executor cannot: pass lockstep=False, or "
+                          "one operation per stage and tick")
+    from_x = (tabs["f_kind"] == 2) | np.isin(tabs["b_kind"], (2, 4))
+    keys = [(bool(b), bool(h), bool(embedded and e)) for b, h, e in zip(
+        bwd.any(1), (tabs["b_kind"] >= 3).any(1), from_x.any(1), strict=True)]
+    variants = sorted(set(keys))
+    return variants, np.array([variants.index(k) for k in keys], np.int32)
+
+
 def pipeline_value_and_grad(
     stage_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
@@ -401,6 +430,7 @@ def pipeline_value_and_grad(
     stage_axis: str = "stage",
     batch_axes: tuple[str, ...] = (),
     unroll: int | bool = 1,
+    lockstep: bool | None = None,
 ) -> tuple[jax.Array, Any, Any, Any]:
     """Loss and gradients of a pipelined layer stack, forward and backward run by a schedule.
 
@@ -432,6 +462,19 @@ def pipeline_value_and_grad(
         after the schedule, instead of in every backward, as GSPMD does for axes left
         automatic. Parameters must be replicated over them.
       unroll: passed to the ``lax.scan`` over ticks.
+      lockstep: run every stage through the same computation each tick (``True``), or
+        only the work of its own stage, chosen by a ``lax.switch`` (``False``). ``None``:
+        lockstep when a mesh axis other than ``stage_axis`` and ``batch_axes`` has more
+        than one device. GSPMD then places collectives over that axis inside each stage's
+        work (weight gathers, tensor-parallel reductions and reshards); stages running
+        different branches would issue different collectives, and a ``collective-permute``
+        (a tensor-sharded fused q/k/v split, say) waits for every device, so the step
+        deadlocks. In lockstep each tick runs one chunk with its VJP on every stage (the
+        forward alone on ticks without a backward anywhere, the head and loss only on
+        ticks where the last chunk's backward runs), a stage's own forward taking the
+        primal output; a tick lasts as long as its slowest stage either way, so it costs
+        devices idle time, not time, but more work where devices share processors (the
+        simulated CPU devices).
 
     Returns:
       ``(loss, param_grads, head_grads, input_grads)``: the mean loss and the gradients of
@@ -461,6 +504,11 @@ def pipeline_value_and_grad(
     h_aval = jax.eval_shape(embed, embed_params, one)
     (_, n_act), (_, n_grad) = tl.slots("act"), tl.slots("grad")
     tabs = tl.tables()
+    manual = (stage_axis, *batch_axes)
+    if lockstep is None:
+        lockstep = any(n > 1 for a, n in mesh.shape.items() if a not in manual)
+    if lockstep:
+        variants, steps = _lockstep_variants(tabs, embed_fn is not None)
     # Only the backward variants that occur are compiled; b_kind becomes a branch index.
     kinds = sorted(set(np.unique(tabs["b_kind"])) - {0})
     tabs["b_kind"] = np.searchsorted([0, *kinds], tabs["b_kind"]).astype(np.int32)
@@ -468,7 +516,6 @@ def pipeline_value_and_grad(
     # Microbatch i is rows i, i + m, ...: a batch sharded in blocks over the data axes
     # splits every microbatch evenly over them, and the reshape is free.
     split = lambda t: jax.tree.map(lambda a: a.reshape(mb, m, *a.shape[1:]), t)
-    manual = (stage_axis, *batch_axes)
     ring = range(p if v > 1 else p - 1)
     fwd_perm = [(s, (s + 1) % p) for s in ring]
     bwd_perm = [((s + 1) % p, s) for s in ring]
@@ -553,7 +600,69 @@ def pipeline_value_and_grad(
             grd = put(grd, jnp.where(rg_on == 1, dh, take(grd, rg_slot)), rg_slot)
             return (act, grd, gacc, hacc, d_in, loss + value), None
 
-        carry, _ = jax.lax.scan(tick, carry, mine, unroll=unroll)
+        # Lockstep (see ``lockstep``): a branch index the same on every device.
+        firsts = jnp.asarray([0] + [(k - 1) % 2 for k in kinds], jnp.int32)
+        lasts = jnp.asarray([0] + [int(k >= 3) for k in kinds], jnp.int32)
+
+        def variant(grad: bool, with_head: bool, with_embed: bool) -> Callable[..., tuple]:
+            def run(pc, h_act, x_i, gb, tgt, from_x, is_b, is_last):
+                # Without embed_fn the pipeline input is an activation: pick it here, so the
+                # input gradient is the gradient of h.
+                h_in = h_act if embed_fn else jnp.where(from_x, x_i, h_act)
+
+                def f(pc, hp, ep, h):
+                    if embed_fn and with_embed:
+                        h = jnp.where(from_x, embed(ep, x_i), h)
+                    y = run_chunk(pc, h)
+                    return y, (loss_fn(hp, y, tgt).astype(jnp.float32) / m if with_head
+                               else zero)
+
+                if not grad:
+                    y, _ = f(pc, head, emb, h_in)
+                    return y, zeros(pc), zeros(head), zeros(emb), zeros(h_in), zero
+                (y, value), vjp = jax.vjp(f, pc, head, emb, h_in)
+                dpc, dhp, dep, dh = vjp((jnp.where(is_b & ~is_last, gb, 0).astype(gb.dtype),
+                                         jnp.where(is_last, 1.0, 0.0).astype(value.dtype)))
+                keep = lambda on, t: jax.tree.map(lambda a: jnp.where(on, a, 0), t)
+                return (y, keep(is_b, dpc), keep(is_last, dhp), keep(is_b & from_x, dep), dh,
+                        jnp.where(is_last, value, 0))
+
+            return run
+
+        def tick_lockstep(carry, xs_t):
+            row, step = xs_t
+            act, grd, gacc, hacc, d_in, loss = carry
+            f_kind, f_mb, f_c, f_slot, b_kind, b_mb, b_c, b_slot, b_gslot, ra_on, ra_slot, \
+                rg_on, rg_slot = (row[k] for k in range(len(_FIELDS)))
+            # Each stage runs at most one of its forward and backward per tick: this one.
+            is_b = b_kind > 0
+            c, i = jnp.where(is_b, b_c, f_c), jnp.where(is_b, b_mb, f_mb)
+            from_x = jnp.where(is_b, take(firsts, b_kind) == 1, f_kind == 2)
+            is_last = is_b & (take(lasts, b_kind) == 1)
+            x_i = jax.tree.map(lambda a: take(a, i, 1), xs)
+            tgt = jax.tree.map(lambda a: take(a, b_mb, 1), ts)
+            y, dpc, dhp, dep, dh, value = jax.lax.switch(
+                step, [variant(*key) for key in variants], pick(c),
+                take(act, jnp.where(is_b, b_slot, f_slot)), x_i, take(grd, b_gslot), tgt,
+                from_x, is_b, is_last)
+            gacc = jax.tree.map(lambda a, d: put(a, take(a, c) + d, c), gacc, dpc)
+            hacc = jax.tree.map(jnp.add, hacc, dhp)
+            if embed_fn:
+                d_in = jax.tree.map(jnp.add, d_in, dep)
+            else:  # only stage 0's chunk 0 (input from x) writes the input gradient
+                d_in = put(d_in, jnp.where(is_b & from_x, dh, take(d_in, b_mb, 1)), b_mb, 1)
+            if fwd_perm:
+                y = jax.lax.ppermute(y, stage_axis, fwd_perm)
+                dh = jax.lax.ppermute(dh, stage_axis, bwd_perm)
+            act = put(act, jnp.where(ra_on == 1, y, take(act, ra_slot)), ra_slot)
+            grd = put(grd, jnp.where(rg_on == 1, dh, take(grd, rg_slot)), rg_slot)
+            return (act, grd, gacc, hacc, d_in, loss + value), None
+
+        if lockstep:
+            carry, _ = jax.lax.scan(tick_lockstep, carry, (mine, jnp.asarray(steps)),
+                                    unroll=unroll)
+        else:
+            carry, _ = jax.lax.scan(tick, carry, mine, unroll=unroll)
         _, _, gacc, hacc, d_in, loss = carry
         grads = jax.tree.map(lambda a: a.reshape(v * per, 1, *a.shape[2:]), gacc)
         # Only the last stage has a loss and head gradients, only stage 0 input gradients;

@@ -257,20 +257,22 @@ def test_temp_memory_grows_with_microbatches_for_gpipe_not_1f1b():
     ========  =======  =======  =======
     schedule    m = 4    m = 8   m = 16
     ========  =======  =======  =======
-    gpipe     119,240  136,008  169,608
-    1f1b      119,240  119,624  120,456
+    gpipe     115,592  124,104  141,384
+    1f1b      113,224  116,104  116,936
     ========  =======  =======  =======
 
     GPipe keeps every microbatch's stage input (4 KiB here per microbatch and device, in
     the input buffer) until the backward pass; 1F1B keeps at most ``p`` of them. (Asking
     for the input gradient instead of an embedding adds a batch-sized buffer to every
-    schedule.)"""
+    schedule.) The ``data`` axis is automatic, so the stages run in lockstep; with a
+    ``lax.switch`` per stage (``lockstep=False``) GPipe grew twice as fast: 119,240,
+    136,008, 169,608."""
     mesh = _mesh(4, 2)
     temp = {kind: [_compiled(kind, m, mesh=mesh, width=64).memory_analysis().temp_size_in_bytes
                    for m in (4, 8, 16)] for kind in ("gpipe", "1f1b")}
     print(temp)
     gpipe, one_f = temp["gpipe"], temp["1f1b"]
-    assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 1.35 * gpipe[0]
+    assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 1.15 * gpipe[0]
     assert max(one_f) <= 1.2 * one_f[0]
     # The growth is GPipe's buffer: (16 - 4) microbatches x 16 rows / 2 x 64 x 4 bytes.
     assert gpipe[2] - gpipe[0] >= 12 * 8 * 64 * 4

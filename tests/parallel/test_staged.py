@@ -5,6 +5,7 @@ compiled program, 1F1B's flat memory, the plan's remat inside the stages, refusa
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -13,7 +14,16 @@ from flax import nnx
 import jaxpar
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.staged import StagedModel, StageSplit, stage_model
-from tests.user_models import LLAMA_ANNOTATIONS, VOCAB, LlamaLike, MhaLM, ScanLM
+from tests.user_models import (
+    LLAMA_ANNOTATIONS,
+    NANOGPT_ANNOTATIONS,
+    VOCAB,
+    LlamaLike,
+    MhaLM,
+    NanoGPT,
+    ScanLM,
+    nanogpt_loss,
+)
 
 LLAMA_SPLIT = StageSplit(embed=lambda m, tokens: m.embed_tokens(tokens), blocks="layers",
                          head=lambda m, h: m.lm_head(m.norm(h)))
@@ -21,6 +31,11 @@ LLAMA_SPLIT = StageSplit(embed=lambda m, tokens: m.embed_tokens(tokens), blocks=
 
 SCAN_SPLIT = StageSplit(embed=lambda m, tokens: m.embed(tokens),
                         head=lambda m, h: m.head(h))  # blocks: found (the nnx.vmap stack)
+
+NANOGPT_SPLIT = StageSplit(embed=lambda m, t: m.wte(t) + m.wpe(jnp.arange(t.shape[1])),
+                           blocks="h", head=lambda m, h: m.wte.attend(m.ln_f(h)))
+"""nanoGPT's parts; its head is tied (``wte.attend``), so the head's weights hold the
+embedding too."""
 
 TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, VOCAB))
 STEPS = 3
@@ -59,6 +74,14 @@ def _losses(trainer) -> np.ndarray:
     return np.array([float(trainer.step(TOKENS)["loss"]) for _ in range(STEPS)])
 
 
+def _nanogpt() -> NanoGPT:
+    model = NanoGPT(d=32, heads=4, layers=4, dropout=0.0, rngs=nnx.Rngs(0))
+    for _, module in nnx.iter_modules(model):  # no dropout: no random streams to carry
+        if isinstance(module, nnx.Dropout):
+            module.rngs = None
+    return model
+
+
 @pytest.fixture(scope="module")
 def llama_base():
     return _losses(_trainer(_llama, None))
@@ -70,6 +93,25 @@ def test_every_schedule_on_a_layer_list_equals_one_device(kind, llama_base):
     schedule = trainer.pipeline_schedule
     assert (schedule.kind, schedule.stages, schedule.layers) == (kind, 2, 4)
     np.testing.assert_allclose(_losses(trainer), llama_base, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, axes", [("1f1b", {"fsdp": 2, "tensor": 2}),
+                                        ("interleaved_1f1b", {"tensor": 4})],
+                         ids=["stage2-fsdp2-tensor2-1f1b", "stage2-tensor4-interleaved"])
+def test_1f1b_with_tensor_parallel_stages_trains_like_one_device(kind, axes):
+    """nanoGPT's fused c_attn split over ``tensor`` makes GSPMD reshard by
+    collective-permutes inside each stage's work; stages running different work reached
+    different ones and XLA aborted. The stages now run in lockstep."""
+    one = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+                                  "fsdp_tp", annotations=NANOGPT_ANNOTATIONS)
+    base = _losses(jaxpar.Trainer(jaxpar.init_sharded(_nanogpt, one), optax.adam(1e-2), one,
+                                  loss_fn=nanogpt_loss))
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"stage": 2, **axes}), "fsdp_tp",
+                                   annotations=NANOGPT_ANNOTATIONS)
+    staged = jaxpar.init_sharded(
+        lambda: stage_model(_nanogpt(), NANOGPT_SPLIT, stages=2, schedule=kind), plan)
+    np.testing.assert_allclose(_losses(jaxpar.Trainer(staged, optax.adam(1e-2), plan)), base,
+                               rtol=1e-5)
 
 
 def test_a_scanned_stack_pipelines_by_1f1b_like_one_device():
