@@ -28,7 +28,7 @@ from jaxpar.sharding.plan import (
 from jaxpar.sharding.precision import Policy
 from jaxpar.sharding.rules import Rules
 
-KNOB_NAMES = ["precision", "zero_stage", "remat", "remat_blocks", "microbatches",
+KNOB_NAMES = ["precision", "zero_stage", "remat", "remat_blocks", "scan_blocks", "microbatches",
               "annotations", "layouts", "sequence_parallel", "context_attention",
               "context_balance", "offload_optimizer", "host_update", "update_chunk",
               "offload_params", "quantize", "quantize_target",

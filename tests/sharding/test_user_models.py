@@ -132,7 +132,7 @@ def test_dropout_draws_new_masks_each_step(devices):
     assert trainer.eval_loss(batch) == trainer.eval_loss(batch)
     counts = [v.get_value() for p, v in nnx.to_flat_state(trainer.state["frozen"])
               if isinstance(v, nnx.RngCount)]
-    assert counts and all(int(c) >= 3 for c in counts)
+    assert counts and all((np.asarray(c) >= 3).all() for c in counts)  # per layer
 
 
 def test_no_array_the_caller_holds_is_donated(devices):
@@ -223,7 +223,7 @@ def test_repeated_blocks_are_pinned_by_default(devices, model):
         if layouts == "auto":
             pins = {path: names for path, names, _ in pinned(trainer.model)}
             blocks = "blocks" if model == "mha" else "layers"
-            assert {f"{blocks}/0", f"{blocks}/1"} <= set(pins), pins
+            assert pins[blocks] == ("<block output>",), pins  # each scanned layer's output
     assert counts["auto"]["all-to-all"] == 0, counts
     assert counts[()]["all-to-all"] > 0, counts
 
@@ -235,7 +235,7 @@ def test_unannotated_model_warns_once_and_annotations_fix_it(devices):
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 8}), "fsdp")
     with pytest.warns(ReplicationWarning, match=r"jaxpar.annotate") as caught:
         model = jaxpar.init_sharded(lambda: um.LlamaLike(rngs=nnx.Rngs(0)), plan)
-    assert "mlp/up_proj/kernel (64, 128)" in str(caught[0].message)
+    assert "mlp/up_proj/kernel (2, 64, 128)" in str(caught[0].message)  # 2 layers scanned
     report = jaxpar.replication_report(plan, nnx.state(model))
     assert report["replicated_share"] > 0.99
     with warnings.catch_warnings():
@@ -251,8 +251,9 @@ def test_unannotated_model_warns_once_and_annotations_fix_it(devices):
 
 
 @pytest.mark.parametrize("model,target,count", [
-    ("mha", r"attn/(query|key|value|out)$|/(up|down)$", 12),
-    ("llama", r"(q|k|v|o|gate|up|down)_proj$", 14),
+    # one adapter a projection of the scanned stack, stacked over its layers
+    ("mha", r"attn/(query|key|value|out)$|/(up|down)$", 6),
+    ("llama", r"(q|k|v|o|gate|up|down)_proj$", 7),
 ])
 def test_lora_on_attention_and_mlp_trains_adapters_only(devices, model, target, count):
     factory, knobs, _ = MODELS[model]
@@ -459,7 +460,8 @@ def test_cli_train_inspect_plan_on_a_user_factory(factory_config, tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     params = {p["path"]: p for p in report["params"]}
-    assert params["layers/0/mlp/up_proj/kernel"]["spec"] == ["fsdp", "tensor"]
+    # (the layers scanned: one stack over a leading, unsplit "layers" dimension)
+    assert params["layers/mlp/up_proj/kernel"]["spec"] == [None, "fsdp", "tensor"]
     assert report["replication"]["replicated_share"] < 0.05
     assert report["predicted"] is not None, report["notes"]
     assert report["predicted"]["memory"]["argument_bytes"] > 0
