@@ -97,6 +97,7 @@ def _one_device(config: Config, *, remat: str, precision: str, rows: int, seq: i
         if knob in plan:
             plan[knob] = off
     data["diloco"] = {**data.get("diloco", {}), "sync_every": 0}
+    data.pop("pipeline", None)  # one device has no stages (its knobs would be warned about)
     data["model"]["max_seq_len"] = max(int(data["model"].get("max_seq_len", seq)), seq)
     return from_dict(Config, apply_overrides(data, overrides))
 

@@ -225,8 +225,8 @@ class _Layer:
     def __init__(self, run: _Run, index: int):
         self._run, self._index = run, index
 
-    def __getattr__(self, name: str) -> Any:  # attributes read as the block's
-        return getattr(self._run.stack, name)
+    def __getattr__(self, name: str) -> Any:  # layer ``index``'s own (sliced) attributes
+        return getattr(layer(self._run.stack, self._index), name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run, stack = self._run, self._run.stack
@@ -287,21 +287,29 @@ def _iterate(stack: nnx.Module):
 
 def _item(stack: nnx.Module, index: int | slice) -> Any:
     if isinstance(index, slice):
-        return [_Single(stack, i) for i in range(stack._jaxpar_layers)[index]]
-    return _Single(stack, range(stack._jaxpar_layers)[index])
+        return [_single(stack, i) for i in range(stack._jaxpar_layers)[index]]
+    return _single(stack, range(stack._jaxpar_layers)[index])
 
 
-class _Single:
-    """Layer ``index`` of a stack reached by indexing: runs alone, sliced from the stack."""
-
-    def __init__(self, stack: nnx.Module, index: int):
-        self._stack, self._index = stack, index
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stack, name)
-
+@functools.cache
+def _indexed_class(base: type) -> type:
+    """``base`` for a layer reached by indexing a stack: its call runs that layer of the
+    stack (the state it updates written back there)."""
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _call_layer(self._stack, self._index, args, kwargs)
+        stack, index = vars(self)["_jaxpar_of"]
+        return _call_layer(stack, index, args, kwargs)
+
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+
+def _single(stack: nnx.Module, index: int) -> nnx.Module:
+    """Layer ``index`` of a stack reached by indexing: a module of the block's class holding
+    that layer's slices, whose call runs the layer alone."""
+    block = layer(stack, index)
+    object.__setattr__(block, "__class__", _indexed_class(type(block)))
+    vars(block)["_jaxpar_of"] = (stack, index)
+    return block
 
 
 def _policy(stack: nnx.Module) -> Any:

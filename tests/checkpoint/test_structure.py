@@ -52,16 +52,7 @@ def trainer(layout: str) -> jaxpar.Trainer:
     return jaxpar.Trainer(jaxpar.init_sharded(build, plan), optax.adam(1e-2), plan)
 
 
-def test_stacks_describe_each_layout(devices):
-    assert structure.stacks_of(trainer("list").structure) == []
-    assert structure.stacks_of(trainer("scan").structure) == [
-        structure.Stack("layers", "layers", LAYERS)]
-    assert structure.stacks_of(trainer("staged").structure) == [
-        structure.Stack("blocks", "layers", LAYERS, stages=2, per=2, rest="model/")]
-
-
-@pytest.mark.parametrize("saved,restored", [("scan", "list"), ("staged", "scan"),
-                                            ("list", "staged")])
+@pytest.mark.parametrize("saved,restored", [("scan", "list"), ("staged", "scan")])
 def test_a_checkpoint_restores_onto_another_layout_and_continues(devices, tmp_path, saved,
                                                                    restored):
     """Two steps in one layout, saved; restored in another, the third step's loss is the
@@ -73,8 +64,13 @@ def test_a_checkpoint_restores_onto_another_layout_and_continues(devices, tmp_pa
         ckpt.save(first, force=True)
     second = trainer(restored)
     with Checkpointer(tmp_path) as ckpt:
-        assert ckpt.restore(second)["stacks"] == [s.to_dict() for s in
-                                                  structure.stacks_of(first.structure)]
+        stacks = ckpt.restore(second)["stacks"]
+    assert stacks == {"scan": [{"path": "layers", "home": "layers", "layers": LAYERS,
+                                "stages": 0, "per": 1, "rest": ""}],
+                      "staged": [{"path": "blocks", "home": "layers", "layers": LAYERS,
+                                  "stages": 2, "per": 2, "rest": "model/"}]}[saved]
+    assert structure.stacks_of(second.structure) == (
+        [] if restored == "list" else [structure.Stack("layers", "layers", LAYERS)])
     assert second.step_count == 2
     own = {layout: jaxpar.unscan_blocks(t.model.unstaged() if layout == "staged"
                                         else t.model)

@@ -48,7 +48,7 @@ def trainer(model: str, remat: str, sharded: bool = True) -> jaxpar.Trainer:
     return jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
 
 
-@pytest.mark.parametrize("model", ["list", "scan", "explicit"])
+@pytest.mark.parametrize("model", ["scan", "explicit"])  # a list: tests/sharding/test_scanned.py
 def test_remat_reaches_the_blocks_and_training_equals_one_device(devices, model):
     full = trainer(model, "full")
     blocks = remat_blocks(full.model)

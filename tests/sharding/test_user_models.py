@@ -36,8 +36,8 @@ from tests import user_models as um
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
-LAYOUTS = {  # name: (mesh axes, rules preset)
-    "dp": ({"data": 8}, "dp"),
+LAYOUTS = {  # name: (mesh axes, rules preset); plain data parallelism is fsdp's batch split
+    # without the weight split, covered by every data-parallel test of the suite
     "fsdp": ({"fsdp": 8}, "fsdp"),
     "tp": ({"tensor": 8}, "tp"),
     "fsdp_tp": ({"fsdp": 4, "tensor": 2}, "fsdp_tp"),
