@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.checkpoint import structure
-from jaxpar.checkpoint.reshard import flat_paths, flatten_dict, match, nest
+from jaxpar.checkpoint.reshard import flat_paths, flatten_dict, listing, match, nest
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
 
@@ -395,6 +395,13 @@ class Checkpointer:
         abstract, fixes = match(saved, target, what or f"checkpoint {self.path(step)}",
                                 (saved_stages, stages),
                                 (int(meta.get("layers_per_stage", 1)), layers_per_stage))
+        values = self._restore_arrays(step, abstract, partial)
+        values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
+        return values, meta
+
+    def _restore_arrays(self, step: int, abstract: Mapping[str, jax.ShapeDtypeStruct],
+                        partial: bool) -> dict[str, jax.Array]:
+        """The arrays at ``abstract``'s paths of checkpoint ``step``, in its shardings."""
         item = nest(abstract)
         args = ocp.args.PyTreeRestore(item=item, partial_restore=partial,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(item))
@@ -404,9 +411,7 @@ class Checkpointer:
         except Exception as e:
             raise CorruptCheckpoint(
                 f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
-        values = flatten_dict(out[STATE])
-        values = {k: fixes[k](values[k]) if k in fixes else values[k] for k in target}
-        return values, meta
+        return flatten_dict(out[STATE])
 
     def _read_across(self, step: int, saved: Mapping[str, tuple], target: Mapping[str, Any],
                      meta: dict[str, Any], saved_stacks: list, stacks: list, what: str,
@@ -414,20 +419,14 @@ class Checkpointer:
         """:meth:`read` of a checkpoint whose blocks are laid out otherwise than ``target``'s."""
         abstract, builders, missing, extra = structure.relayout(saved, target, saved_stacks,
                                                                 stacks)
-        if missing or (extra and not partial):
-            match({k: saved[k] for k in saved if k not in extra or not partial},
-                  {k: target[k] for k in target if k in missing} or target,
-                  what or f"checkpoint {self.path(step)}")  # raises, listing the paths
-        item = nest(abstract)
-        args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
-                                      restore_args=ocp.checkpoint_utils.construct_restore_args(item))
-        try:
-            with _quiet_asyncio():
-                out = self._manager.restore(step, args=ocp.args.Composite(**{STATE: args}))
-        except Exception as e:
-            raise CorruptCheckpoint(
-                f"checkpoint {self.path(step)} is corrupt or truncated ({_brief(e)})") from e
-        values = flatten_dict(out[STATE])
+        problems = ([f"missing from the checkpoint: {listing(missing)}"] if missing else []) + (
+            [f"in the checkpoint but not in this model: {listing(extra)}"]
+            if extra and not partial else [])
+        if problems:
+            raise JaxparError(f"{what or f'checkpoint {self.path(step)}'} does not match the "
+                              f"config (its blocks laid out as it ran, read across): "
+                              + "; ".join(problems))
+        values = self._restore_arrays(step, abstract, partial=True)
         return {k: builders[k](values) for k in target}, meta
 
     def restore(self, trainer: Any, step: int | None = None) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def _prod(shape: tuple) -> int:
     return n
 
 
-def _listing(items: list[str], limit: int = 10) -> str:
+def listing(items: list[str], limit: int = 10) -> str:
+    """``items`` joined, the first ``limit`` of them and a count of the rest."""
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
 
@@ -146,11 +147,11 @@ def match(saved: Mapping[str, tuple], target: Mapping[str, Any], what: str,
     problems = []
     wrong.sort(key=lambda w: w.startswith("opt_state"))  # model weights first
     if wrong:
-        problems.append(f"shape mismatch at {_listing(wrong)}")
+        problems.append(f"shape mismatch at {listing(wrong)}")
     if missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+        problems.append(f"missing from the checkpoint: {listing(missing)}")
     if extra:
-        problems.append(f"in the checkpoint but not in this model: {_listing(extra)}")
+        problems.append(f"in the checkpoint but not in this model: {listing(extra)}")
     if problems:
         raise JaxparError(f"{what} does not match the config: " + "; ".join(problems))
     return abstract, fixes
