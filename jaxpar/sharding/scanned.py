@@ -62,7 +62,7 @@ _UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpar_unrolle
                                                                  default=False)
 _RUNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_scan_runs",
                                                                    default=None)
-_WARNED: set[tuple[str, str]] = set()
+_WARNED: set[tuple[type, str, str]] = set()
 
 
 class ScanWarning(JaxparWarning):
@@ -395,7 +395,7 @@ def _root_class(base: type, mode: str) -> type:
             raise JaxparError(f"plan.scan_blocks=true: the blocks at {failure.block} cannot "
                               f"run as a scan: {failure.why}; set plan.scan_blocks=false "
                               "(or auto, to run them one by one)")
-        key = (failure.block, failure.why)
+        key = (base, failure.block, failure.why)  # once per model class and cause
         if key not in _WARNED:
             _WARNED.add(key)
             warnings.warn(f"jaxpar: the blocks at {failure.block} run one by one, not as a "
