@@ -569,6 +569,17 @@ def pipeline_value_and_grad(
         def idle(pc, hb, gb, i, tgt):
             return zeros(pc), zeros(head), zeros(emb), zeros(hb), zero
 
+        def hand_on(act, grd, y, dh, slots):
+            """Activations one stage on, activation gradients one stage back, each into
+            its receiving slot where the table says one arrives."""
+            ra_on, ra_slot, rg_on, rg_slot = slots
+            if fwd_perm:
+                y = jax.lax.ppermute(y, stage_axis, fwd_perm)
+                dh = jax.lax.ppermute(dh, stage_axis, bwd_perm)
+            act = put(act, jnp.where(ra_on == 1, y, take(act, ra_slot)), ra_slot)
+            grd = put(grd, jnp.where(rg_on == 1, dh, take(grd, rg_slot)), rg_slot)
+            return act, grd
+
         def tick(carry, row):
             act, grd, gacc, hacc, d_in, loss = carry
             f_kind, f_mb, f_c, f_slot, b_kind, b_mb, b_c, b_slot, b_gslot, ra_on, ra_slot, \
@@ -592,12 +603,7 @@ def pipeline_value_and_grad(
             else:  # only stage 0's chunk 0 writes the input gradient of microbatch b_mb
                 done = (s == 0) & (b_c == 0) & (b_kind > 0)
                 d_in = put(d_in, jnp.where(done, dh, take(d_in, b_mb, 1)), b_mb, 1)
-            # Activations one stage on, activation gradients one stage back.
-            if fwd_perm:
-                y = jax.lax.ppermute(y, stage_axis, fwd_perm)
-                dh = jax.lax.ppermute(dh, stage_axis, bwd_perm)
-            act = put(act, jnp.where(ra_on == 1, y, take(act, ra_slot)), ra_slot)
-            grd = put(grd, jnp.where(rg_on == 1, dh, take(grd, rg_slot)), rg_slot)
+            act, grd = hand_on(act, grd, y, dh, (ra_on, ra_slot, rg_on, rg_slot))
             return (act, grd, gacc, hacc, d_in, loss + value), None
 
         # Lockstep (see ``lockstep``): a branch index the same on every device.
@@ -651,11 +657,7 @@ def pipeline_value_and_grad(
                 d_in = jax.tree.map(jnp.add, d_in, dep)
             else:  # only stage 0's chunk 0 (input from x) writes the input gradient
                 d_in = put(d_in, jnp.where(is_b & from_x, dh, take(d_in, b_mb, 1)), b_mb, 1)
-            if fwd_perm:
-                y = jax.lax.ppermute(y, stage_axis, fwd_perm)
-                dh = jax.lax.ppermute(dh, stage_axis, bwd_perm)
-            act = put(act, jnp.where(ra_on == 1, y, take(act, ra_slot)), ra_slot)
-            grd = put(grd, jnp.where(rg_on == 1, dh, take(grd, rg_slot)), rg_slot)
+            act, grd = hand_on(act, grd, y, dh, (ra_on, ra_slot, rg_on, rg_slot))
             return (act, grd, gacc, hacc, d_in, loss + value), None
 
         if lockstep:
