@@ -316,52 +316,49 @@ def _policy(stack: nnx.Module) -> Any:
     return remat_lib.policy(remat_lib.check(stack._jaxpar_remat))
 
 
-def _call_layer(stack: nnx.Module, i: int, args: tuple, kwargs: dict) -> Any:
-    """Run layer ``i`` alone (sliced from the stack), writing back the state it updates."""
-    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
-    take = lambda tree: jax.tree.map(lambda v: v[i], tree)
+def _layer_fn(stack: nnx.Module, more: tuple, kwargs: dict, *, in_scan: bool) -> Any:
+    """``fn(params, rest, x) -> (y, rest)``: one layer of the stack (its slices given) on
+    ``x`` with the other arguments ``more``, under the stack's remat policy, returning the
+    state it updates. ``in_scan``: the body of the stack's scan, whose output must be
+    shaped as its input."""
+    graphdef = nnx.graphdef(stack)
     base = type(stack)._jaxpar_scanned_base
     policy = _policy(stack)
 
-    def run(params, rest, x, *more):
+    def run(params, rest, x):
         block = nnx.merge(graphdef, params, rest)
         object.__setattr__(block, "__class__", base)
         if policy is not None:
             x = checkpoint_name(x, "layer_input")
         y = block(x, *more, **kwargs)
+        if in_scan and (not isinstance(y, jax.Array) or y.shape != x.shape
+                        or y.dtype != x.dtype):
+            raise _NotAChain(f"{stack._jaxpar_path} ({base.__name__})",
+                             "a layer's output is not an array shaped as its input")
         return y, nnx.state(block, nnx.Not(nnx.Param))
 
-    if policy is not None:
-        run = jax.checkpoint(run, policy=policy, prevent_cse=True)
-    y, new_rest = run(take(params), take(rest), *args)
-    old = nnx.state(stack, nnx.Not(nnx.Param))
-    nnx.update(stack, jax.tree.map(lambda a, b: a.at[i].set(b), old, new_rest))
+    # prevent_cse: a layer called alone from a Python loop would otherwise have its
+    # recomputation merged back into the forward pass; a scan's body needs no barrier.
+    return run if policy is None else jax.checkpoint(run, policy=policy,
+                                                     prevent_cse=not in_scan)
+
+
+def _call_layer(stack: nnx.Module, i: int, args: tuple, kwargs: dict) -> Any:
+    """Run layer ``i`` alone (sliced from the stack), writing back the state it updates."""
+    _, params, rest = nnx.split(stack, nnx.Param, ...)
+    take = lambda tree: jax.tree.map(lambda v: v[i], tree)
+    y, new_rest = _layer_fn(stack, args[1:], kwargs, in_scan=False)(
+        take(params), take(rest), args[0])
+    nnx.update(stack, jax.tree.map(lambda a, b: a.at[i].set(b), rest, new_rest))
     return y
 
 
 def _scan(stack: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """Every layer of the stack in turn on ``args[0]`` (the others passed to each), as one
     ``jax.lax.scan``; the state the layers update is written back to the stack."""
-    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
-    base = type(stack)._jaxpar_scanned_base
-    policy = _policy(stack)
-    more = args[1:]
-
-    def body(x, layer_state):
-        params, rest = layer_state
-        block = nnx.merge(graphdef, params, rest)
-        object.__setattr__(block, "__class__", base)
-        if policy is not None:
-            x = checkpoint_name(x, "layer_input")
-        y = block(x, *more, **kwargs)
-        if not isinstance(y, jax.Array) or y.shape != x.shape or y.dtype != x.dtype:
-            raise _NotAChain(f"{stack._jaxpar_path} ({base.__name__})",
-                             "a layer's output is not an array shaped as its input")
-        return y, nnx.state(block, nnx.Not(nnx.Param))
-
-    if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    y, new_rest = jax.lax.scan(body, args[0], (params, rest))
+    _, params, rest = nnx.split(stack, nnx.Param, ...)
+    run = _layer_fn(stack, args[1:], kwargs, in_scan=True)
+    y, new_rest = jax.lax.scan(lambda x, state: run(*state, x), args[0], (params, rest))
     nnx.update(stack, new_rest)
     return y
 
