@@ -373,7 +373,8 @@ def _root_class(base: type, mode: str) -> type:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _UNROLLED.get() or _RUNS.get() is not None:
             return call(self, *args, **kwargs)
-        before = nnx.state(self, nnx.Not(nnx.Param))
+        # the values, not the variables (which an aborted scan advances): restored below
+        before = jax.tree.map(lambda x: x, nnx.state(self, nnx.Not(nnx.Param)))
         runs: list[_Run] = []
         token = _RUNS.set(runs)
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import warnings
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -27,17 +26,17 @@ from tests import user_models as um
 
 
 class IndexedLM(nnx.Module):
-    """Blocks in an ``nnx.List``, the layer index used between them."""
+    """Blocks with dropout in an ``nnx.List``, the layer index used between them."""
 
     def __init__(self, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(um.VOCAB, 32, rngs=rngs)
-        self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(3)])
+        self.blocks = nnx.List([um.GPTMLP(32, 0.3, rngs=rngs) for _ in range(3)])
         self.head = nnx.Linear(32, um.VOCAB, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
-            x = x + jnp.tanh(block(x)) / (i + 1)
+            x = x + block(x) / (i + 1)
         return self.head(x)
 
 
@@ -47,7 +46,7 @@ MODELS = {  # name: (factory, plan knobs, loss)
     "mask_dropout": (lambda: um.MhaLM(layers=3, rngs=nnx.Rngs(0, dropout=1)), {}, None),
     "nanogpt": (lambda: um.NanoGPT(layers=3, dropout=0.1, rngs=nnx.Rngs(0, dropout=1)),
                 {"annotations": um.NANOGPT_ANNOTATIONS}, um.nanogpt_loss),
-    "indexed": (lambda: IndexedLM(rngs=nnx.Rngs(0)), {}, None),
+    "indexed": (lambda: IndexedLM(rngs=nnx.Rngs(0, dropout=1)), {}, None),
 }
 
 
@@ -86,18 +85,22 @@ def test_scanned_blocks_equal_the_list_as_written(devices, name):
 
 def test_a_loop_that_is_not_a_chain_runs_layer_by_layer_or_is_refused(devices):
     """The layer index used between layers: ``auto`` warns once, naming the blocks, and
-    trains as the list does; ``true`` refuses in one line."""
+    trains as the list does (the same dropout masks: the aborted scan's advance of the
+    counters is undone); ``true`` refuses in one line."""
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         auto = trainer("indexed", "auto")
         got = [auto.step(tokens(i))["loss"] for i in range(2)]
     lines = [str(w.message) for w in said if issubclass(w.category, ScanWarning)]
-    assert len(lines) == 1 and "blocks (Linear) run one by one" in lines[0], lines
+    assert len(lines) == 1 and "blocks (GPTMLP) run one by one" in lines[0], lines
     plain = trainer("indexed", False)
     np.testing.assert_allclose(got, [plain.step(tokens(i))["loss"] for i in range(2)],
                                rtol=1e-6)
+    counts = [np.asarray(v.get_value()) for _, v in nnx.to_flat_state(
+        nnx.state(auto.structure, nnx.RngCount))]
+    assert [c.tolist() for c in counts] == [[2, 2, 2]], counts  # one mask a layer and step
     with pytest.raises(JaxparError, match=r"^plan.scan_blocks=true: the blocks at blocks "
-                       r"\(Linear\) cannot run as a scan: layer 1 is not called on layer "
+                       r"\(GPTMLP\) cannot run as a scan: layer 1 is not called on layer "
                        r"0's output; set plan.scan_blocks=false"):
         trainer("indexed", True).step(tokens(0))
 
