@@ -16,6 +16,9 @@ files are written by a background thread. They are atomic: orbax writes into
 ``<step>.orbax-checkpoint-tmp-*`` and renames the folder to ``<step>`` once every item of
 every process is on disk, so a folder named by its step alone is complete.
 
+The folder may be a ``gs://`` URL: TensorStore writes each process's shards straight to
+the bucket (see :mod:`jaxpar.storage.run_mirror`).
+
 Restoring reads every array straight into the shardings of the Trainer it restores into
 (each device reads only its own slices), so a checkpoint saved under one plan loads under
 another: another device count, mesh or ZeRO stage, or the pipeline's ``(repeat, stage)``
@@ -39,12 +42,14 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from jaxpar.checkpoint import structure
 from jaxpar.checkpoint.reshard import flat_paths, flatten_dict, listing, match, nest
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
+from jaxpar.storage.remote import configure_clients, is_remote, reported
 
 STATE, META, CONFIG = "state", "meta", "config"
 SAVE_DELAY_ENV = "JAXPAR_CHECKPOINT_TEST_DELAY"
@@ -152,22 +157,42 @@ def _brief(err: BaseException) -> str:
 
 # --- the manager --------------------------------------------------------------------------
 def _manager(directory: Path, *, keep: int | None = None, async_save: bool = True,
-             read_only: bool = False) -> ocp.CheckpointManager:
+             read_only: bool = False, on_saved: Callable[[], None] | None = None
+             ) -> ocp.CheckpointManager:
+    """``on_saved``: called (in the writing thread) once an asynchronous save's files are
+    all written."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
-        read_only=read_only, cleanup_tmp_directories=not read_only)
+        read_only=read_only, cleanup_tmp_directories=not read_only,
+        async_options=ocp.AsyncOptions(post_finalization_callback=on_saved)
+        if async_save and on_saved is not None else None)
     handlers = {STATE: ocp.handlers.PyTreeCheckpointHandler(), META: _MetaHandler(),
                 CONFIG: ocp.handlers.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
 
 
-def resolve_dir(source: str | Path) -> Path:
-    """The checkpoint folder for ``source``: ``RUN/checkpoints`` itself or a ``RUN`` folder."""
-    path = Path(source).expanduser().absolute()
-    if (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
-        path = path / "checkpoints"
-    if not path.is_dir():
-        raise JaxparError(f"checkpoint folder {str(path)!r} does not exist")
+Location = Path | epath.Path
+"""A checkpoint folder: a local path, or a ``gs://`` URL as an ``etils.epath`` path."""
+
+
+def location(directory: str | Path) -> Location:
+    """``directory`` as a path orbax reads and writes: a URL stays one."""
+    if is_remote(directory):
+        configure_clients()
+        return epath.Path(str(directory).rstrip("/"))
+    return Path(directory).expanduser().absolute()
+
+
+def resolve_dir(source: str | Path, what: str = "checkpoint folder") -> Location:
+    """The checkpoint folder for ``source``: ``RUN/checkpoints`` itself or a ``RUN`` folder
+    (local, or in a bucket)."""
+    path = location(source)
+    with reported(str(source), what) if is_remote(source) else contextlib.nullcontext():
+        if (path / "checkpoints").is_dir() and not any(p.name.isdigit()
+                                                       for p in path.iterdir()):
+            path = path / "checkpoints"
+        if not path.is_dir():
+            raise JaxparError(f"{what} {str(path)!r} does not exist")
     return path
 
 
@@ -190,10 +215,14 @@ class Checkpointer:
             raise JaxparError(f"checkpoint.keep must be at least 1, got {keep}")
         if every < 0:
             raise JaxparError(f"checkpoint.every must be 0 or positive, got {every}")
-        self.directory = Path(directory).expanduser().absolute()
+        self.directory = location(directory)
         self.every = every
-        self._manager = _manager(self.directory, keep=keep, async_save=async_save)
+        self._manager = _manager(self.directory, keep=keep, async_save=async_save,
+                                 on_saved=self._saved)
         self._saving: int | None = None  # the step of the last save started
+        self._started = 0.0  # when it started (time.perf_counter)
+        self.last_save_s: float | None = None
+        """Seconds the newest finished save took, start to files on disk (None: none yet)."""
         self._failed = False
         self.data_state: Callable[[int], dict[str, Any]] | None = None
         """Called with the step being saved: what the data loader needs to continue there
@@ -230,32 +259,49 @@ class Checkpointer:
             return None
         start = time.perf_counter()
         config = config if config is not None else getattr(trainer, "config", None)
-        seed = config.train.seed if config is not None else None
-        mesh = trainer.plan.mesh
-        data = {"position": step, "seed": seed,
-                "global_batch": config.train.global_batch if config else None}
-        if self.data_state is not None:  # every process saves: gathering is collective
-            data.update(self.data_state(step))
-        meta = {"step": step, "seed": seed, "data": data,
-                "processes": jax.process_count(), "devices": mesh.size,
-                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage,
-                "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule),
-                "stacks": [st.to_dict() for st in _stacks(trainer)]}
+        meta = self.meta_of(trainer, config)
         state = nest(_keys_as_data(flat_paths(trainer.state)))
         args = ocp.args.Composite(**{
             STATE: ocp.args.PyTreeSave(state), META: _MetaSave(meta),
             CONFIG: ocp.args.JsonSave(config.to_dict() if config is not None else {})})
         with self._write_faults(None):
             self._manager.wait_until_finished()  # the save before writes its last bytes
-        need = self._bytes_needed(trainer.state)
-        free = free_bytes(self.directory)
+        if self.local:  # a bucket has no free space to check
+            need, free = self._bytes_needed(trainer.state), free_bytes(self.directory)
+        else:
+            need = free = 0
         if free < need:
             raise self._fault(step, f"it needs about {human_bytes(need)} but only "
                                     f"{human_bytes(free)} are free there")
-        self._saving = step
+        self._saving, self._started = step, start
         with self._write_faults(step):
             self._manager.save(step, args=args, force=True)
+        if not self._manager.is_saving_in_progress():  # a synchronous save: written now
+            self._saved()
         return time.perf_counter() - start
+
+    def _saved(self) -> None:
+        self.last_save_s = time.perf_counter() - self._started
+
+    def meta_of(self, trainer: Any, config: Any) -> dict[str, Any]:
+        """The ``meta`` item of a save of ``trainer``'s current step: the step, the seed,
+        the data loader's position (:attr:`data_state`: collective) and the layout."""
+        step, seed = trainer.step_count, config.train.seed if config is not None else None
+        mesh = trainer.plan.mesh
+        data = {"position": step, "seed": seed,
+                "global_batch": config.train.global_batch if config else None}
+        if self.data_state is not None:  # every process saves: gathering is collective
+            data.update(self.data_state(step))
+        return {"step": step, "seed": seed, "data": data,
+                "processes": jax.process_count(), "devices": mesh.size,
+                "mesh": dict(mesh.shape), "zero_stage": trainer.plan.zero_stage,
+                "layers_per_stage": _layers_per_stage(trainer.pipeline_schedule),
+                "stacks": [st.to_dict() for st in _stacks(trainer)]}
+
+    @property
+    def local(self) -> bool:
+        """Whether the checkpoints are on a local file system (not in a bucket)."""
+        return isinstance(self.directory, Path)
 
     def _bytes_needed(self, state: Any) -> int:
         """Disk space the next save takes: the newest checkpoint's size when there is one
@@ -290,8 +336,9 @@ class Checkpointer:
             if fault is None:
                 raise
             step = step if step is not None else self._saving
-            raise self._fault(step, f"{fault} ({human_bytes(free_bytes(self.directory))} "
-                                    f"free there)") from None
+            free = (f" ({human_bytes(free_bytes(self.directory))} free there)"
+                    if self.local else "")
+            raise self._fault(step, f"{fault}{free}") from None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete on disk."""
@@ -320,7 +367,7 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def path(self, step: int) -> Path:
+    def path(self, step: int) -> Location:
         """The folder of checkpoint ``step``."""
         return self.directory / str(step)
 
@@ -492,14 +539,14 @@ class Checkpointer:
 
 
 # --- weights only (init_from) -------------------------------------------------------------
-def read_only(source: str | Path) -> Checkpointer:
+def read_only(source: str | Path, what: str = "checkpoint folder") -> Checkpointer:
     """A :class:`Checkpointer` that only reads the checkpoints of ``source`` (a
-    ``RUN/checkpoints`` or ``RUN`` folder): it creates and cleans up nothing there, so it
-    is safe beside a run still writing; close it when done."""
-    directory = resolve_dir(source)
+    ``RUN/checkpoints`` or ``RUN`` folder, local or ``gs://``): it creates and cleans up
+    nothing there, so it is safe beside a run still writing; close it when done."""
+    directory = resolve_dir(source, what)
     reader = Checkpointer.__new__(Checkpointer)
     reader.directory, reader.every = directory, 0
-    reader._saving, reader._failed = None, False
+    reader._saving, reader._failed, reader._started, reader.last_save_s = None, False, 0.0, None
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager will not save
@@ -538,7 +585,7 @@ def load_weights(model: nnx.Module, source: str | Path, *, stages: int = 1,
       JaxparError: when no checkpoint can be read, or the checkpoint's model does not match
         ``model`` (listing the mismatched paths).
     """
-    reader = read_only(source)
+    reader = read_only(source, what)
     directory = reader.directory
     try:
         steps = reader.steps()

@@ -14,11 +14,14 @@ from jaxpar.errors import JaxparError
 from jaxpar.planner.calibrate import calibrate, default_name, summary, write_entry
 from jaxpar.runs.distributed import simulate_devices
 from jaxpar.storage.folders import check_writable
+from jaxpar.storage.remote import check_output_file, is_remote, output_file
 
 
 def command(args: argparse.Namespace) -> int:
     """``jaxpar calibrate``: check ``--out`` and ``--name``, measure, print or write."""
-    if args.out:
+    if args.out and is_remote(args.out):  # written locally, then uploaded
+        check_output_file(args.out, "--out")
+    elif args.out:
         folder = Path(args.out).parent
         if not folder.is_dir():
             raise JaxparError(f"--out {args.out}: folder {str(folder)!r} does not exist")
@@ -39,7 +42,9 @@ def command(args: argparse.Namespace) -> int:
     entry = calibrate(devices, quick=args.quick)
     print(summary(entry))
     if args.out:
-        raw = write_entry(entry, name, args.out)
+        with output_file(args.out, "--out", existing=True) as local:
+            raw = write_entry(entry, name, local)
+        raw = f"{args.out}.measurements.json" if is_remote(args.out) else raw
         print(f"jaxpar: wrote {args.out} (entry {name!r}) and {raw}; use it with "
               f"jaxpar plan --catalog {args.out} --chips {name}:{len(devices)} ...")
     else:

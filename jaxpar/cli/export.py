@@ -21,14 +21,19 @@ from jaxpar.hf.families import to_hf
 from jaxpar.hf.own_weights import save_own_weights
 from jaxpar.models.transformer import Transformer
 from jaxpar.runs.generate import check_run, load_run_model, run_config
-from jaxpar.storage.folders import export_lock
+from jaxpar.storage.folders import STALE_WEIGHTS, export_lock
+from jaxpar.storage.remote import check_bucket, is_remote, output_folder
 
 
 def check_export_target(to: str | Path, *, merge_lora: bool, adapters: bool) -> Path:
-    """The ``--to-hf`` folder, refused when it is a file; the flags, when both are given."""
+    """The ``--to-hf`` folder, refused when it is a file (or a bucket that cannot be used);
+    the flags, when both are given."""
     if merge_lora and adapters:
         raise JaxparError("--merge-lora and --adapters exclude each other: merge the adapters "
                           "into a whole model, or export the adapters alone")
+    if is_remote(to):  # written locally, then uploaded (see output_folder)
+        check_bucket(str(to), "--to-hf")
+        return Path(str(to))
     path = Path(to).expanduser()
     if path.exists() and not path.is_dir():
         raise JaxparError(f"--to-hf {str(to)!r} is a file, not a folder")
@@ -43,8 +48,10 @@ def check_export_target(to: str | Path, *, merge_lora: bool, adapters: bool) -> 
 
 
 def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
-               adapters: bool = False, dtype: str = "float32") -> Path:
-    """Write a jaxpar run's newest checkpoint as a Hugging Face folder.
+               adapters: bool = False, dtype: str = "float32") -> Path | str:
+    """Write a jaxpar run's newest checkpoint as a Hugging Face folder (local, or a
+    ``gs://``/``s3://`` URL: written locally, then uploaded; earlier weight files there
+    are removed).
 
     A run without LoRA is written whole. A LoRA run needs ``merge_lora`` (the adapters
     folded into the base weights, written whole) or ``adapters`` (the adapters alone, in
@@ -59,6 +66,10 @@ def export_run(run: str | Path, to: str | Path, *, merge_lora: bool = False,
     model = run_config(run).model
     if not (model.factory or adapters):  # a model no architecture expresses (experts, ...)
         to_hf(model.transformer())       # is refused before its weights are read
+    if is_remote(to):
+        with output_folder(str(to), "--to-hf", replace=STALE_WEIGHTS) as local:
+            _export(run, local, merge_lora=merge_lora, adapters=adapters, dtype=dtype)
+        return str(to).rstrip("/")
     with writer_lock(export_lock(target, "jaxpar export")):
         return _export(run, target, merge_lora=merge_lora, adapters=adapters, dtype=dtype)
 

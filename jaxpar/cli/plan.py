@@ -17,6 +17,7 @@ from jaxpar.planner import slices
 from jaxpar.planner.api import estimate, plan, resolve_model, run_config, to_dict
 from jaxpar.planner.catalog import parse_chips
 from jaxpar.storage.folders import check_writable
+from jaxpar.storage.remote import check_output_file, is_remote, output_file
 
 
 def _gib(b: float) -> str:
@@ -132,9 +133,13 @@ def traced_text(row: dict, global_batch: int, seq: int) -> str:
             "chip's matmul rate, a ranking, not a prediction of its step")
 
 
-def _check_write(path: Path, *, force: bool) -> None:
+def _check_write(target: str, *, force: bool) -> None:
     """Refuse a ``--write`` target that cannot be written, or that exists (without
     ``--force``), before anything is planned."""
+    if is_remote(target):
+        check_output_file(target, "--write", force=force)
+        return
+    path = Path(target)
     if path.is_dir():
         raise JaxparError(f"--write {str(path)!r} is a folder; name a file")
     if not path.parent.is_dir():
@@ -197,7 +202,7 @@ def command(args: argparse.Namespace) -> int:
         if value < 1:
             raise JaxparError(f"{flag} {value}: must be at least 1")
     if args.write:
-        _check_write(Path(args.write), force=args.force)
+        _check_write(args.write, force=args.force)
     resolved = resolve_model(args.model, overrides)
     machine = parse_chips(args.chips, slices=args.slices, catalog=args.catalog)
     offload = args.offload
@@ -239,7 +244,8 @@ def command(args: argparse.Namespace) -> int:
             "--global-batch or --seq" + ("; nothing was written" if args.write else ""))
     if args.write:
         config = run_config(plans[0], resolved.config, None, args.global_batch, args.seq)
-        config.save(Path(args.write))
+        with output_file(args.write, "--write") as local:
+            config.save(local)
         if not args.json:
             print(f"wrote {args.write}: jaxpar train --config {args.write}")
     return 0

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from jaxpar.config.yaml_files import read_yaml
 from jaxpar.runs.run_folder import FINISHED, folder_bytes
-from jaxpar.storage.remote import RunMirror, is_remote
+from jaxpar.storage.remote import is_remote
+from jaxpar.storage.run_mirror import RunMirror
 
 if TYPE_CHECKING:
     from jaxpar.config.schema import Config

@@ -24,12 +24,19 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.adapters import lora as lora_lib
-from jaxpar.checkpoint.checkpointer import CorruptCheckpoint, load_weights, read_only
+from jaxpar.checkpoint.checkpointer import (
+    CorruptCheckpoint,
+    Location,
+    load_weights,
+    read_only,
+    resolve_dir,
+)
 from jaxpar.config.assembly import build_mesh, build_plan, model_factory
 from jaxpar.config.schema import Config, MeshConfig, from_dict
 from jaxpar.data.tokenizer import eos_id, load_tokenizer, unknown_pieces, vocab_size
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.sharding.partitioning import init_sharded
+from jaxpar.storage.remote import check_bucket, is_remote
 
 
 def _model_limits(model: nnx.Module) -> tuple[int | None, int | None]:
@@ -360,13 +367,20 @@ def run_config(run: str | Path) -> Config:
     return from_dict(Config, saved)
 
 
-def check_run(run: str | Path) -> Path:
+def check_run(run: str | Path) -> Location:
     """The checkpoint folder of a run (``RUN`` or ``RUN/checkpoints``), checked on disk
     without starting JAX.
 
     Raises:
       JaxparError: when the folder is missing, a file, or holds no complete checkpoint.
     """
+    if is_remote(run):  # a run folder in a bucket (gs://)
+        check_bucket(str(run), "run folder")
+        path = resolve_dir(run, "run folder")
+        if not any(p.name.isdigit() for p in path.iterdir()):
+            raise JaxparError(f"run folder {str(run)!r} holds no complete checkpoint (none "
+                              f"in {path})")
+        return path
     path = Path(run).expanduser()
     if not path.exists():
         raise JaxparError(f"run folder {str(run)!r} does not exist")

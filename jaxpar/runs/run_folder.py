@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from jaxpar.errors import JaxparError
 from jaxpar.storage.folders import LOCK_NAME
-from jaxpar.storage.remote import RunMirror, check_url, is_remote
+from jaxpar.storage.remote import check_url, is_remote
+from jaxpar.storage.run_mirror import RunMirror
 
 if TYPE_CHECKING:
     from jaxpar.config.schema import Config
@@ -51,6 +52,8 @@ def check_run_folder(out_dir: str | Path | None, *, resume: bool = False,
         if steps and not resume:
             raise JaxparError(f"{out_dir} already holds checkpoints (steps {steps}); pass "
                               "--resume to continue that run, or choose another --out")
+        if mirror.direct:  # the run's local folder is a fresh scratch folder
+            return
         out_dir = mirror.local
     if out_dir is None:
         if resume:

@@ -1,21 +1,22 @@
-"""Object storage: token shards read from a bucket, and run folders kept in one.
+"""Object storage: paths such as ``gs://bucket/corpus/*.bin`` or ``s3://bucket/runs/7b``.
 
-A path such as ``s3://bucket/corpus/*.bin`` or ``gs://bucket/runs/7b`` is opened through
-fsspec (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``); credentials and endpoints come
-from the usual places (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, instance roles,
-``GOOGLE_APPLICATION_CREDENTIALS``...). Any other scheme is refused in one line.
+A URL is opened through fsspec (``gcsfs`` for ``gs://``, ``s3fs`` for ``s3://``, both in
+``jaxpar[cloud]``); credentials and endpoints come from the usual places
+(``GOOGLE_APPLICATION_CREDENTIALS`` or the machine's service account, ``AWS_ACCESS_KEY_ID``,
+``AWS_ENDPOINT_URL``...). ``STORAGE_EMULATOR_HOST`` (a local GCS server) is passed on to
+TensorStore too, which writes checkpoints. Any other scheme is refused in one line.
 
-Two uses:
+What lives here:
 
+* :func:`filesystem`, :func:`remote_files`, :func:`read_object`: listing and reading a
+  bucket, every failure one line (:func:`storage_error`); :func:`check_bucket` fails fast
+  on a bucket that does not exist or an endpoint that does not answer.
 * :class:`RemoteTokens`: a token shard in a bucket, read by byte ranges (blocks of
   :data:`BLOCK_BYTES`, the last few kept), sliced like the memory map of a local shard.
-* :class:`RunMirror`: a run folder in a bucket. The run works in a local mirror (under
-  ``$JAXPAR_CACHE_DIR``, default ``~/.cache/jaxpar``) and uploads what changed after each
-  checkpoint; ``--resume`` first downloads the bucket's folder. Orbax 0.12 writes
-  TensorStore checkpoints straight to ``gs://`` only, so the mirror is what lets ``s3://``
-  (and ``gs://`` alike) hold a run. A checkpoint step counts as uploaded once its marker
-  :data:`UPLOADED` is written, after every file of every process: a step interrupted
-  half-way through its upload is never restored from.
+* :func:`output_folder`: an output (an export, a plan, tokenized shards) written to a
+  local folder, then uploaded whole to its URL.
+
+Run folders in a bucket are :mod:`jaxpar.storage.run_mirror`'s.
 """
 
 from __future__ import annotations
@@ -24,26 +25,53 @@ import collections
 import contextlib
 import os
 import re
+import shutil
+import socket
+import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 
 from jaxpar.errors import JaxparError
 
-SCHEMES: dict[str, str] = {"s3": "s3fs", "gs": "gcsfs"}
+SCHEMES: dict[str, str] = {"gs": "gcsfs", "s3": "s3fs"}
 """The URL schemes jaxpar reads and writes, and the fsspec package each needs."""
+DIRECT_SCHEMES = ("gs",)
+"""Schemes orbax (through TensorStore) writes checkpoints to directly, every process its
+own shards; a run folder on another scheme is worked on through a local copy."""
 BLOCK_BYTES = 1 << 22
 """Bytes a remote shard reads at once (4 MiB); :attr:`RemoteTokens.KEEP` blocks are kept."""
-UPLOADED = ".jaxpar-uploaded"
-"""The file that marks a checkpoint step whose every file is in the bucket."""
 CACHE_ENV = "JAXPAR_CACHE_DIR"
+PROBE_TIMEOUT_S = 10.0
+"""How long :func:`check_bucket` waits for the storage endpoint to answer a connection."""
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
-_STEP = re.compile(r"^checkpoints/(\d+)/")
-_PROCESS = re.compile(r"(?:^|/)ocdbt\.process_(\d+)(?:/|$)")
+
+
+
+def configure_clients() -> None:
+    """Settings the storage clients read from the environment, made before they start:
+    gcsfs's experimental bucket-type probe (it asks a storage-control API, with default
+    credentials, about every bucket, and warns when it cannot: always, against an
+    emulator) is turned off unless asked for, and TensorStore, which writes checkpoints,
+    is pointed at the GCS emulator ``STORAGE_EMULATOR_HOST`` names."""
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:  # an emulator asks for no credentials: look for none
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = (emulator if "://" in emulator
+                                                  else f"http://{emulator}")
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+        import fsspec.config
+
+        for protocol in ("gs", "gcs"):
+            fsspec.config.conf.setdefault(protocol, {}).setdefault("token", "anon")
+
+
+configure_clients()
 
 
 def url_scheme(path: str | Path) -> str | None:
@@ -55,6 +83,17 @@ def url_scheme(path: str | Path) -> str | None:
 def is_remote(path: str | Path | None) -> bool:
     """Whether ``path`` is a URL in object storage jaxpar supports (see :data:`SCHEMES`)."""
     return path is not None and url_scheme(path) in SCHEMES
+
+
+def writes_directly(path: str | Path | None) -> bool:
+    """Whether checkpoints at ``path`` are written straight to it by every process (a local
+    folder, or a URL of :data:`DIRECT_SCHEMES`)."""
+    return not is_remote(path) or url_scheme(path) in DIRECT_SCHEMES
+
+
+def bucket_of(url: str) -> str:
+    """The bucket of a URL (``b`` of ``gs://b/runs/x``)."""
+    return str(url).split("://", 1)[1].split("/", 1)[0]
 
 
 def check_url(path: str | Path, what: str) -> None:
@@ -72,14 +111,61 @@ def filesystem(url: str, what: str) -> Any:
       JaxparError: naming ``what``, for an unsupported scheme or a missing fsspec package.
     """
     check_url(url, what)
+    configure_clients()
     import fsspec  # imported on use: local runs never need it
 
     scheme = url_scheme(url)
     try:
-        return fsspec.filesystem(scheme)
+        return fsspec.filesystem(scheme, **_options(scheme))
     except ImportError:
         raise JaxparError(f"{what} {url!r}: {scheme}:// needs the {SCHEMES[scheme]} package "
                           f"(pip install {SCHEMES[scheme]})") from None
+
+
+def _options(scheme: str | None) -> dict[str, Any]:
+    """fsspec options: against a GCS emulator no credentials are looked for, and a
+    request that gets no answer fails after a bounded wait (gcsfs would otherwise look for
+    a metadata server and retry for minutes)."""
+    if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
+        return {"token": "anon", "retries": 2}
+    return {}
+
+
+def endpoint(url: str) -> tuple[str, int] | None:
+    """The host and port the requests for ``url`` go to (an emulator's or a custom
+    endpoint's), None for the provider's own."""
+    scheme = url_scheme(url)
+    given = (os.environ.get("STORAGE_EMULATOR_HOST") if scheme == "gs"
+             else os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+    if not given:
+        return None
+    parsed = urlparse(given if "://" in given else f"http://{given}")
+    return parsed.hostname or "localhost", parsed.port or (443 if parsed.scheme == "https"
+                                                           else 80)
+
+
+def check_bucket(url: str, what: str) -> None:
+    """Fail in one line, within :data:`PROBE_TIMEOUT_S` or so, when the endpoint does not
+    answer or ``url``'s bucket does not exist or cannot be listed (no credentials, access
+    denied): before any work.
+
+    Raises:
+      JaxparError: naming ``what`` and the URL.
+    """
+    fs = filesystem(url, what)
+    where = endpoint(url)
+    if where is not None:
+        try:
+            socket.create_connection(where, timeout=PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            raise JaxparError(f"{what} {url!r}: the storage endpoint {where[0]}:{where[1]} "
+                              f"does not answer ({exc.strerror or exc})") from None
+    bucket = bucket_of(url)
+    with reported(url, what):
+        if not fs.exists(f"{url_scheme(url)}://{bucket}"):
+            raise JaxparError(f"{what} {url!r}: bucket {bucket!r} does not exist")
+        if fs.isfile(url):
+            raise JaxparError(f"{what} {url!r} is an object, not a folder")
 
 
 def storage_error(exc: BaseException, url: str, what: str) -> JaxparError:
@@ -94,7 +180,8 @@ def storage_error(exc: BaseException, url: str, what: str) -> JaxparError:
 
 
 @contextlib.contextmanager
-def _reported(url: str, what: str) -> Iterator[None]:
+def reported(url: str, what: str) -> Iterator[None]:
+    """Turn any failure of the bucket operations inside into :func:`storage_error`'s line."""
     try:
         yield
     except JaxparError:
@@ -106,7 +193,7 @@ def _reported(url: str, what: str) -> Iterator[None]:
 def read_object(url: str, what: str) -> bytes:
     """A whole object of a bucket (one line naming ``what`` on failure)."""
     fs = filesystem(url, what)
-    with _reported(url, what):
+    with reported(url, what):
         return fs.cat_file(url)
 
 
@@ -119,7 +206,7 @@ def remote_files(spec: str, suffixes: tuple[str, ...], what: str) -> list[str]:
     """
     fs = filesystem(spec, what)
     scheme = url_scheme(spec)
-    with _reported(spec, what):
+    with reported(spec, what):
         if any(c in spec for c in "*?["):
             found = sorted(fs.glob(spec))
             if not found:
@@ -153,7 +240,7 @@ class RemoteTokens:
                  size: int | None = None):
         self.filename, self.dtype = url, np.dtype(dtype)
         self._fs = filesystem(url, "shard")
-        with _reported(url, "shard"):
+        with reported(url, "shard"):
             size = self._fs.size(url) if size is None else size
         if (size - offset) % self.dtype.itemsize:
             raise JaxparError(f"shard {url!r}: {size - offset} bytes is not a whole number "
@@ -169,7 +256,7 @@ class RemoteTokens:
         if not url.endswith(".npy"):
             return cls(url, token_dtype)
         fs = filesystem(url, "shard")
-        with _reported(url, "shard"), fs.open(url, "rb") as f:
+        with reported(url, "shard"), fs.open(url, "rb") as f:
             try:
                 major, _ = np.lib.format.read_magic(f)
                 read = (np.lib.format.read_array_header_1_0 if major == 1
@@ -193,7 +280,7 @@ class RemoteTokens:
                 return self._blocks[index]
         start = self._offset + index * BLOCK_BYTES
         end = min(start + BLOCK_BYTES, self._offset + self._len * self.dtype.itemsize)
-        with _reported(self.filename, "shard"):
+        with reported(self.filename, "shard"):
             data = self._fs.cat_file(self.filename, start=start, end=end)
         with self._lock:
             self._blocks[index] = data
@@ -215,115 +302,92 @@ class RemoteTokens:
 
 
 def cache_root() -> Path:
-    """Where remote run folders are mirrored: ``$JAXPAR_CACHE_DIR`` or ``~/.cache/jaxpar``."""
+    """Where jaxpar keeps local copies: ``$JAXPAR_CACHE_DIR`` or ``~/.cache/jaxpar``."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxpar")
 
 
-class RunMirror:
-    """A run folder in a bucket, worked on through a local copy.
+@contextlib.contextmanager
+def output_folder(target: str | Path, what: str, *, write: bool = True,
+                  replace: re.Pattern[str] | None = None) -> Iterator[Path]:
+    """A local folder to write an output into. For a local ``target``, the target itself;
+    for a URL, a temporary folder whose files are uploaded to ``target`` (replacing the
+    objects of the same names) once the block succeeds, then removed; objects already
+    there whose names match ``replace`` and that the upload did not overwrite (an earlier
+    export's weight shards) are deleted after. Nothing is uploaded when the block fails,
+    or when ``write`` is false (a process that does not write).
 
-    Args:
-      url: the run folder (``s3://bucket/runs/name``).
-      skip: names of files never uploaded (the run's lock).
+    Raises:
+      JaxparError: naming ``what``, when the bucket cannot be written.
     """
+    if not is_remote(target):
+        yield Path(target)
+        return
+    url = str(target).rstrip("/")
+    cache_root().mkdir(parents=True, exist_ok=True)
+    local = Path(tempfile.mkdtemp(prefix="upload-", dir=cache_root()))
+    try:
+        yield local
+        if write:
+            sent = set(upload_tree(local, url, what))
+            if replace is not None:
+                _remove_stale(url, sent, replace, what)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
-    def __init__(self, url: str, *, skip: tuple[str, ...] = ()):
-        self.url = url.rstrip("/")
-        self.fs = filesystem(self.url, "--out")
-        _, rest = _URL.match(self.url).groups()
-        self.local = cache_root() / "runs" / url_scheme(url) / rest
-        self.skip = skip
-        self._sent: dict[str, tuple[int, int]] = {}
-        self._marks: set[int] | None = None  # steps marked uploaded in the bucket
 
-    def _remote(self, rel: str) -> str:
-        return f"{self.url}/{rel}"
+def upload_tree(local: Path, url: str, what: str) -> list[str]:
+    """Upload every file under ``local`` to the same relative paths under ``url``;
+    returns the URLs written."""
+    fs = filesystem(url, what)
+    sent = []
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        dest = f"{url}/{path.relative_to(local).as_posix()}"
+        with reported(dest, what):
+            fs.put_file(str(path), dest)
+        sent.append(dest)
+    return sent
 
-    def remote_steps(self) -> list[int]:
-        """The checkpoint steps wholly uploaded to the bucket, ascending."""
-        with _reported(self.url, "--out"):
-            markers = self.fs.glob(f"{self.url}/checkpoints/*/{UPLOADED}")
-        return sorted(int(m.rstrip("/").split("/")[-2]) for m in markers
-                      if m.rstrip("/").split("/")[-2].isdigit())
 
-    def check(self) -> None:
-        """Fail in one line when the bucket cannot be listed (no bucket, no credentials, no
-        endpoint), before any work."""
-        with _reported(self.url, "--out"):
-            bucket = self.url.split("://", 1)[1].split("/", 1)[0]
-            if not self.fs.exists(f"{url_scheme(self.url)}://{bucket}"):
-                raise JaxparError(f"--out {self.url!r}: bucket {bucket!r} does not exist")
-            if self.fs.exists(self.url):  # an existing run folder must be listable too
-                self.fs.ls(self.url)
+def _remove_stale(url: str, sent: set[str], pattern: re.Pattern[str], what: str) -> None:
+    fs = filesystem(url, what)
+    scheme = url_scheme(url)
+    with reported(url, what):
+        found = fs.ls(url, detail=False) if fs.isdir(url) else []
+        for key in found:
+            key = key if url_scheme(key) else f"{scheme}://{key}"
+            if pattern.match(key.rstrip("/").rsplit("/", 1)[-1]) and key not in sent:
+                fs.rm_file(key)
 
-    def fetch(self, rel: str) -> Path | None:
-        """Download one file of the run folder (``config.yaml``) into the local copy; None
-        when the bucket does not have it."""
-        with _reported(self.url, "--out"):
-            if not self.fs.exists(self._remote(rel)):
-                return None
-            target = self.local / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(self._remote(rel), str(target))
-        return target
 
-    def pull(self) -> list[int]:
-        """Download the bucket's run folder into the local copy (files already there with
-        the same size are kept; steps not wholly uploaded are left out); returns the
-        uploaded steps."""
-        steps = set(self.remote_steps())
-        with _reported(self.url, "--out"):
-            listing = self.fs.find(self.url, detail=True) if self.fs.exists(self.url) else {}
-        prefix = self.url.split("://", 1)[1].rstrip("/") + "/"
-        for key, info in listing.items():
-            rel = key.split("://", 1)[-1][len(prefix):]
-            step = _STEP.match(rel)
-            if rel.endswith(UPLOADED) or (step and int(step.group(1)) not in steps):
-                continue
-            target = self.local / rel
-            if not (target.is_file() and target.stat().st_size == info.get("size")):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                part = target.with_name(f".{target.name}.{os.getpid()}.part")
-                with _reported(key, "--out"):
-                    self.fs.get_file(self._remote(rel), str(part))
-                os.replace(part, target)  # processes sharing a mirror never see half a file
-            stat = target.stat()
-            self._sent[rel] = (stat.st_size, stat.st_mtime_ns)  # in the bucket already
-        self._marks = steps
-        return sorted(steps)
+@contextlib.contextmanager
+def output_file(target: str | Path, what: str, *, existing: bool = False) -> Iterator[Path]:
+    """A local path to write a file into. For a local ``target``, the target itself; for a
+    URL, a path in a temporary folder (holding the object's current contents when
+    ``existing`` and there is one) whose files are uploaded beside ``target``'s URL once
+    the block succeeds (a file written next to it, ``NAME.measurements.json``, goes too).
+    """
+    if not is_remote(target):
+        yield Path(target)
+        return
+    url = str(target)
+    parent, name = url.rsplit("/", 1)
+    with output_folder(parent, what) as local:
+        path = local / name
+        if existing:
+            fs = filesystem(url, what)
+            with reported(url, what):
+                if fs.exists(url):
+                    fs.get_file(url, str(path))
+        yield path
 
-    def push(self, process_index: int = 0, barrier: Callable[[], None] | None = None) -> None:
-        """Upload what changed in the local copy since the last push. Each process sends the
-        files of its own ``ocdbt.process_N`` folders; process 0 sends the rest, then, after
-        ``barrier`` (every process's files sent), the markers of complete steps."""
-        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
-            rel = path.relative_to(self.local).as_posix()
-            if path.name in self.skip or path.name.endswith(".part") or (
-                    "orbax-checkpoint-tmp" in rel):
-                continue
-            owner = _PROCESS.search(rel)
-            if (int(owner.group(1)) if owner else 0) != process_index:
-                continue
-            stat = path.stat()
-            stamp = (stat.st_size, stat.st_mtime_ns)
-            if self._sent.get(rel) == stamp:
-                continue
-            with _reported(self._remote(rel), "--out"):
-                self.fs.put_file(str(path), self._remote(rel))
-            self._sent[rel] = stamp
-        if barrier is not None:
-            barrier()
-        if process_index != 0:
-            return
-        folder = self.local / "checkpoints"
-        local = {int(p.name) for p in folder.iterdir() if p.name.isdigit()} if (
-            folder.is_dir()) else set()
-        if self._marks is None:
-            self._marks = set(self.remote_steps())
-        with _reported(self.url, "--out"):
-            for step in sorted(local - self._marks):
-                self.fs.pipe_file(self._remote(f"checkpoints/{step}/{UPLOADED}"), b"")
-                self._marks.add(step)
-            for step in sorted(self._marks - local):  # pruned by checkpoint.keep
-                self.fs.rm(self._remote(f"checkpoints/{step}"), recursive=True)
-                self._marks.discard(step)
+
+def check_output_file(target: str, what: str, *, force: bool = True) -> None:
+    """Refuse, in one line, a URL an output file cannot be written to: an unusable bucket,
+    a folder there, or (without ``force``) an object that exists."""
+    check_bucket(target.rsplit("/", 1)[0], what)
+    fs = filesystem(target, what)
+    with reported(target, what):
+        if fs.isdir(target):
+            raise JaxparError(f"{what} {target!r} is a folder; name a file")
+        if not force and fs.exists(target):
+            raise JaxparError(f"{what} {target!r} exists; pass --force to replace it")

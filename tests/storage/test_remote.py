@@ -22,7 +22,7 @@ import jaxpar
 from jaxpar.config.validate import check_config
 from jaxpar.data.shards import Windows, open_shard, shard_paths
 from jaxpar.errors import JaxparError
-from jaxpar.storage import remote
+from jaxpar.storage import remote, run_mirror
 
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
@@ -166,7 +166,7 @@ def test_a_run_trains_from_a_bucket_checkpoints_there_and_resumes_elsewhere(s3, 
     _, whole = train(config, tmp_path / "whole", progress=False)
     out = f"s3://{BUCKET}/runs/a"
     train(config, out, progress=False, max_steps=2)
-    assert s3.exists(f"{BUCKET}/runs/a/checkpoints/2/{remote.UPLOADED}")
+    assert s3.exists(f"{BUCKET}/runs/a/checkpoints/2/{run_mirror.UPLOADED}")
     assert not s3.exists(f"{BUCKET}/runs/a/.jaxpar-lock")
     shutil.rmtree(os.environ[remote.CACHE_ENV])  # a new machine: nothing local
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -180,7 +180,7 @@ def test_a_run_trains_from_a_bucket_checkpoints_there_and_resumes_elsewhere(s3, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in whole],
                                rtol=1e-6)
-    assert s3.exists(f"{BUCKET}/runs/a/checkpoints/4/{remote.UPLOADED}")
+    assert s3.exists(f"{BUCKET}/runs/a/checkpoints/4/{run_mirror.UPLOADED}")
     again = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--devices", "8",
                             "--out", out, *_config(4)], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)

