@@ -23,6 +23,12 @@ Or let the planner choose the mesh for a machine you do not have::
 import importlib
 from typing import Any
 
+from jaxpar.sharding.backends import skip_absent_tpu as _skip_absent_tpu
+
+# Before JAX starts a backend: on a host without a TPU, JAX is kept from starting libtpu
+# (installed for `jaxpar compile --target tpu-...`), whose failed start prints errors.
+_skip_absent_tpu()
+
 _EXPORTS: dict[str, str] = {
     "models": "jaxpar.models", "planner": "jaxpar.planner",
     "lora": "jaxpar.adapters.lora", "pipeline": "jaxpar.parallel.pipeline",

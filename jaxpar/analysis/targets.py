@@ -22,6 +22,7 @@ from typing import Any
 
 from jaxpar.errors import JaxparError
 from jaxpar.planner.catalog import BUILTIN, Chip, Machine, cpu_chip
+from jaxpar.sharding.backends import libtpu_start_summarised
 
 GENERATIONS = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "v7": "tpu7x",
                "tpu7x": "tpu7x", "v7x": "tpu7x", "trillium": "v6e", "ironwood": "tpu7x"}
@@ -139,10 +140,11 @@ def tpu_target(text: str, slices: int = 1) -> Target:
 
     topology = f"{gen}:{m['topo']}"
     try:
-        desc = topologies.get_topology_desc(
-            platform="tpu", topology_name=topology,
-            chip_config_name="megacore" if gen == "v4" else "default",
-            chips_per_host_bounds=_host_bounds(dims), num_slices=slices)
+        with libtpu_start_summarised():  # libtpu's lines on a host without a TPU, as one
+            desc = topologies.get_topology_desc(
+                platform="tpu", topology_name=topology,
+                chip_config_name="megacore" if gen == "v4" else "default",
+                chips_per_host_bounds=_host_bounds(dims), num_slices=slices)
     except Exception as err:  # noqa: BLE001 - libtpu's refusal is the user's answer
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise JaxparError(f"--target {text!r}: the TPU compiler refuses topology "

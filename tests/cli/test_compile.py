@@ -17,11 +17,13 @@ TINY = ["model.n_layers=2", "model.d_model=256", "model.n_heads=2", "model.n_kv_
         "mesh.fsdp=-1"]
 
 
-def test_compile_for_a_tpu_prints_memory_against_hbm(capsys, tmp_path):
+def test_compile_for_a_tpu_prints_memory_against_hbm(capfd, tmp_path):
     hlo = tmp_path / "step.hlo"
     assert cli.main(["compile", "--target", "tpu-v6e:2x2", "--config", "configs/tiny.yaml",
                      "--dump-hlo", str(hlo), *TINY, "model.attention=splash"]) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
+    # libtpu's start-up errors (no TPU here), when this process starts it, are one line
+    assert not any(w in err for w in ("E0000", "TPU_WORKER_HOSTNAMES", "InitGoogle")), err
     assert out.startswith("jaxpar compile: configs/tiny.yaml for tpu-v6e:2x2 (4 TPU v6 lite "
                           "devices, 1 slice; the TPU compiler, run here), mesh fsdp=4")
     assert "  fits: " in out and " of 32.00 GiB per device (" in out
