@@ -65,7 +65,7 @@ def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_path):
+def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_path, capsys):
     """Shards in the bucket; steps 1-2 with the run folder in gs:// (orbax writes each
     checkpoint there, the machine keeps nothing); `jaxpar train --resume` from the bucket
     gives the losses of one uninterrupted run; a fresh run into that folder, or a second
@@ -90,6 +90,7 @@ def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_p
     done = _cli("train", "--devices", "8", "--out", out, "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "resumed from gs://" in done.stdout + done.stderr
+    gcs.invalidate_cache()  # the bucket changed behind this client's listings
     rows = [json.loads(line) for line in
             gcs.cat_file(f"{BUCKET}/runs/a/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -97,11 +98,13 @@ def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_p
                                rtol=1e-6)
     assert gcs.exists(f"{BUCKET}/runs/a/checkpoints/4/{COMMITTED}")
 
-    again = _cli("train", "--devices", "8", "--out", out, *overrides, cwd=tmp_path)
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines() == [
+    from jaxpar.cli import main
+
+    capsys.readouterr()
+    assert main(["train", "--out", out, *overrides]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"jaxpar: error: {out} already holds checkpoints (steps [2, 4]); pass --resume to "
-        "continue that run, or choose another --out"], again.stderr
+        "continue that run, or choose another --out"]
     holder = BucketLock(f"{out}/.jaxpar.lock", "jaxpar train (test)").acquire()
     try:
         with pytest.raises(JaxparError, match=r"runs/a is in use by jaxpar train \(test\)"):
@@ -114,10 +117,17 @@ def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_p
 
 
 def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path):
-    """init_from, `jaxpar sample --run`, `export --to-hf`, `plan --write` and `tokenize
-    --out` take gs:// paths (a run folder written by the test above, or made here)."""
+    """init_from, `jaxpar sample --run`'s reading, `export --to-hf`, `plan --write` and
+    `tokenize --out` take gs:// paths (the run folder of the test above)."""
+    import jax
+
     from jaxpar.checkpoint.checkpointer import load_weights
+    from jaxpar.cli import main
+    from jaxpar.cli.export import export_run
+    from jaxpar.config.assembly import build_mesh, build_plan, model_factory
+    from jaxpar.config.validate import check_config
     from jaxpar.runs.generate import check_run, run_config
+    from jaxpar.sharding.partitioning import init_sharded
 
     out = f"gs://{BUCKET}/runs/a"
     if not gcs.exists(f"{BUCKET}/runs/a/checkpoints"):
@@ -125,17 +135,23 @@ def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path):
     assert str(check_run(out)) == f"{out}/checkpoints"
     config = run_config(out)
     assert config.train.steps == 4
-    from jaxpar.config.assembly import build_mesh, build_plan, model_factory
-    from jaxpar.sharding.partitioning import init_sharded
-
-    import jax
-    plan = build_plan(config, build_mesh(config, jax.devices()))
-    model = init_sharded(model_factory(config), plan)
+    check_config(jaxpar.load_config(None, [*_config(4, config.data.source),
+                                           f"init_from={out}"]), devices=8, processes=1)
+    model = init_sharded(model_factory(config), build_plan(config, build_mesh(
+        config, jax.devices())))
     assert load_weights(model, out) == 4
-    wrote = _cli("plan", "--model", "llama-1b", "--chips", "v5p:8", "--top", "1", "--write",
-                 f"gs://{BUCKET}/plans/1b.yaml", cwd=tmp_path, timeout=300)
-    assert wrote.returncode == 0, wrote.stderr
+    gcs.pipe_file(f"{BUCKET}/hf/model-00001-of-00002.safetensors", b"stale")
+    assert export_run(out, f"gs://{BUCKET}/hf") == f"gs://{BUCKET}/hf"
+    gcs.invalidate_cache()
+    names = sorted(k.rsplit("/", 1)[-1] for k in gcs.ls(f"{BUCKET}/hf"))
+    assert "config.json" in names and "model.safetensors" in names
+    assert "model-00001-of-00002.safetensors" not in names  # an earlier export's shard
+    assert main(["plan", "--model", str(ROOT / "configs/tiny.yaml"), "--chips", "v5p:8", "--global-batch", "8",
+                 "--seq", "1024", "--top", "1", "--write",
+                 f"gs://{BUCKET}/plans/1b.yaml"]) == 0
     assert b"mesh:" in gcs.cat_file(f"{BUCKET}/plans/1b.yaml")
+    assert main(["plan", "--model", str(ROOT / "configs/tiny.yaml"), "--chips", "v5p:8", "--global-batch", "8",
+                 "--seq", "1024", "--write", f"gs://{BUCKET}/plans/1b.yaml"]) == 2
 
 
 def test_bad_gcs_paths_fail_in_one_line_within_a_bound(gcs, tmp_path):
