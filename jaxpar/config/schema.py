@@ -220,12 +220,22 @@ class CheckpointConfig:
     """Checkpoints under ``OUT/checkpoints`` (see :mod:`jaxpar.checkpoint`): a save every
     ``every`` steps (0: only at the end) and at the end, the newest ``keep`` kept, written
     in the background while training goes on when ``async_save``. ``on_preempt``: on
-    SIGTERM (a preempted machine), save the current step before exiting."""
+    SIGTERM (a preempted machine), save the current step before exiting, within
+    ``preempt_grace_s`` seconds of the signal (what the scheduler allows before it kills).
+
+    ``local_dir``: the fast tier (see :mod:`jaxpar.checkpoint.local_tier`; empty: off), a
+    folder on each host's own disk (``{process}`` is replaced by the process index) where
+    each process saves its own shards every ``local_every`` steps (0: only on SIGTERM),
+    its newest ``local_keep`` kept. ``--resume`` takes the newest step of either tier."""
 
     every: int = 100
     keep: int = 3
     async_save: bool = True
     on_preempt: bool = True
+    local_dir: str = ""
+    local_every: int = 0
+    local_keep: int = 2
+    preempt_grace_s: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,9 @@ _RANGES: dict[str, _Check] = {
     "data.holdout_fraction": _FRACTION,
     "checkpoint.every": (lambda v: v >= 0, "must be 0 (only at the end) or more"),
     "checkpoint.keep": _AT_LEAST_1,
+    "checkpoint.local_every": (lambda v: v >= 0, "must be 0 (only on SIGTERM) or more"),
+    "checkpoint.local_keep": _AT_LEAST_1,
+    "checkpoint.preempt_grace_s": _POSITIVE,
     "lora.alpha": _POSITIVE,
     "diloco.sync_every": (lambda v: v >= 0, "must be 0 (off) or more"),
     "diloco.outer_lr": _POSITIVE,
@@ -415,6 +418,21 @@ def _check_sequence_and_experts(config: Config, sizes: dict[str, int]) -> None:
                           "same number of experts")
 
 
+def _check_local_tier(config: Config) -> None:
+    """The fast checkpoint tier: a local folder (``{process}`` the one placeholder)."""
+    c = config.checkpoint
+    if c.local_every and not c.local_dir:
+        raise _bad("checkpoint.local_every", c.local_every, "needs checkpoint.local_dir (a "
+                   "folder on each host's own disk for the fast tier)")
+    if not c.local_dir:
+        return
+    refuse_url(c.local_dir, "checkpoint.local_dir")
+    other = re.findall(r"\{(?!process\})[^}]*\}?", c.local_dir)
+    if other:
+        raise _bad("checkpoint.local_dir", c.local_dir, f"{other[0]} is no placeholder: "
+                   "{process} (the process index) is the only one")
+
+
 def check_config(config: Config, *, devices: int | None = None, processes: int = 1) -> None:
     """Check every field of ``config`` and how they fit together.
 
@@ -432,6 +450,7 @@ def check_config(config: Config, *, devices: int | None = None, processes: int =
     _check_ranges(config)
     _check_choices(config)
     _check_relations(config)
+    _check_local_tier(config)
     if devices is not None:
         _check_layout(config, devices, processes)
     for text in no_op_knobs(config):

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -41,6 +42,9 @@ class StopOnSignal:
         self.say = say
         self.waiting_for = waiting_for
         self.signal: int | None = None
+        self.since: float | None = None
+        """When (``time.monotonic``) the stop was requested here, or learnt from another
+        process; a preemption's grace period runs from then."""
         self.count = 0
         self._previous: dict[int, Any] = {}
 
@@ -59,6 +63,10 @@ class StopOnSignal:
         """``"Ctrl-C"`` or ``"SIGTERM"``."""
         return "SIGTERM" if self.signal == signal.SIGTERM else "Ctrl-C"
 
+    def elapsed(self) -> float:
+        """Seconds since the stop was requested (0 when it was not)."""
+        return time.monotonic() - self.since if self.since is not None else 0.0
+
     def agreed(self, process_count: int) -> bool:
         """Whether any process has a stop request (collective across processes)."""
         if process_count <= 1:
@@ -68,12 +76,13 @@ class StopOnSignal:
         flags = multihost_utils.process_allgather(np.int32(self.requested))
         if np.any(flags) and self.signal is None:
             self.signal = signal.SIGTERM  # another process was told to stop
+            self.since = time.monotonic()
         return bool(np.any(flags))
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         if self.count == 1:
-            self.signal = signum
+            self.signal, self.since = signum, time.monotonic()
             self.say(f"{self.name} received: stopping after the current step "
                      "(again: show progress; a third time: stop without waiting)")
             return

@@ -4,7 +4,8 @@ The run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` an
 ``tensorboard/`` (one row per logged step: step, loss, grad_norm, lr, step_time_s,
 tokens_per_s, data_wait_s (how long the step waited for its batch), eval_loss on steps that
 evaluated the held-out data (``train.eval_every``),
-checkpoint_block_s on steps that started a save, mfu and memory_bytes where known; see
+checkpoint_block_s on steps that started a save, local_checkpoint_block_s on steps that
+saved to the local tier, mfu and memory_bytes where known; see
 :mod:`jaxpar.runs.runlog`), ``checkpoints/`` (see :mod:`jaxpar.checkpoint`) and, with
 ``train.profile_steps``, ``profile/`` (a ``jax.profiler`` trace).
 
@@ -12,7 +13,9 @@ A run stops early, and cleanly, in two cases. A non-finite loss or gradient norm
 fp16 loss scaling, which skips such steps itself) stops it before that step is saved: the
 newest checkpoint holds finite weights. Ctrl-C or SIGTERM stops it after the step in
 flight (see :mod:`jaxpar.runs.interrupts`): the checkpoint being written is finished, and on
-SIGTERM (preemption) the current step is saved too when ``checkpoint.on_preempt``.
+SIGTERM (preemption) the current step is saved too when ``checkpoint.on_preempt``, to the
+fastest tier that fits ``checkpoint.preempt_grace_s`` (see :mod:`jaxpar.runs.tiers`), and
+the run exits 0.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from tqdm import tqdm
 
 from jaxpar.analysis.executables import load_compiled
 from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.checkpoint.local_tier import LocalTier
 from jaxpar.config.assembly import build_trainer
 from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
-from jaxpar.runs import compile_cache, monitor
+from jaxpar.runs import compile_cache, monitor, tiers
 from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
@@ -148,27 +152,30 @@ def _non_finite(metrics: dict[str, Any], ckpt: Checkpointer | None) -> NonFinite
 
 
 def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
-             config: Config) -> RunStopped:
-    """Finish (and, on SIGTERM with checkpoint.on_preempt, make) the checkpoint; say so."""
+             config: Config, local: LocalTier | None = None) -> RunStopped:
+    """Finish (and, on SIGTERM with checkpoint.on_preempt, make: see
+    :func:`jaxpar.runs.tiers.preempt`) the checkpoint; say so. A preempted run that saved
+    the step it stopped at exits 0, as a scheduler expects of a job it asked to stop."""
     step = trainer.step_count
     if ckpt is None:
         return RunStopped(f"{stop.name}: stopped after step {step} (no --out: nothing saved)",
                           stop.status)
-    preempted = stop.signal == signal.SIGTERM and config.checkpoint.on_preempt
-    if preempted:
-        if ckpt.save(trainer, config=config, force=True) is not None:
-            _say(f"{stop.name}: saving checkpoint {step} (checkpoint.on_preempt)")
-        else:
-            _say(f"{stop.name}: checkpoint {step} already holds the current step")
+    held = None
+    if stop.signal == signal.SIGTERM and config.checkpoint.on_preempt:
+        held = tiers.preempt(stop, trainer, ckpt, local, config, _say)
     pending = ckpt.in_flight()
     if pending is not None:
         _say(f"{stop.name}: stopped after step {step}; finishing checkpoint {pending} "
              "before exiting")
     ckpt.wait()
     steps = ckpt.steps()
-    saved = (f"the newest checkpoint is step {steps[-1]}; continue with --resume"
+    if held == "local tier":
+        steps = [step]
+    saved = (f"the newest checkpoint is step {steps[-1]}"
+             f"{' (local tier)' if held == 'local tier' else ''}; continue with --resume"
              if steps else "no checkpoint was saved yet")
-    return RunStopped(f"{stop.name}: stopped after step {step}; {saved}", stop.status)
+    return RunStopped(f"{stop.name}: stopped after step {step}; {saved}",
+                      0 if held is not None else stop.status)
 
 
 def _launcher_gone(gone: LauncherGone, trainer: Trainer, ckpt: Checkpointer | None,
@@ -291,21 +298,24 @@ class _Due:
     evaluate: bool
     stop: bool
     log: bool
+    local: bool = False
+    """A save to the local tier (:mod:`jaxpar.checkpoint.local_tier`)."""
 
     @property
     def any(self) -> bool:
         """Whether the loop must fetch the metrics in flight now."""
-        return self.save or self.evaluate or self.stop or self.log
+        return self.save or self.evaluate or self.stop or self.log or self.local
 
 
 def _due(step: int, end: int, config: Config, ckpt: Checkpointer | None,
-         stop: StopOnSignal, log: RunLog) -> _Due:
+         stop: StopOnSignal, log: RunLog, local: LocalTier | None = None) -> _Due:
     every = config.train.eval_every
     return _Due(save=ckpt is not None and (ckpt.due(step) or step == end),
                 evaluate=every > 0 and (step % every == 0 or step == end),
                 # every process asks every step: the stop is agreed collectively
                 stop=stop.agreed(jax.process_count()) and step < end,
-                log=log.due(step, last=step == end))
+                log=log.due(step, last=step == end),
+                local=local is not None and local.due(step) and step < end)
 
 
 def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
@@ -344,10 +354,13 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         stop = cleanup.enter_context(StopOnSignal(_say, pending))
         if ckpt is not None:
             cleanup.callback(ckpt.close)
+        local = tiers.local_tier(config, ckpt, resume)
+        if local is not None:
+            cleanup.callback(local.close)
         profile = ProfileWindow(config.train.profile_steps or None,
                                 out / "profile" if out is not None else "profile")
         cleanup.callback(profile.close)
-        resumed_at = _restore(trainer, ckpt, config, loader) if resume else None
+        resumed_at = _restore(trainer, ckpt, config, loader, local) if resume else None
         replica = ReplicaClient.from_env()  # one of jaxpar launch --replicas
         if replica is not None:
             joined = replica.join(trainer)
@@ -385,14 +398,14 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                     replica.meet(trainer, step)
                 except LauncherGone as gone:
                     raise _launcher_gone(gone, trainer, ckpt, config) from None
-            due = _due(step, end, config, ckpt, stop, log)
+            due = _due(step, end, config, ckpt, stop, log, local)
             if not (due.any or window.full):
                 continue
             rows = window.fetch(step)  # waits for the steps in flight
             if not history:  # the first step compiled the step (or found it in the cache)
                 rows[0].update(compiling.metrics())
                 _say(compiling.describe())
-            _act(due, rows[-1], trainer, config, ckpt, holdout, end)
+            _act(due, rows[-1], trainer, config, ckpt, holdout, end, local)
             if due.save and mirror is not None and rows[-1]["step"] < end:
                 ckpt.wait()  # the step's files are on disk: send them to the bucket
                 _push(mirror)
@@ -406,19 +419,24 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                             step_s=f"{last['step_time_s']:.3f}",
                             **({"mfu": f"{last['mfu']:.1%}"} if "mfu" in last else {}))
             if due.stop:
-                raise _stopped(stop, trainer, ckpt, config)
+                raise _stopped(stop, trainer, ckpt, config, local)
     return trainer, history
 
 
 def _act(due: _Due, row: dict[str, Any], trainer: Trainer, config: Config,
-         ckpt: Checkpointer | None, holdout: TokenLoader | None, end: int) -> None:
+         ckpt: Checkpointer | None, holdout: TokenLoader | None, end: int,
+         local: LocalTier | None = None) -> None:
     """Save and evaluate as due after step ``row["step"]``; their figures join its row."""
     if due.save:
         blocked = ckpt.save(trainer, config=config, force=row["step"] == end)
         if blocked is not None:
             row["checkpoint_block_s"] = blocked
+    if due.local:
+        row["local_checkpoint_block_s"] = tiers.save_local(local, ckpt, trainer, config)
     if due.evaluate:
+        began = time.perf_counter()
         row["eval_loss"] = evaluate(trainer, holdout, config.train.eval_batches)
+        row["eval_s"] = time.perf_counter() - began
 
 
 def _all_streams(loader: DocumentLoader, step: int) -> list[list[int]]:
@@ -433,30 +451,29 @@ def _all_streams(loader: DocumentLoader, step: int) -> list[list[int]]:
 
 
 def _restore(trainer: Trainer, ckpt: Checkpointer | None, config: Config,
-             loader: Any = None) -> int | None:
-    """Load the newest checkpoint into ``trainer`` (and a document loader's positions
-    into ``loader``); returns its step (None when there is none, and the run starts from
-    step 0)."""
-    saved = ckpt.steps() if ckpt is not None else []
-    if not saved:
+             loader: Any = None, local: LocalTier | None = None) -> int | None:
+    """Load the newest checkpoint of either tier into ``trainer`` (and a document
+    loader's positions into ``loader``); returns its step (None when there is none, and
+    the run starts from step 0)."""
+    got = tiers.restore_newest(trainer, ckpt, local, _say) if ckpt is not None else None
+    if got is None:
         _say(f"no checkpoint in {ckpt.directory if ckpt else '(no --out)'}; starting from "
              "step 0")
         return None
-    meta = ckpt.restore(trainer)
-    step = trainer.step_count
+    step, meta = got.step, got.meta
     data_pos = (meta.get("data") or {}).get("position", step)
     if data_pos != step:
-        raise JaxparError(f"checkpoint {ckpt.path(step)}: data position {data_pos} "
+        raise JaxparError(f"checkpoint {got.where}: data position {data_pos} "
                           f"does not match step {step}")
     if isinstance(loader, DocumentLoader):
         streams = (meta.get("data") or {}).get("streams")
         if streams is None:
-            raise JaxparError(f"checkpoint {ckpt.path(step)} holds no positions of document "
+            raise JaxparError(f"checkpoint {got.where} holds no positions of document "
                               "streams (it was saved reading other data): resume it with "
                               "the data it was trained on, or start a new --out")
         loader.restore(streams, step)
-    _say(f"resumed from {ckpt.path(step)} (step {step} of {config.train.steps})")
-    changed = _changed_keys(ckpt.config(step), config.to_dict())
+    _say(f"resumed from {got.where} (step {step} of {config.train.steps})")
+    changed = _changed_keys(got.config, config.to_dict())
     if changed:
         _say("config differs from the checkpoint's (the run will not match an "
              "uninterrupted one): " + "; ".join(changed))

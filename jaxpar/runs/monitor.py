@@ -33,6 +33,7 @@ TAGS: dict[str, str] = {
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
     "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "checkpoint_block_s": "perf/checkpoint_block_s", "memory_bytes": "memory/bytes_in_use",
+    "local_checkpoint_block_s": "perf/local_checkpoint_block_s",
 }
 """Metric-row key -> TensorBoard tag; other keys become ``train/<key>``."""
 

@@ -194,13 +194,13 @@ def test_ctrl_c_during_a_save_finishes_it(tmp_path, reference, presses):
 
 def test_sigterm_saves_the_current_step(tmp_path, reference):
     """SIGTERM (a preempted machine) mid-run: checkpoint.on_preempt saves the step the run
-    stopped at, so --resume loses nothing."""
+    stopped at, so --resume loses nothing; the run exits 0, as asked to."""
     out = tmp_path / "run"
     metrics = out / "metrics.jsonl"
     proc = _start(out)
     status, stdout, stderr = _signal_when(
         proc, lambda: metrics.exists() and 6 in _steps(metrics), signal.SIGTERM)
-    assert status == 143, stderr
+    assert status == 0, stderr
     assert "Traceback" not in stderr + stdout
     stopped, newest = map(int, _STOPPED.search(stderr.strip().splitlines()[-1]).groups())
     assert newest == stopped and stopped < 40

@@ -1,0 +1,242 @@
+"""The fast checkpoint tier (jaxpar.checkpoint.local_tier) and a run's two tiers
+(jaxpar.runs.tiers): a bit-exact save and restore of a sharded state, pruning, a fresh
+start, the newer tier restored, a change of layout or a lost folder falling back to the
+persistent tier, the grace period of a preemption, the config keys, and SIGTERM to one of
+4 processes (all stop at one step, save, exit 0; --resume continues exactly)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.checkpoint.checkpointer import Checkpointer, CheckpointWarning, flat_paths
+from jaxpar.checkpoint.local_tier import LocalTier, common_step, why_not
+from jaxpar.config.validate import check_config
+from jaxpar.runs.interrupts import StopOnSignal
+from jaxpar.runs.loop import train
+from jaxpar.runs.tiers import fits, preempt, restore_newest, save_local
+from tests.cli.test_launch import RUN as LAUNCH_RUN
+from tests.helpers import loader, make_trainer, small_config, without_cache
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A trainer on fsdp 4 x tensor 2 after one step, and its state on the host."""
+    trainer = make_trainer({"fsdp": 4, "tensor": 2})
+    trainer.step(loader().batch(0))
+    return trainer, {k: np.asarray(v) for k, v in flat_paths(trainer.state).items()}
+
+
+def at_step(trainer, step: int, state=None) -> SimpleNamespace:
+    """What the tiers read of a trainer, its state (default ``trainer``'s) at ``step``."""
+    state = dict(state if state is not None else trainer.state)
+    state["step"] = jax.device_put(np.int32(step), state["step"].sharding)
+    return SimpleNamespace(state=state, step_count=step, plan=trainer.plan,
+                           pipeline_schedule=None)
+
+
+def blank(trainer, sharding=None) -> SimpleNamespace:
+    """A target of ``trainer``'s shapes, zeros in its shardings (or all in ``sharding``)."""
+    state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype),
+                                                  sharding or x.sharding), trainer.state)
+    return at_step(trainer, 0, state)
+
+
+def test_bit_exact_restore_pruning_and_a_fresh_start(tmp_path, trained):
+    trainer, want = trained
+    local = LocalTier(tmp_path / "fast" / "{process}", run="A", every=2, keep=2)
+    assert local.directory == tmp_path / "fast" / "0"
+    assert [local.due(s) for s in range(5)] == [False, False, True, False, True]
+    assert local.save(trainer, {"step": 1}, {"seed": 0}) < 5
+    local.wait()
+    # Each distinct slice once: this one process holds every array whole, once.
+    data = local.path(1) / "process_0.bin"
+    assert data.stat().st_size == sum(v.nbytes for v in want.values())
+    target = blank(trainer)
+    assert local.agree(target) == (1, None)
+    index = local.restore(target, 1)
+    assert index["meta"] == {"step": 1} and index["config"] == {"seed": 0}
+    for key, value in flat_paths(target.state).items():
+        np.testing.assert_array_equal(np.asarray(value), want[key], err_msg=key)
+        assert value.sharding == flat_paths(trainer.state)[key].sharding, key
+
+    for step in (2, 3, 4):  # keep=2: the two newest stay
+        local.save(at_step(trainer, step), {"step": step}, {})
+    local.wait()
+    assert local.steps() == [3, 4] and not local.path(1).exists()
+    # Another run's steps in the same folder are neither seen nor removed.
+    other = LocalTier(tmp_path / "fast" / "{process}", run="B")
+    assert other.steps() == []
+    other.clear()
+    # A write cut short left a temporary file: the next tier removes it.
+    (local.path(4) / "process_0.bin.tmp").write_bytes(b"half")
+    LocalTier(tmp_path / "fast" / "{process}", run="A")
+    assert not (local.path(4) / "process_0.bin.tmp").exists()
+    # A truncated file: the step is unreadable, the state is left as it was.
+    (local.path(4) / "process_0.bin").write_bytes(b"x")
+    with pytest.warns(CheckpointWarning, match="step 4 of process 0 is unreadable"):
+        assert local.restore(target, 4) is None
+    assert int(target.state["step"]) == 1
+    local.clear()  # a fresh start
+    assert local.steps() == []
+
+
+def test_restore_takes_the_newer_tier_or_falls_back(tmp_path, trained):
+    trainer, _ = trained
+    config = small_config()
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", every=0, async_save=False)
+    local = LocalTier(tmp_path / "fast", run=str(ckpt.directory))
+    said: list[str] = []
+    ckpt.save(at_step(trainer, 2), config=config, force=True)
+    save_local(local, ckpt, at_step(trainer, 3), config)
+    got = restore_newest(blank(trainer), ckpt, local, said.append)
+    assert (got.step, got.where) == (3, f"local tier step 3 ({tmp_path / 'fast' / '3'})")
+    assert got.meta["data"]["position"] == 3 and got.config == json.loads(json.dumps(config.to_dict()))
+    save_local(local, ckpt, at_step(trainer, 4), config)  # a tie goes to the local tier
+    ckpt.save(at_step(trainer, 4), config=config, force=True)
+    assert restore_newest(blank(trainer), ckpt, local, said.append).where.startswith("local")
+    ckpt.save(at_step(trainer, 5), config=config, force=True)
+    got = restore_newest(blank(trainer), ckpt, local, said.append)
+    assert (got.step, got.where) == (5, str(ckpt.path(5))) and said == []
+
+    # Another device count: the local tier's slices do not fit; the persistent tier
+    # restores, resharded.
+    save_local(local, ckpt, at_step(trainer, 6), config)
+    four = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",)), P())
+    target = blank(trainer, four)
+    got = restore_newest(target, ckpt, local, said.append)
+    assert got.step == 5 and target.state["params"]["embed"].sharding == four
+    assert said == ["local tier step 6 is saved under another layout (process 0 lacks "
+                    "slices this run's devices hold): not restoring it"]
+    # A host whose local folder is gone restores from the persistent tier.
+    shutil.rmtree(local.directory)
+    assert restore_newest(blank(trainer), ckpt, local, said.append).step == 5
+    ckpt.close()
+
+
+def test_the_processes_agree_on_a_step_all_of_them_hold():
+    rows = lambda *r: np.array([list(x) + [-1] * (4 - len(x)) for x in r])  # noqa: E731
+    assert common_step(rows([4, 6], [4, 6])) == 6
+    assert common_step(rows([4, 6], [4])) == 4  # process 1 lost step 6 (killed writing it)
+    assert common_step(rows([4, 6], [])) is None  # process 1's folder is gone
+    assert why_not(rows([4, 6], []), rows([4, 6], []), None) == (
+        "local tier step 6 is missing on process 1")
+    assert why_not(rows([6], [6], [6]), rows([6], [], []), None) == (
+        "local tier step 6 is saved under another layout (processes 1, 2 lack slices "
+        "this run's devices hold)")
+    assert why_not(rows([4, 6], [4, 6]), rows([4, 6], [4, 6]), 6) is None
+    assert why_not(rows(), rows(), None) is None
+
+
+def test_a_preemption_saves_to_the_tiers_that_fit_the_grace_period(tmp_path, trained):
+    trainer, _ = trained
+    config = small_config("checkpoint.preempt_grace_s=30")
+    assert fits(None, 29, 30) and fits(float("nan"), 29, 30) and fits(1.0, 28.5, 30)
+    assert not fits(1.0, 29.5, 30)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", every=0, async_save=False)
+    local = LocalTier(tmp_path / "fast", run=str(ckpt.directory))
+    stop = StopOnSignal(print)
+    stop.signal, stop.since = signal.SIGTERM, time.monotonic()
+    said: list[str] = []
+    # No persistent save timed yet: both tiers.
+    assert preempt(stop, at_step(trainer, 3), ckpt, local, config, said.append) == str(
+        ckpt.path(3))
+    assert local.steps() == [3] and ckpt.steps() == [3] and ckpt.last_save_s > 0
+    assert said[0].startswith("SIGTERM: saved step 3 to the local tier in ")
+    # 29.9 s of the 30 gone: the persistent save (timed above) does not fit.
+    stop.since, said[:] = time.monotonic() - 29.9, []
+    assert preempt(stop, at_step(trainer, 4), ckpt, local, config, said.append) == (
+        "local tier")
+    assert local.steps() == [3, 4] and ckpt.steps() == [3]
+    assert re.fullmatch(r"SIGTERM: not saving step 4 to \S+ too: its last save took \d+\.\d "
+                        r"s, 0\.\d s of checkpoint\.preempt_grace_s=30 are left", said[-1])
+    # Without a local tier the persistent tier is the only one: it is tried.
+    assert preempt(stop, at_step(trainer, 5), ckpt, None, config, said.append) == str(
+        ckpt.path(5))
+    ckpt.close()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["checkpoint.local_every=5"], r"^checkpoint.local_every=5: needs checkpoint.local_dir"),
+    (["checkpoint.local_dir=gs://b/fast"], r"^checkpoint.local_dir 'gs://b/fast': gs://"),
+    (["checkpoint.local_dir=/ssd/{host}"], r"^checkpoint.local_dir='/ssd/\{host\}': \{host\} "
+                                           r"is no placeholder: \{process\}"),
+    (["checkpoint.local_dir=/ssd", "checkpoint.local_every=-1"], r"local_every=-1: must be 0"),
+    (["checkpoint.local_keep=0"], r"^checkpoint.local_keep=0: must be at least 1$"),
+    (["checkpoint.preempt_grace_s=0"], r"^checkpoint.preempt_grace_s=0(\.0)?: must be a positive"),
+])
+def test_bad_tier_keys_are_one_line(overrides, message):
+    with pytest.raises(jaxpar.JaxparError, match=message):
+        check_config(small_config(*overrides))
+    check_config(small_config("checkpoint.local_dir=/ssd/{process}", "checkpoint.local_every=2"))
+
+
+# --- 4 processes, SIGTERM to one of them ---------------------------------------------------
+RUN = [*LAUNCH_RUN, "train.steps=10", "checkpoint.every=4"]
+
+
+def _children(pid: int) -> dict[int, int]:
+    """``{process index: pid}`` of the processes ``jaxpar launch`` (``pid``) started."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            index = [e for e in env if e.startswith(b"JAXPAR_PROCESS_ID=")]
+            if index:
+                found[int(index[0].split(b"=")[1])] = int(child)
+    return found
+
+
+def _launch(out: Path, fast: Path, *extra: str) -> list[str]:
+    """``jaxpar launch`` of RUN on 4 processes x 2 devices, the local tier every 2 steps."""
+    return [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "4",
+            "--devices-per-process", "2", "--", "train", "--config", "configs/tiny.yaml",
+            "--out", str(out), *extra, *RUN, f"checkpoint.local_dir={fast}/{{process}}",
+            "checkpoint.local_every=2"]
+
+
+def test_sigterm_to_one_of_4_processes_then_exact_resume(tmp_path):
+    out, fast = tmp_path / "run", tmp_path / "fast"
+    metrics = out / "metrics.jsonl"
+    proc = subprocess.Popen(_launch(out, fast), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=without_cache(os.environ))
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.kill(_children(proc.pid)[2], signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout[-4000:]  # every process exited 0
+    stopped = int(re.search(r"\[0\] jaxpar: SIGTERM: stopped after step (\d+); the newest "
+                            r"checkpoint is step \1; continue with --resume", stdout)[1])
+    assert stopped < 10
+    assert (f"[0] jaxpar: SIGTERM: saved step {stopped} to the local tier in " in stdout
+            or f"[0] jaxpar: SIGTERM: local tier step {stopped} already holds" in stdout)
+    for i in range(4):  # every process stopped at that step and saved its shards
+        assert (fast / str(i) / str(stopped) / f"process_{i}.json").is_file(), i
+
+    done = subprocess.run(_launch(out, fast, "--resume"), capture_output=True,
+                          text=True, timeout=240, env=without_cache(os.environ))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert (f"[0] jaxpar: resumed from local tier step {stopped} "
+            f"({fast / '0' / str(stopped)}) (step {stopped} of 10)") in done.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert "local_checkpoint_block_s" in rows[1]  # step 2: local_every=2
+    _, history = train(jaxpar.load_config("configs/tiny.yaml", RUN), tmp_path / "one",
+                       progress=False)
+    np.testing.assert_allclose([r["loss"] for r in rows], [m["loss"] for m in history],
+                               rtol=1e-5)
