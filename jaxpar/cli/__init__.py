@@ -10,11 +10,12 @@
 ``jaxpar convert --from-hf HF_FOLDER --out RUN [--devices N] [key=value ...]``
 ``jaxpar export --run RUN --to-hf DIR [--merge-lora | --adapters] [--dtype bfloat16]``
 ``jaxpar tokenize --tokenizer TOK --out SHARDS [--field text] [--workers N] INPUT ...``
+``jaxpar goodput RUN [--json]``
 
 One module a command (:mod:`jaxpar.cli.train`, :mod:`~jaxpar.cli.plan`,
 :mod:`~jaxpar.cli.inspection`, :mod:`~jaxpar.cli.calibrate`, :mod:`~jaxpar.cli.launch`,
 :mod:`~jaxpar.cli.sample`, :mod:`~jaxpar.cli.convert`, :mod:`~jaxpar.cli.export`,
-:mod:`~jaxpar.cli.tokenize_corpus`), their
+:mod:`~jaxpar.cli.tokenize_corpus`, :mod:`~jaxpar.cli.goodput`), their
 arguments in :mod:`jaxpar.cli.parser`. ``--devices N`` simulates N CPU devices; it is
 handled before JAX starts a backend. Options and ``section.key=value`` overrides may come
 in any order.
@@ -38,7 +39,7 @@ from jaxpar.errors import JaxparError, JaxparWarning, RunStopped
 COMMANDS: dict[str, str] = {
     "train": "train", "plan": "plan", "inspect": "inspection", "compile": "inspection",
     "calibrate": "calibrate", "launch": "launch", "sample": "sample", "convert": "convert",
-    "export": "export", "tokenize": "tokenize_corpus",
+    "export": "export", "tokenize": "tokenize_corpus", "goodput": "goodput",
 }
 """The module of :mod:`jaxpar.cli` whose ``command`` each ``jaxpar`` subcommand runs,
 imported once the arguments parse: ``--help`` and argument errors never start JAX."""

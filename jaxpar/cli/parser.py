@@ -252,7 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(sub)
     _add_hf(sub)
     _add_tokenize(sub)
+    _add_goodput(sub)
     return parser
+
+
+def _add_goodput(sub: argparse._SubParsersAction) -> None:
+    goodput = sub.add_parser("goodput", help="where a run's wall time went, across its "
+                             "restarts: productive steps, compile, startup, checkpoints, "
+                             "data, steps trained again")
+    goodput.add_argument("run", metavar="RUN",
+                         help="run folder (the --out of jaxpar train; local or in a bucket)")
+    goodput.add_argument("--json", action="store_true",
+                         help="print the session records and the total as JSON")
+    goodput.set_defaults(command="goodput")
 
 
 def _add_tokenize(sub: argparse._SubParsersAction) -> None:

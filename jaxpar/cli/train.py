@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxpar.config.yaml_files import read_yaml
+from jaxpar.runs import goodput
 from jaxpar.runs.run_folder import FINISHED, folder_bytes
 from jaxpar.storage.remote import is_remote
 from jaxpar.storage.run_mirror import RunMirror
@@ -61,6 +63,8 @@ def finished_step(out: str | None) -> int | None:
 
 def command(args: argparse.Namespace) -> int:
     """``jaxpar train``: check the config and run folder, start the devices, train."""
+    if sys.argv[1:2] == ["train"]:  # this process runs this command: count from its start
+        goodput.count_from_process_start()  # (starting Python and JAX are startup)
     if args.config:  # a missing or broken file is named before anything starts JAX
         read_yaml(args.config)
     config = checked_train_config(args)
@@ -105,9 +109,11 @@ def command(args: argparse.Namespace) -> int:
                        max_steps=getattr(args, "max_steps", None))
     if writer and history:
         s = summarize(history)
+        spent = goodput.describe(goodput.final_figures(args.out, history[-1]))
         print(f"done: {len(history)} steps, final loss {s['final_loss']:.4f}, "
               f"{s['mean_tokens_per_s']:,.0f} tokens/s, "
               f"{s['mean_step_time_s'] * 1e3:.1f} ms/step"
+              + (f"; {spent}" if spent else "")
               + (f"; wrote {args.out}/metrics.jsonl and checkpoints/" if args.out else ""))
     elif writer:
         print(f"done: already at step {config.train.steps}; nothing to train")

@@ -6,7 +6,9 @@ TensorBoard scalars under ``OUT/tensorboard/`` (see :mod:`jaxpar.runs.monitor` f
 loss, eval loss, learning rate, gradient norm, tokens/s, step time, MFU (from the model's
 FLOPs and the chip's peak, when both are known) and device memory in use (when the
 devices report it). Everything is computed on the host from figures the step already
-returned, so logging adds no device synchronisation.
+returned, so logging adds no device synchronisation. Rows that end a window of steps also
+carry the run's goodput so far (:data:`jaxpar.runs.goodput.ROW_KEYS`), tagged
+``goodput/fraction``, ``goodput/productive_s`` and ``badput/<part>_s``.
 
 On resume, rows of steps after the checkpoint (steps that will be trained again) are
 dropped first, so every step appears once.
@@ -27,7 +29,7 @@ from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
 from jaxpar.planner.catalog import Machine
 from jaxpar.planner.prediction import predict
-from jaxpar.runs import monitor
+from jaxpar.runs import goodput, monitor
 from jaxpar.runs.trackers import WandbTracker
 from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.storage.folders import free_bytes, human_bytes, write_fault
@@ -158,7 +160,9 @@ class RunLog:
                 path = self._out / "metrics.jsonl"
                 raise JaxparError(f"writing {path} failed: {write_fault(err) or err} "
                                   f"({human_bytes(free_bytes(path))} free there)") from None
-        tags = monitor.tensorboard_tags(metrics)
+        tags = monitor.tensorboard_tags({k: v for k, v in metrics.items()
+                                         if k not in goodput.TAGS})
+        tags.update({tag: float(metrics[k]) for k, tag in goodput.TAGS.items() if k in metrics})
         if self._tensorboard is not None:
             self._tensorboard.scalars(metrics["step"], tags)
         if self._wandb is not None:

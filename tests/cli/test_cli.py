@@ -25,7 +25,7 @@ def test_each_command_runs_its_module():
     modules = {"train": "train", "plan": "plan", "inspect": "inspection",
                "compile": "inspection", "calibrate": "calibrate", "launch": "launch",
                "sample": "sample", "convert": "convert", "export": "export",
-               "tokenize": "tokenize_corpus"}
+               "tokenize": "tokenize_corpus", "goodput": "goodput"}
     assert modules == cli.COMMANDS
     for name, module in modules.items():
         assert cli.command_for(name) is importlib.import_module(
