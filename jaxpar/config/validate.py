@@ -24,7 +24,14 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh
 
-from jaxpar.config.schema import MESH_SIZE_KEYS, Config, DataConfig, PlanConfig, hf_folder
+from jaxpar.config.schema import (
+    HF_PREFIX,
+    MESH_SIZE_KEYS,
+    Config,
+    DataConfig,
+    PlanConfig,
+    hf_folder,
+)
 from jaxpar.data.documents import document_files, uses_documents
 from jaxpar.data.shards import TOKEN_DTYPES, names_shards, shard_paths
 from jaxpar.errors import JaxparError, JaxparWarning
@@ -36,7 +43,7 @@ from jaxpar.sharding.mesh import MESH_AXES, mesh_sizes
 from jaxpar.sharding.plan import check_knob, check_knob_pairs, knobs
 from jaxpar.sharding.rules import PRESETS, preset
 from jaxpar.storage.folders import refuse_url
-from jaxpar.storage.remote import check_url
+from jaxpar.storage.remote import check_bucket, check_url, filesystem, is_remote
 from jaxpar.training.optimizer import OPTIMIZERS
 
 
@@ -193,7 +200,9 @@ def _check_relations(config: Config) -> None:
         if isinstance(entry, dict):
             check_url(entry.get("path", ""), f"data.sources[{i}].path")
     check_url(d.source, "data.source")
-    refuse_url(config.init_from, "init_from")
+    check_url(config.init_from, "init_from")
+    if config.init_from.startswith(HF_PREFIX):
+        refuse_url(config.init_from[len(HF_PREFIX):], "init_from hf:")
     if uses_documents(d.source, d.sources, d.tokenizer):
         _check_documents(config)
     elif d.sources or names_shards(d.source):
@@ -224,7 +233,12 @@ def _check_relations(config: Config) -> None:
     if hf is not None and not (hf / "config.json").is_file():
         raise _bad("init_from", config.init_from, "is not a Hugging Face model folder (no "
                    "config.json)")
-    if config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
+    if is_remote(config.init_from):
+        check_bucket(config.init_from, "init_from")
+        if not filesystem(config.init_from, "init_from").isdir(config.init_from):
+            raise _bad("init_from", config.init_from, "is not a folder in the bucket (give a "
+                       "run folder or its checkpoints/ folder)")
+    elif config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
 

@@ -132,16 +132,40 @@ def _options(scheme: str | None) -> dict[str, Any]:
 
 
 def endpoint(url: str) -> tuple[str, int] | None:
-    """The host and port the requests for ``url`` go to (an emulator's or a custom
-    endpoint's), None for the provider's own."""
+    """The host and port the requests for ``url`` go to: an emulator's or a custom
+    endpoint's, Google's for ``gs://``; None for S3's own (its host depends on the
+    region)."""
     scheme = url_scheme(url)
-    given = (os.environ.get("STORAGE_EMULATOR_HOST") if scheme == "gs"
+    given = (os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+             if scheme == "gs"
              else os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
     if not given:
         return None
     parsed = urlparse(given if "://" in given else f"http://{given}")
     return parsed.hostname or "localhost", parsed.port or (443 if parsed.scheme == "https"
                                                            else 80)
+
+
+_ANSWERED: set[tuple[str, int]] = set()
+
+
+def probe_endpoint(url: str, what: str) -> None:
+    """Fail in one line, within :data:`PROBE_TIMEOUT_S`, when the storage endpoint of
+    ``url`` cannot be reached (no network, a name that does not resolve, an emulator that
+    is not running): the storage clients would retry for minutes.
+
+    Raises:
+      JaxparError: naming ``what``, the URL and the endpoint.
+    """
+    where = endpoint(url)
+    if where is None or where in _ANSWERED:
+        return
+    try:
+        socket.create_connection(where, timeout=PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise JaxparError(f"{what} {url!r}: the storage endpoint {where[0]}:{where[1]} "
+                          f"does not answer ({exc.strerror or exc})") from None
+    _ANSWERED.add(where)
 
 
 def check_bucket(url: str, what: str) -> None:
@@ -153,13 +177,7 @@ def check_bucket(url: str, what: str) -> None:
       JaxparError: naming ``what`` and the URL.
     """
     fs = filesystem(url, what)
-    where = endpoint(url)
-    if where is not None:
-        try:
-            socket.create_connection(where, timeout=PROBE_TIMEOUT_S).close()
-        except OSError as exc:
-            raise JaxparError(f"{what} {url!r}: the storage endpoint {where[0]}:{where[1]} "
-                              f"does not answer ({exc.strerror or exc})") from None
+    probe_endpoint(url, what)
     bucket = bucket_of(url)
     with reported(url, what):
         if not fs.exists(f"{url_scheme(url)}://{bucket}"):
@@ -205,6 +223,7 @@ def remote_files(spec: str, suffixes: tuple[str, ...], what: str) -> list[str]:
       JaxparError: in one line, when nothing matches or the bucket cannot be read.
     """
     fs = filesystem(spec, what)
+    probe_endpoint(spec, what)
     scheme = url_scheme(spec)
     with reported(spec, what):
         if any(c in spec for c in "*?["):
