@@ -40,7 +40,7 @@ from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
-from jaxpar.runs import compile_cache, monitor, tiers
+from jaxpar.runs import compile_cache, goodput, monitor, tiers
 from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
@@ -48,7 +48,8 @@ from jaxpar.runs.replicas import LauncherGone, ReplicaClient
 from jaxpar.runs.run_folder import check_run_folder, mark_finished
 from jaxpar.runs.runlog import RunLog
 from jaxpar.storage.folders import LOCK_NAME, FolderLock
-from jaxpar.storage.remote import RunMirror, is_remote
+from jaxpar.storage.remote import is_remote
+from jaxpar.storage.run_mirror import BucketLock, RunMirror
 from jaxpar.training.prefetch import Prefetcher
 from jaxpar.training.trainer import Trainer
 
@@ -213,20 +214,25 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
         data. :class:`NonFiniteLoss` (a JaxparError) when the loss diverged.
       RunStopped: after Ctrl-C or SIGTERM, once the checkpoint in flight is on disk.
     """
+    started = goodput.session_start()  # goodput: the session counts from here (or its process)
     check_run_folder(out_dir, resume=resume, config=config)
     monitor.run_chip(config.train.catalog)  # a bad train.catalog: one line, before any work
     mirror = None
-    if is_remote(out_dir):  # the run works in a local copy, uploaded after each save
+    if is_remote(out_dir):  # see jaxpar.storage.run_mirror: what is written where
         mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))
         if resume:
-            _say(f"downloading {mirror.url} into {mirror.local}")
+            _say(f"reading {mirror.url}" if mirror.direct
+                 else f"downloading {mirror.url} into {mirror.local}")
             mirror.pull()
         out_dir = mirror.local
     compile_cache.enable(config.train.compile_cache)
     executable = load_compiled(compiled, config, jax.devices()) if compiled else None
     # One writer per run folder: process 0 of a run holds its lock until the run ends.
-    lock = (FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say)
-            if out_dir is not None and jax.process_index() == 0 else None)
+    lock: FolderLock | BucketLock | None = None
+    if out_dir is not None and jax.process_index() == 0:
+        lock = (BucketLock(f"{mirror.url}/{LOCK_NAME}", "jaxpar train", say=_say)
+                if mirror is not None else
+                FolderLock(Path(out_dir) / LOCK_NAME, "jaxpar train", say=_say))
     if lock is not None:
         lock.check()  # a second writer is refused before the data is read
     # Bad data is refused before the lock (and with it the run folder) is created.
@@ -239,7 +245,8 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     clean = False
     try:
         result = _train(config, out_dir, loader, holdout, progress=progress, resume=resume,
-                        max_steps=max_steps, executable=executable, mirror=mirror)
+                        max_steps=max_steps, executable=executable, mirror=mirror,
+                        started=started)
         clean = True
         trainer = result[0]
         if (out_dir is not None and jax.process_index() == 0
@@ -254,6 +261,8 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
             _push(mirror)
         if lock is not None:
             lock.release()
+        if mirror is not None:
+            mirror.discard()
 
 
 def _push(mirror: RunMirror) -> None:
@@ -321,19 +330,24 @@ def _due(step: int, end: int, config: Config, ckpt: Checkpointer | None,
 def _train(config: Config, out_dir: str | Path | None, loader: TokenLoader,
            holdout: TokenLoader | None, *,
            progress: bool, resume: bool, max_steps: int | None,
-           executable: tuple[Any, tuple] | None = None, mirror: RunMirror | None = None
-           ) -> tuple[Trainer, list[dict[str, Any]]]:
-    with compile_cache.CompileWatch() as compiling:
+           executable: tuple[Any, tuple] | None = None, mirror: RunMirror | None = None,
+           started: tuple[float, str] | None = None) -> tuple[Trainer, list[dict[str, Any]]]:
+    # goodput: the clock closes last, once the last save is written (see jaxpar.runs.goodput)
+    clock = goodput.GoodputClock(out_dir, started, resume=resume,
+                                 writer=jax.process_index() == 0)
+    with compile_cache.CompileWatch() as compiling, clock:
         return _train_watched(config, out_dir, loader, holdout, progress=progress,
                               resume=resume, max_steps=max_steps, executable=executable,
-                              compiling=compiling, mirror=mirror)
+                              compiling=compiling, mirror=mirror, clock=clock)
 
 
 def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoader,
                    holdout: TokenLoader | None, *, progress: bool, resume: bool,
                    max_steps: int | None, executable: tuple[Any, tuple] | None,
-                   compiling: compile_cache.CompileWatch, mirror: RunMirror | None = None
+                   compiling: compile_cache.CompileWatch, mirror: RunMirror | None = None,
+                   clock: goodput.GoodputClock | None = None
                    ) -> tuple[Trainer, list[dict[str, Any]]]:
+    clock = clock or goodput.GoodputClock(None)
     out = Path(out_dir) if out_dir is not None else None
     is_writer = jax.process_index() == 0
     trainer = _checked_trainer(config, loader)
@@ -343,7 +357,8 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                               "diloco.sync_every")
         trainer.use_compiled(jax.ShapeDtypeStruct(executable[1], np.int32), executable[0])
         _say("running the step compiled ahead of time (--compiled)")
-    ckpt = (Checkpointer.from_config(out / "checkpoints", config.checkpoint)
+    ckpt = (Checkpointer.from_config(mirror.checkpoints if mirror is not None
+                                     else out / "checkpoints", config.checkpoint)
             if out is not None else None)
     if ckpt is not None and isinstance(loader, DocumentLoader):
         ckpt.data_state = lambda step: {"streams": _all_streams(loader, step)}
@@ -357,6 +372,7 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         local = tiers.local_tier(config, ckpt, resume)
         if local is not None:
             cleanup.callback(local.close)
+        cleanup.callback(clock.closing)  # goodput: from here the session waits for saves
         profile = ProfileWindow(config.train.profile_steps or None,
                                 out / "profile" if out is not None else "profile")
         cleanup.callback(profile.close)
@@ -385,6 +401,7 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
         cleanup.callback(batches.close)
         # fp16 loss scaling skips non-finite steps itself; otherwise they stop the run
         window = _Window(log, guard=trainer.loss_scale is None, ckpt=ckpt)
+        clock.loop_started(begin)  # goodput: the time so far was startup
         for index, batch in batches:
             profile.before_step(index)
             metrics = trainer.step_async(batch)
@@ -402,17 +419,21 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
             if not (due.any or window.full):
                 continue
             rows = window.fetch(step)  # waits for the steps in flight
+            clock.steps(rows)  # goodput: the time since the last mark went to these steps
             if not history:  # the first step compiled the step (or found it in the cache)
                 rows[0].update(compiling.metrics())
                 _say(compiling.describe())
             _act(due, rows[-1], trainer, config, ckpt, holdout, end, local)
-            if due.save and mirror is not None and rows[-1]["step"] < end:
-                ckpt.wait()  # the step's files are on disk: send them to the bucket
-                _push(mirror)
+            clock.acted(rows[-1], due.save)  # goodput: saves, evaluation; run figures
             for row in rows:
                 history.append(row)
                 if log.due(row["step"], last=row["step"] == end, metrics=row):
                     log.write(row)
+            if due.save and mirror is not None and rows[-1]["step"] < end:
+                if not mirror.direct:
+                    ckpt.wait()  # the step's files are on disk: send them to the bucket
+                _push(mirror)  # with the rows of every step the checkpoint holds
+                clock.mark("checkpoint")  # goodput: the upload (with the rows' logging)
             last = rows[-1]
             bar.set_postfix(loss=f"{last['loss']:.4f}",
                             tok_s_dev=f"{last['tokens_per_s_per_device']:,.0f}",
