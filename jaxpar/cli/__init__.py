@@ -23,12 +23,15 @@ in any order.
 A mistake in the input (a config key, a value out of range, a file, a folder, a device
 count) is reported as one line, ``jaxpar: error: ...``, with exit status 2, before any
 heavy work; an interrupted run exits with 130 (Ctrl-C) or 143 (SIGTERM) after finishing
-its checkpoint. Anything else that goes wrong is a bug and shows its traceback.
+its checkpoint. Output cut short by its reader (``jaxpar plan ... | head``) ends quietly
+with 141 (128 + SIGPIPE, as a shell reports a command killed by a broken pipe). Anything
+else that goes wrong is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -61,13 +64,31 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 _DEFAULT_SHOW = warnings.showwarning
 
 
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away (``| head``): point stdout at ``/dev/null`` so
+    the interpreter's final flush has nowhere to fail (the standard recipe of Python's
+    ``signal`` documentation)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured output)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` command; user errors print one line and exit 2."""
     args = parse_args(argv)
     shown = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
-        return command_for(args.command)(args)
+        status = command_for(args.command)(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit as "Exception ignored"
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
     except JaxparError as err:
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
@@ -79,7 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         warnings.showwarning = shown
-
 
 
 __all__ = ["COMMANDS", "build_parser", "command_for", "main", "parse_args"]

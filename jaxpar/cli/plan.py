@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,8 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
     """``--verify K``: the first K plans compiled for the machine's TPU slices by the TPU
     compiler (:func:`jaxpar.analysis.inspection.compile_step`); a plan the compiler says
     does not fit is dropped, and each kept row gets ``compiler_bytes`` beside the
-    planner's ``memory_per_device_bytes``. Plans after the first K are kept unverified."""
+    planner's ``memory_per_device_bytes``. Plans after the first K are kept unverified.
+    Its progress lines go to stderr, so ``--json`` prints JSON alone on stdout."""
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -179,12 +181,13 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
         except StepDoesNotFit as err:
             print(f"verify #{i}: dropped, the TPU compiler needs more than "
                   f"{fmt_bytes(err.temp_bytes)} of temporaries ({fmt_bytes(err.hbm_bytes)} "
-                  f"of HBM); the planner said {fmt_bytes(row['memory_per_device_bytes'])}")
+                  f"of HBM); the planner said {fmt_bytes(row['memory_per_device_bytes'])}",
+                  file=sys.stderr)
             continue
         ratio = row["memory_per_device_bytes"] / memory["total_bytes"]
         print(f"verify #{i}: the TPU compiler needs {fmt_bytes(memory['total_bytes'])} a "
               f"device, the planner {fmt_bytes(row['memory_per_device_bytes'])} (x{ratio:.2f})"
-              + ("" if memory["fits"] else "; dropped: it does not fit"))
+              + ("" if memory["fits"] else "; dropped: it does not fit"), file=sys.stderr)
         if memory["fits"]:
             keep_plans.append(est)
             keep_rows.append(dict(row, compiler_bytes=memory["total_bytes"]))
@@ -201,6 +204,9 @@ def command(args: argparse.Namespace) -> int:
                         ("--top", args.top), ("--slices", args.slices)):
         if value < 1:
             raise JaxparError(f"{flag} {value}: must be at least 1")
+    if args.verify < 0:
+        raise JaxparError(f"--verify {args.verify}: must be 0 or more (the number of plans "
+                          "to compile)")
     if args.write:
         _check_write(args.write, force=args.force)
     resolved = resolve_model(args.model, overrides)

@@ -100,9 +100,11 @@ def test_a_second_run_loads_its_step_from_the_compile_cache(tmp_path):
 def test_plan_verify_compiles_the_plans_for_the_tpu(capsys):
     assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "tpu-v5e:4",
                      "--global-batch", "8", "--seq", "128", "--top", "2",
-                     "--verify", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "verify #1: the TPU compiler needs " in out and "verify #2" not in out
+                     "--verify", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)  # the progress lines go to stderr: stdout is the JSON alone
+    assert rows[0]["compiler_bytes"] > 0 and "compiler_bytes" not in rows[1]
+    assert "verify #1: the TPU compiler needs " in err and "verify #2" not in err
     assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "h100:8",
                      "--global-batch", "8", "--seq", "128", "--verify", "1"]) == 2
     assert "--verify compiles with the TPU compiler" in capsys.readouterr().err

@@ -94,6 +94,7 @@ def test_axis_size_lists():
 @pytest.mark.parametrize("extra, message", [
     (["--top", "0"], "--top 0: must be at least 1"),
     (["--slices", "0"], "--slices 0: must be at least 1"),
+    (["--verify", "-1"], "--verify -1: must be 0 or more (the number of plans to compile)"),
     (["--context", "1,x"], "axis sizes must be positive integers separated by commas, got "
                            "'1,x'"),
 ])
@@ -102,6 +103,22 @@ def test_bad_numbers_are_one_line(extra, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == f"jaxpar: error: {message}\n"
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_a_reader_that_stops_early_ends_the_plan_quietly(capsys, monkeypatch):
+    """``jaxpar plan ... | head``: the closed pipe is exit 141 and no traceback."""
+    import sys
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main([*PLAN, "--top", "1"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_write_refuses_an_existing_file_unless_forced(tmp_path, capsys):
