@@ -35,6 +35,7 @@ from jaxpar.runs.replicas import (
     ENV_REPLICA,
     SERVER_STATE,
     ParameterServer,
+    check_resumable,
 )
 
 
@@ -72,18 +73,78 @@ def _checked(args: argparse.Namespace, cmd: list[str]):
                           "float32 weights through the parameter server, once per "
                           "meeting; these are in-program DiLoCo's (one process, data >= 2): "
                           "drop them")
-    meetings = Path(child.out) / "meetings"
-    if getattr(args, "resume", False):
-        if not (meetings / SERVER_STATE).is_file():
-            raise JaxparError(f"launch --resume: {meetings} holds no completed meeting to "
-                              "continue from; start the replica run without --resume")
-    elif meetings.exists() and any(meetings.iterdir()):
-        raise JaxparError(f"{meetings} already holds a replica run; continue it with "
-                          "jaxpar launch --replicas N --resume, or choose another --out")
+    _check_folder(Path(child.out), config.diloco.sync_every, getattr(args, "resume", False))
     # each replica runs the config without in-program DiLoCo, on its own devices
     alone = checked_train_config(parse_args([*cmd, "diloco.sync_every=0"]))
     check_config(alone, devices=args.devices_per_process, processes=1)
     return child, config
+
+
+def _saved(out: Path) -> list[str]:
+    """The replicas' run folders in ``out`` that hold checkpoints."""
+    return sorted(p.parent.name for p in out.glob("replica_*/checkpoints")
+                  if any(c.name.isdigit() for c in p.iterdir()))
+
+
+def _check_folder(out: Path, sync_every: int, resume: bool) -> None:
+    """Refuse in one line, with advice that works, a replica run ``out`` cannot hold:
+    a resume without the server's state (or with another ``sync_every``, a stray in
+    ``meetings/``), a fresh start over an earlier run's meetings or checkpoints."""
+    meetings = out / "meetings"
+    begun = meetings.exists() and any(meetings.iterdir())
+    saved = _saved(out)
+    if resume:
+        if (meetings / SERVER_STATE).is_file():
+            check_resumable(meetings, sync_every)
+            return
+        held = ", ".join(saved) or (str(meetings) if begun else "")
+        raise JaxparError(
+            f"launch --resume: {meetings} holds no completed meeting (no {SERVER_STATE}) "
+            "to continue from; " + (
+                f"{held} cannot rejoin without it: start a new replica run with another "
+                "--out (this one is kept)" if held
+                else "start the replica run without --resume"))
+    if (meetings / SERVER_STATE).is_file():
+        raise JaxparError(f"{meetings} already holds a replica run; continue it with "
+                          "jaxpar launch --replicas N --resume, or choose another --out")
+    if begun or saved:
+        raise JaxparError(f"{out} already holds a replica run that completed no meeting "
+                          f"({', '.join(saved) or meetings}): choose another --out (this "
+                          "one is kept)")
+
+
+def _last_step(folder: str | Path) -> int | None:
+    """The last step a replica's run folder logged (``metrics.jsonl``), or None."""
+    path = Path(folder) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def summary(replicas: int, reached: dict[int, int | None], failed: dict[int, int],
+            steps: int, max_steps: int | None, meetings: int) -> str:
+    """The launcher's last line: how many replicas trained to the end (step ``steps``),
+    and where those that exited cleanly before it stopped (``--max-steps``); ``reached``
+    maps each replica that exited with status 0 to the last step it logged."""
+    done = [r for r, s in reached.items() if s is None or s >= steps]
+    early = sorted((r, s) for r, s in reached.items() if r not in done)
+    said = f"{len(done)} of {replicas} replicas trained to the end after {meetings} meetings"
+    if early:
+        why = f" (--max-steps {max_steps})" if max_steps else ""
+        said += "; " + ", ".join(f"replica {r} stopped at step {s} of {steps}"
+                                 for r, s in early) + why + (
+            f"; continue with jaxpar launch --replicas {replicas} --resume")
+    if failed:
+        said += "; " + ", ".join(f"replica {r} failed (exit status {c})"
+                                 for r, c in sorted(failed.items()))
+    return said
 
 
 def _last_attempt(out: Path, replica: int) -> int:
@@ -124,7 +185,7 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
     dl = config.diloco
     server = ParameterServer(out / "meetings", outer_lr=dl.outer_lr,
                              outer_momentum=dl.outer_momentum, nesterov=dl.nesterov,
-                             staleness=dl.staleness)
+                             staleness=dl.staleness, sync_every=dl.sync_every)
     resume = getattr(args, "resume", False)
     if resume:
         server.restore()
@@ -193,9 +254,9 @@ def replicas_command(args: argparse.Namespace, cmd: list[str]) -> int:
     except KeyboardInterrupt:
         distributed.stop_processes(list(procs.values()), 5.0)
         return 130
-    say(f"{len(finished)} of {args.replicas} replicas trained to the end after "
-        f"{server.round} meetings; the anchor is {server.folder}/round_{server.round}/"
-        "anchor.npz")
+    say(summary(args.replicas, {r: _last_step(folders[r]) for r in finished}, failed,
+                config.train.steps, child.max_steps, server.round)
+        + f"; the anchor is {server.folder}/round_{server.round}/anchor.npz")
     if finished:
         return 0
     return next(iter(failed.values()), 1)

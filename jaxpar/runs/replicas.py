@@ -28,13 +28,17 @@ present, and a late replica's weights, when they come, join the next round's ave
 than ``tau`` rounds behind is waited for. ``tau = 0`` waits for every live member.
 
 Round 0 is the start: the first replica to join sets the anchor. The server keeps its
-anchor, momentum and round in ``server.npz`` after every round.
+anchor, momentum, round and ``H`` in ``server.npz`` from round 0 on; a resume with
+another ``H`` is refused (round ``K`` of ``H`` steps would put the replicas at a step
+they never trained to), as is a ``meetings/`` folder with something in it that is not
+the server's (a ``round_old`` folder, a ``server.npz`` without the server's keys).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import uuid
@@ -100,6 +104,73 @@ def _read(path: Path) -> dict[str, np.ndarray]:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise UnreadableMeetingFile(f"{path} is unreadable ({type(err).__name__}: "
                                     f"{' '.join(str(err).split())})") from None
+
+
+_ROUND = re.compile(r"round_(\d+)")
+
+
+def round_of(path: Path) -> int | None:
+    """The round of a meeting folder ``round_K``; None for any other name (a stray the
+    server leaves alone)."""
+    found = _ROUND.fullmatch(path.name)
+    return int(found.group(1)) if found else None
+
+
+def _replica_of(path: Path) -> int | None:
+    found = re.fullmatch(r"replica_(\d+)", path.stem)
+    return int(found.group(1)) if found else None
+
+
+def _meeting_files(folder: Path) -> list[Path]:
+    """The replicas' meeting files ``round_K/replica_R.npz`` (strays left out)."""
+    return sorted(f for f in folder.glob("round_*/replica_*.npz")
+                  if round_of(f.parent) is not None and _replica_of(f) is not None)
+
+
+def read_state(folder: str | Path) -> dict[str, Any]:
+    """The server's saved state (:data:`SERVER_STATE` in ``folder``): ``round``,
+    ``sync_every`` (None in files from before it was kept), ``anchor`` and ``momentum``.
+
+    Raises:
+      JaxparError: in one line naming the file and what to do, when it is unreadable or
+        not the server's (a key missing).
+    """
+    path = Path(folder) / SERVER_STATE
+    fresh = ("start a new replica run with another --out (this one is kept)")
+    try:
+        saved = _read(path)
+    except UnreadableMeetingFile as err:
+        raise JaxparError(f"launch --resume: {err}: {fresh}") from None
+    anchor = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith("anchor/")}
+    momentum = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith("momentum/")}
+    if "round" not in saved or not anchor or set(anchor) != set(momentum):
+        missing = "'round'" if "round" not in saved else "matching anchor/ and momentum/"
+        raise JaxparError(f"launch --resume: {path} is not the parameter server's state "
+                          f"(no {missing} in it): put back the launcher's {SERVER_STATE}, "
+                          f"or {fresh}")
+    every = saved.get("sync_every")
+    return {"round": int(saved["round"]), "anchor": anchor, "momentum": momentum,
+            "sync_every": int(every) if every is not None else None}
+
+
+def check_resumable(folder: str | Path, sync_every: int) -> dict[str, Any]:
+    """The server state a replica run in ``folder`` resumes from (:func:`read_state`),
+    refused in one line when ``folder`` holds a stray ``round_*`` (its round could not
+    be told) or the run met every other number of steps than ``sync_every``."""
+    folder = Path(folder)
+    for path in sorted(folder.glob("round_*")):
+        if round_of(path) is None or not path.is_dir():
+            raise JaxparError(f"launch --resume: {path} is not a meeting's folder "
+                              f"(round_<number>): move it out of {folder} and resume again")
+    state = read_state(folder)
+    saved = state["sync_every"]
+    if saved is not None and saved != sync_every:
+        raise JaxparError(
+            f"launch --resume: the replica run met every {saved} steps (round "
+            f"{state['round']} is step {state['round'] * saved}), diloco.sync_every="
+            f"{sync_every} would put the replicas at step {state['round'] * sync_every}: "
+            f"resume with diloco.sync_every={saved}")
+    return state
 
 
 def _names(tree: Any) -> list[str]:
@@ -258,8 +329,9 @@ class ParameterServer:
     docstring). :meth:`poll` does what is due and returns lines to print."""
 
     def __init__(self, folder: str | Path, *, outer_lr: float, outer_momentum: float,
-                 nesterov: bool, staleness: int = 0):
+                 nesterov: bool, staleness: int = 0, sync_every: int | None = None):
         self.folder = Path(folder)
+        self.sync_every = sync_every  # kept in server.npz: a resume must meet as often
         self.tau = staleness
         self.written: dict[int, int] = {}  # replica -> the last round it wrote (or joined)
         self._used: set[Path] = set()  # meeting files already averaged
@@ -279,25 +351,22 @@ class ParameterServer:
         earlier joins and meeting files count as answered and averaged. Returns the round.
 
         Raises:
-          JaxparError: in one line, when the saved state cannot be read.
+          JaxparError: in one line (:func:`check_resumable`), when the saved state cannot
+            be read, is not the server's, was saved with another ``sync_every``, or a
+            stray ``round_*`` is in the folder.
         """
-        try:
-            saved = _read(self.folder / SERVER_STATE)
-        except UnreadableMeetingFile as err:
-            raise JaxparError(f"launch --resume: {err}") from None
-        self.round = int(saved.pop("round"))
-        self.anchor = {k.split("/", 1)[1]: v for k, v in saved.items()
-                       if k.startswith("anchor/")}
-        self.momentum = {k.split("/", 1)[1]: v for k, v in saved.items()
-                         if k.startswith("momentum/")}
+        saved = check_resumable(self.folder, self.sync_every) if (
+            self.sync_every is not None) else read_state(self.folder)
+        self.round, self.anchor, self.momentum = (saved["round"], saved["anchor"],
+                                                  saved["momentum"])
         for folder in self.folder.glob("round_*"):
-            if int(folder.name.split("_")[1]) > self.round:
+            if (round_of(folder) or 0) > self.round:
                 for f in folder.iterdir():
                     f.unlink()
                 folder.rmdir()
         for path in [*self.folder.glob("join_*.npz"), *self.folder.glob("welcome_*.json")]:
             path.unlink()
-        self._used = set(self.folder.glob("round_*/replica_*.npz"))
+        self._used = set(_meeting_files(self.folder))
         return self.round
 
     def drop(self, replica: int) -> list[str]:
@@ -323,7 +392,10 @@ class ParameterServer:
         for path in sorted(self.folder.glob("join_*.npz")):
             if path.name in self._answered:
                 continue
-            _, r, token = path.stem.split("_")
+            parts = path.stem.split("_")
+            if len(parts) != 3 or not parts[1].isdigit():
+                continue  # not a replica's (a stray): left alone
+            _, r, token = parts
             try:
                 weights = _read(path)
             except UnreadableMeetingFile as err:
@@ -338,6 +410,7 @@ class ParameterServer:
                 self.momentum = {k: np.zeros_like(v) for k, v in weights.items()}
                 (self.folder / "round_0").mkdir(exist_ok=True)
                 _write(self.folder / "round_0" / "anchor.npz", self.anchor)
+                self._save()
             self.joining[int(r)] = self.round
             self.joined.add(int(r))
             self.written[int(r)] = self.round
@@ -363,16 +436,16 @@ class ParameterServer:
         expected = sorted(self.members & alive)
         if not expected or self.anchor is None or (k == 1 and alive - self.joined):
             return []  # (the first round waits for every replica started to join)
-        files = sorted(self.folder.glob("round_*/replica_*.npz"))
+        files = _meeting_files(self.folder)
         for f in files:
-            r, j = int(f.stem.split("_")[1]), int(f.parent.name.split("_")[1])
+            r, j = _replica_of(f), round_of(f.parent)
             self.written[r] = max(self.written.get(r, 0), j)
         fresh = [r for r in expected if (folder / f"replica_{r}.npz").exists()]
         if not fresh or any(self.written.get(r, 0) < k - self.tau
                             for r in expected if r not in fresh):
             return []
         late = [f for f in files if f not in self._used
-                and int(f.parent.name.split("_")[1]) < k]
+                and round_of(f.parent) < k]
         used = [folder / f"replica_{r}.npz" for r in fresh] + late
         deltas, said = [], []
         for f in used:
@@ -388,17 +461,24 @@ class ParameterServer:
                     a, self.momentum[name], g, self.lr, self.mu, self.nesterov)
         _write(folder / "anchor.npz", self.anchor)
         self.round = k
-        _write(self.folder / SERVER_STATE, {
-            "round": np.asarray(k), **{f"anchor/{n}": v for n, v in self.anchor.items()},
-            **{f"momentum/{n}": v for n, v in self.momentum.items()}})
-        stale = sorted(int(f.stem.split("_")[1]) for f in late)
+        self._save()
+        stale = sorted(_replica_of(f) for f in late)
         return said + [f"round {k}: replicas {fresh} met"
                        + (f" (late from earlier rounds: {stale})" if stale else "")]
+
+    def _save(self) -> None:
+        """Keep the round, H, anchor and momentum in :data:`SERVER_STATE` (from round 0,
+        so that replicas stopped before their first meeting can resume too)."""
+        every = {} if self.sync_every is None else {"sync_every": np.asarray(self.sync_every)}
+        _write(self.folder / SERVER_STATE, {
+            "round": np.asarray(self.round), **every,
+            **{f"anchor/{n}": v for n, v in self.anchor.items()},
+            **{f"momentum/{n}": v for n, v in self.momentum.items()}})
 
     def _delta(self, path: Path) -> dict[str, np.ndarray]:
         """A meeting file's outer gradient: its start anchor minus its weights."""
         weights = _read(path)
-        start = int(weights.pop(START, int(path.parent.name.split("_")[1]) - 1))
+        start = int(weights.pop(START, round_of(path.parent) - 1))
         anchor = (self.anchor if start == self.round
                   else _read(self.folder / f"round_{start}" / "anchor.npz"))
         return {n: anchor[n] - weights[n] for n in self.anchor}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 TRAIN = ["train", "--config", "configs/tiny.yaml", "model.d_model=32", "model.n_layers=1",
          "model.d_ff=64", "train.seq_len=16", "train.global_batch=8", "train.steps=1200",
          "data.max_bytes=200000", "diloco.sync_every=40", "checkpoint.every=0"]
@@ -126,3 +128,73 @@ def test_replicas_stop_and_save_when_their_launcher_dies(tmp_path):
     for r in (0, 1):
         steps = [row["step"] for row in _rows(out / f"replica_{r}")]
         assert steps[-1] == 80 and len(steps) == len(set(steps)), steps  # no step twice
+
+
+def _launch(capsys, out, *extra, resume=False) -> tuple[int, str]:
+    """``jaxpar launch --replicas 2`` in this process, refused before any replica starts."""
+    from jaxpar.cli import main
+
+    code = main(["launch", "--replicas", "2", *(["--resume"] if resume else []), "--",
+                 "train", "--config", "configs/tiny.yaml", "diloco.sync_every=3",
+                 "--out", str(out), *extra])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) <= 1, err
+    return code, err
+
+
+def test_replica_folders_it_cannot_continue_get_advice_that_works(tmp_path, capsys):
+    """meetings/ deleted after the replicas saved checkpoints: --resume and a fresh start
+    over it are both refused, each advising another --out, which then passes the checks;
+    a stray round_old and a server.npz without its keys are named with what to do; a
+    resume with another diloco.sync_every (round 2 of H=2 is step 4, not 6) is refused."""
+    from jaxpar.cli.parser import parse_args
+    from jaxpar.cli.replicas import _checked
+    from jaxpar.runs.replicas import SERVER_STATE, _write
+
+    out = tmp_path / "run"
+    (out / "replica_0" / "checkpoints" / "4").mkdir(parents=True)
+    (out / "meetings").mkdir()
+    code, err = _launch(capsys, out, resume=True)
+    assert code == 2 and "holds no completed meeting (no server.npz)" in err and err.endswith(
+        "replica_0 cannot rejoin without it: start a new replica run with another --out "
+        "(this one is kept)"), err
+    code, err = _launch(capsys, out)
+    assert code == 2 and "choose another --out (this one is kept)" in err, err
+    args = parse_args(["launch", "--replicas", "2", "--", "train", "--config",
+                       "configs/tiny.yaml", "diloco.sync_every=3", "--out",
+                       str(tmp_path / "another")])
+    _checked(args, list(args.command_args[1:]))  # the advice: the run proceeds
+    assert (out / "replica_0" / "checkpoints" / "4").is_dir()  # nothing removed
+    meetings = out / "meetings"
+    _write(meetings / SERVER_STATE, {"w": np.zeros(1)})
+    code, err = _launch(capsys, out, resume=True)
+    assert code == 2 and err.endswith(
+        f"{meetings / SERVER_STATE} is not the parameter server's state (no 'round' in "
+        "it): put back the launcher's server.npz, or start a new replica run with another "
+        "--out (this one is kept)"), err
+    _write(meetings / SERVER_STATE, {"round": np.asarray(2), "sync_every": np.asarray(2),
+                                     "anchor/w": np.zeros(1), "momentum/w": np.zeros(1)})
+    (meetings / "round_old").mkdir()
+    code, err = _launch(capsys, out, resume=True)
+    assert code == 2 and err.endswith(
+        f"{meetings / 'round_old'} is not a meeting's folder (round_<number>): move it out "
+        f"of {meetings} and resume again"), err
+    (meetings / "round_old").rmdir()
+    code, err = _launch(capsys, out, resume=True)
+    assert code == 2 and err.endswith(
+        "the replica run met every 2 steps (round 2 is step 4), diloco.sync_every=3 would "
+        "put the replicas at step 6: resume with diloco.sync_every=2"), err
+
+
+def test_the_launchers_summary_says_where_replicas_stopped():
+    from jaxpar.cli.replicas import summary
+
+    assert summary(2, {0: 4, 1: 4}, {}, 4, None, 1) == (
+        "2 of 2 replicas trained to the end after 1 meetings")
+    assert summary(2, {0: 1, 1: 1}, {}, 4, 1, 0) == (
+        "0 of 2 replicas trained to the end after 0 meetings; replica 0 stopped at step 1 "
+        "of 4, replica 1 stopped at step 1 of 4 (--max-steps 1); continue with jaxpar "
+        "launch --replicas 2 --resume")
+    assert summary(2, {0: 4}, {1: 137}, 4, None, 1).endswith(
+        "1 of 2 replicas trained to the end after 1 meetings; replica 1 failed (exit "
+        "status 137)")

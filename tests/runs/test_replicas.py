@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import JaxparError
-from jaxpar.runs.replicas import START, ParameterServer, _read, _write
+from jaxpar.runs.replicas import START, ParameterServer, _read, _write, read_state
 
 
 def _server(tmp_path, **kw) -> ParameterServer:
@@ -78,13 +78,28 @@ def test_the_first_round_waits_for_every_replica_to_join(tmp_path):
 
 
 def test_server_state_is_saved_each_round(tmp_path):
+    """With its H (sync_every); stray files in meetings/ (a join_x.npz, a round_1/notes.npz,
+    a round_old/replica_0.npz) are left alone; a resume finds the round and H."""
     server = _server(tmp_path)
+    server.sync_every = 3
     _join(tmp_path, 0, np.zeros(1, np.float32))
+    _write(tmp_path / "join_x.npz", {"w": np.zeros(1)})
     server.poll({0})
     _send(tmp_path, 1, 0, np.ones(1, np.float32))
-    server.poll({0})
+    _write(tmp_path / "round_1" / "notes.npz", {"w": np.zeros(1)})
+    (tmp_path / "round_old").mkdir()
+    _write(tmp_path / "round_old" / "replica_0.npz", {"w": np.zeros(1)})
+    assert server.poll({0}) == ["round 1: replicas [0] met"]
     saved = _read(tmp_path / "server.npz")
     assert int(saved["round"]) == 1 and {"anchor/w", "momentum/w"} <= set(saved)
+    assert read_state(tmp_path)["sync_every"] == 3
+    again = _server(tmp_path)
+    again.sync_every = 3
+    with pytest.raises(JaxparError, match="round_old is not a meeting's folder"):
+        again.restore()
+    (tmp_path / "round_old" / "replica_0.npz").unlink()
+    (tmp_path / "round_old").rmdir()
+    assert again.restore() == 1
 
 
 def test_bounded_staleness_goes_on_without_a_slow_replica_and_applies_it_late(tmp_path):
