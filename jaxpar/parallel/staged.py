@@ -291,9 +291,18 @@ def stage_model(model: nnx.Module, split: StageSplit, *, stages: int, microbatch
     The model is changed in place (its blocks move into the returned module).
 
     Raises:
-      JaxparError: in one line, when the blocks cannot be found or stacked, or their
-        number does not split into the stages asked for.
+      JaxparError: in one line, when ``model`` is not an NNX module or ``split`` not a
+        :class:`StageSplit`, the blocks cannot be found or stacked, or their number does
+        not split into the stages asked for.
     """
+    if not isinstance(split, StageSplit):
+        raise JaxparError(f"jaxpar.stage_model: split is a {type(split).__name__}, not a "
+                          "jaxpar.StageSplit: pass StageSplit(embed=..., head=..., "
+                          "blocks=...)" + (" (StageSplit(**split) from this dict)"
+                                           if isinstance(split, dict) else ""))
+    if not isinstance(model, nnx.Module):
+        raise JaxparError(f"jaxpar.stage_model: model is a {type(model).__name__}, not an "
+                          "NNX module (nnx.Module): pass the model itself")
     if isinstance(model, StagedModel):
         raise JaxparError("the model is already staged")
     if hasattr(model, "linen_modules"):  # jaxpar.from_linen's wrapper: no NNX blocks to stack
