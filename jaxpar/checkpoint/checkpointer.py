@@ -204,7 +204,8 @@ class Checkpointer:
 
     Args:
       directory: the checkpoint folder (``RUN/checkpoints``); created if missing.
-      every: save when the step is a multiple of this (0: only when forced).
+      every: :meth:`due` when the step is a multiple of this (0: never): the training
+        loop's periodic saves; a direct :meth:`save` saves whatever ``every`` is.
       keep: how many of the newest checkpoints to keep.
       async_save: write in the background while training continues.
     """
@@ -248,14 +249,20 @@ class Checkpointer:
         """Whether a periodic save falls on ``step``."""
         return self.every > 0 and step > 0 and step % self.every == 0
 
-    def save(self, trainer: Any, *, config: Any = None, force: bool = False) -> float | None:
-        """Start saving ``trainer.state`` at its current step if due (or ``force``).
+    def save(self, trainer: Any, *, config: Any = None, when_due: bool = False,
+             force: bool = False) -> float | None:
+        """Start saving ``trainer.state`` at its current step, now.
+
+        ``every`` does not hold a direct call back: it only governs :meth:`due`, which the
+        training loop asks with ``when_due=True`` (save only if :meth:`due` says so; its
+        last step passes ``when_due=False``). ``force=True`` saves whatever ``when_due``
+        says (kept for callers that pass it). A step already on disk is not saved again.
 
         Returns the seconds the caller was blocked (the copy off the devices, plus waiting
         for the previous save if it is still writing), or None when nothing was saved.
         """
         step = trainer.step_count
-        if not (force or self.due(step)) or step in self._manager.all_steps():
+        if (when_due and not (force or self.due(step))) or step in self._manager.all_steps():
             return None
         start = time.perf_counter()
         config = config if config is not None else getattr(trainer, "config", None)

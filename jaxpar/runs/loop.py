@@ -449,7 +449,7 @@ def _act(due: _Due, row: dict[str, Any], trainer: Trainer, config: Config,
          local: LocalTier | None = None) -> None:
     """Save and evaluate as due after step ``row["step"]``; their figures join its row."""
     if due.save:
-        blocked = ckpt.save(trainer, config=config, force=row["step"] == end)
+        blocked = ckpt.save(trainer, config=config, when_due=row["step"] != end)
         if blocked is not None:
             row["checkpoint_block_s"] = blocked
     if due.local:

@@ -223,14 +223,17 @@ def build(axes: dict, zero: int = 0, devices=None, cfg=SMALL) -> Trainer:
 
 @pytest.fixture(scope="module")
 def fsdp8_checkpoint(tmp_path_factory):
-    """Checkpoints at steps 1 and 2 of a ZeRO-1 FSDP run over 8 devices."""
+    """Checkpoints at steps 1 and 2 of a ZeRO-1 FSDP run over 8 devices (saved by direct
+    calls: ``every`` only governs ``due()``, a loop's ``when_due=True``)."""
     directory = tmp_path_factory.mktemp("fsdp8") / "checkpoints"
     trainer = build({"fsdp": 8}, zero=1)
     data = loader()
-    with Checkpointer(directory, every=1) as ckpt:
+    with Checkpointer(directory, every=100) as ckpt:
         for step in range(2):
             trainer.step(data.batch(step))
-            ckpt.save(trainer)
+            assert ckpt.save(trainer, when_due=True) is None  # step 1, 2: not due
+            assert ckpt.save(trainer) is not None  # a direct call saves now
+        assert ckpt.steps() == [1, 2]
     return directory, trainer, {k: np.asarray(v) for k, v in flat_paths(trainer.state).items()}
 
 
