@@ -4,13 +4,15 @@ compiles a run's step for its target ahead of time (a TPU slice, from this host)
 
 The folder holds the serialized executable (``jax.experimental.serialize_executable``),
 the run config it was compiled from, the target and the versions of jax, jaxlib, libtpu
-and jaxpar. Loading refuses, in one line, an executable whose config, devices or versions
-differ from the run's: an executable compiled for other shapes or another compiler would
-fail at the first step, or worse, run a different program.
+and jaxpar, written whole or not at all (a staged folder swapped in). Loading refuses, in
+one line, a damaged folder, or an executable whose config, devices or versions differ
+from the run's: an executable compiled for other shapes or another compiler would fail
+at the first step, or worse, run a different program.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import pickle
@@ -22,6 +24,7 @@ import yaml
 from jaxpar.analysis.inspection import CompiledStep
 from jaxpar.config.schema import Config, from_dict
 from jaxpar.errors import JaxparError
+from jaxpar.storage.folders import staged_folder, write_file
 
 EXECUTABLE = "executable.pkl"
 MANIFEST = "manifest.json"
@@ -49,15 +52,18 @@ def save_compiled(step: CompiledStep, folder: Path) -> None:
     from jax.experimental.serialize_executable import serialize
 
     payload, in_tree, out_tree = serialize(step.compiled)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / EXECUTABLE).write_bytes(pickle.dumps(
-        {"payload": payload, "in_tree": in_tree, "out_tree": out_tree}))
-    step.run.config.save(folder / CONFIG)
+    executable = pickle.dumps({"payload": payload, "in_tree": in_tree, "out_tree": out_tree})
+    config = yaml.safe_dump(step.run.config.to_dict(), sort_keys=False)
     manifest = {"target": step.target.name, "topology": step.target.topology,
                 "slices": step.target.slices, **_devices(step.target.devices),
                 "batch": {"shape": list(step.batch.shape), "dtype": str(step.batch.dtype)},
-                "versions": versions()}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                "versions": versions(),
+                "executable_sha256": hashlib.sha256(executable).hexdigest(),
+                "config_sha256": hashlib.sha256(config.encode()).hexdigest()}
+    with staged_folder(folder) as staging:  # whole or not at all: a full disk leaves none
+        write_file(staging / EXECUTABLE, executable)
+        write_file(staging / CONFIG, config)
+        write_file(staging / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def _differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
@@ -74,15 +80,16 @@ def load_compiled(folder: str | Path, config: Config, devices: Any) -> tuple[Any
     batch shape it takes.
 
     Raises:
-      JaxparError: one line, for a folder that holds no compiled step, or a config,
-        device set or package version that differs from the one it was compiled for.
+      JaxparError: one line, for a folder that holds no compiled step, or a damaged one
+        (a file missing, cut short or garbled, or copied from another compile: the
+        manifest records the executable's and the config's SHA-256), or a config, device
+        set or package version that differs from the one it was compiled for.
     """
     folder = Path(folder)
     if not (folder / MANIFEST).is_file() or not (folder / EXECUTABLE).is_file():
         raise JaxparError(f"--compiled {str(folder)!r} holds no compiled step (write one "
                           "with jaxpar compile --save)")
-    manifest = json.loads((folder / MANIFEST).read_text())
-    saved = from_dict(Config, yaml.safe_load((folder / CONFIG).read_text()))
+    manifest, saved, raw = _read_folder(folder)
     changed = _differences(saved.to_dict(), config.to_dict())
     if changed:
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
@@ -103,6 +110,52 @@ def load_compiled(folder: str | Path, config: Config, devices: Any) -> tuple[Any
                               "it again here")
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    parts = pickle.loads((folder / EXECUTABLE).read_bytes())
-    executable = deserialize_and_load(parts["payload"], parts["in_tree"], parts["out_tree"])
+    try:
+        parts = pickle.loads(raw)
+        executable = deserialize_and_load(parts["payload"], parts["in_tree"],
+                                          parts["out_tree"])
+    except Exception as err:  # noqa: BLE001 - any failure to read it back is a bad folder
+        raise _damaged(folder, f"{EXECUTABLE} cannot be loaded ({type(err).__name__})"
+                       ) from None
     return executable, tuple(manifest["batch"]["shape"])
+
+
+def _damaged(folder: Path, what: str) -> JaxparError:
+    return JaxparError(f"--compiled {str(folder)!r}: {what}; compile it again with "
+                       f"jaxpar compile --save {str(folder)!r} --force")
+
+
+def _read_folder(folder: Path) -> tuple[dict[str, Any], Config, bytes]:
+    """The manifest, config and pickled executable of a ``jaxpar compile --save`` folder.
+
+    Raises:
+      JaxparError: one line, for a file missing, unreadable or not what it should be.
+    """
+    if not (folder / CONFIG).is_file():
+        raise _damaged(folder, f"{CONFIG} is missing")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        for key in ("target", "n_devices", "device_kind", "platform", "versions", "batch"):
+            manifest[key]  # noqa: B018 - a KeyError names the missing key
+        tuple(manifest["batch"]["shape"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise _damaged(folder, f"{MANIFEST} is damaged ({type(err).__name__}: "
+                               f"{(str(err) or '-').splitlines()[0]})") from None
+    text = (folder / CONFIG).read_text()
+    digest = manifest.get("config_sha256")
+    if digest is not None and hashlib.sha256(text.encode()).hexdigest() != digest:
+        raise _damaged(folder, f"{CONFIG} is not the config its {MANIFEST} was written "
+                               "with (copied from another compile, or edited)")
+    try:
+        saved = from_dict(Config, yaml.safe_load(text))
+    except (yaml.YAMLError, JaxparError, TypeError, ValueError) as err:
+        first = (str(err) or type(err).__name__).splitlines()[0]
+        raise _damaged(folder, f"{CONFIG} is damaged ({first})") from None
+    raw = (folder / EXECUTABLE).read_bytes()
+    digest = manifest.get("executable_sha256")
+    if digest is not None and hashlib.sha256(raw).hexdigest() != digest:
+        raise _damaged(folder, f"{EXECUTABLE} is not the executable its {MANIFEST} was "
+                               "written with (copied from another compile, or cut short)")
+    return manifest, saved, raw

@@ -12,19 +12,18 @@ from jaxpar.config.schema import load_config
 from jaxpar.config.validate import check_config
 from jaxpar.errors import JaxparError
 from jaxpar.runs.distributed import simulate_devices
-from jaxpar.storage.folders import check_writable
+from jaxpar.storage.folders import check_new_output, refused_write, write_file
 
 
 def _checked_outputs(args: argparse.Namespace) -> None:
-    """Refuse output paths that cannot be written, before anything is compiled."""
+    """Refuse output paths that cannot be written (a URL, a missing folder, an existing
+    file or non-empty folder without ``--force``), before anything is compiled."""
     if getattr(args, "dump_hlo", None):
-        check_writable(Path(args.dump_hlo), "--dump-hlo", file=True)
+        check_new_output(args.dump_hlo, "--dump-hlo", force=args.force)
     if getattr(args, "save", None):
-        save = Path(args.save)
-        if save.exists() and (not save.is_dir() or any(save.iterdir())):
-            raise JaxparError(f"--save {args.save!r} exists and is not an empty folder; "
-                              "choose a new one")
-        check_writable(save, "--save")
+        check_new_output(args.save, "--save", force=args.force, folder=True)
+        if Path(args.save).absolute() == Path(args.dump_hlo or "").absolute():
+            raise JaxparError(f"--dump-hlo and --save both name {args.save!r}; name two paths")
 
 
 def command(args: argparse.Namespace) -> int:
@@ -50,11 +49,13 @@ def command(args: argparse.Namespace) -> int:
     step = compile_step(config, target)
     report = step_report(step, source=args.config or "defaults")
     if args.dump_hlo:
-        Path(args.dump_hlo).write_text(step.compiled.as_text())
+        with refused_write(args.dump_hlo, "--dump-hlo"):
+            write_file(args.dump_hlo, step.compiled.as_text())
     if save:
         from jaxpar.analysis.executables import save_compiled
 
-        save_compiled(step, Path(save))
+        with refused_write(save, "--save"):
+            save_compiled(step, Path(save))
     if args.json:
         print(json.dumps(report, indent=1))
     else:

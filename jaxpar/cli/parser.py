@@ -193,6 +193,9 @@ def _add_target(parser: argparse.ArgumentParser, required: bool = False) -> None
                              "data)")
     parser.add_argument("--dump-hlo", metavar="PATH",
                         help="write the compiled program's optimized HLO text to PATH")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --dump-hlo file" + (
+                            "" if not required else " or a non-empty --save folder"))
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:

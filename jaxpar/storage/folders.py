@@ -12,6 +12,9 @@
   contents are not.
 * :func:`write_fault`, :func:`free_bytes`: name a write the file system refused (full
   disk, read-only) so the caller can say so in one line, with the free space.
+* :func:`check_new_output`, :func:`write_file`, :func:`refused_write`: an output named on
+  the command line (``--dump-hlo``, ``--save``) is checked before the work (an existing one
+  needs ``--force``), written whole or not at all, and a refused write is one line.
 """
 
 from __future__ import annotations
@@ -293,3 +296,74 @@ def check_writable(path: str | Path, what: str, *, file: bool = False) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise JaxparError(f"{what} {str(path)!r}: cannot write in {str(parent)!r} "
                           "(permission denied or a read-only file system)")
+
+
+# --- output files and folders named on the command line -----------------------------------
+def check_new_output(path: str | Path, what: str, *, force: bool, folder: bool = False) -> None:
+    """Refuse, in one line naming ``what``, an output that cannot be written where asked,
+    before any work: a URL, a folder where a file is named (or a file where a folder is),
+    a parent folder that does not exist, or an existing file (a non-empty folder with
+    ``folder``) without ``force``: a user's file is never replaced unasked.
+
+    Raises:
+      JaxparError: naming ``what``, the path and the fix.
+    """
+    refuse_url(path, what)
+    path = Path(path)
+    if not folder and path.is_dir():
+        raise JaxparError(f"{what} {str(path)!r} is a folder; name a file")
+    if folder and path.exists() and not path.is_dir():
+        raise JaxparError(f"{what} {str(path)!r} is a file; name a folder")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise JaxparError(f"{what} {str(path)!r}: folder {str(path.parent)!r} does not exist; "
+                          "create it first")
+    taken = path.is_dir() and any(path.iterdir()) if folder else path.exists()
+    if taken and not force:
+        raise JaxparError(f"{what} {str(path)!r} exists{' and is not empty' * folder}; pass "
+                          "--force to replace it, or name another")
+    check_writable(path, what, file=not folder)
+
+
+def _write_all(file, data: bytes) -> None:
+    """Write ``data`` to the open ``file`` and make it durable (the one place tests make a
+    disk full)."""
+    file.write(data)
+    file.flush()
+    os.fsync(file.fileno())
+
+
+def write_file(path: str | Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into a hidden sibling first, renamed
+    over ``path`` once complete (a full disk leaves the earlier file, not half a new one).
+
+    Raises:
+      OSError: the file system's refusal, after the partial sibling is removed.
+    """
+    path = Path(path)
+    temp = path.parent / f".{path.name}.jaxpar-tmp-{os.getpid()}"
+    try:
+        with open(temp, "wb") as file:
+            _write_all(file, data.encode() if isinstance(data, str) else data)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def refused_write(path: str | Path, what: str) -> Iterator[None]:
+    """Turn a write to ``path`` that the file system refuses (full disk, read-only,
+    permissions) into one line naming ``what``, the reason and the free space, saying that
+    an earlier ``path`` is left as it was (the writes inside are whole-or-nothing:
+    :func:`write_file`, :func:`staged_folder`)."""
+    path = Path(path)
+    existed = path.exists()
+    try:
+        yield
+    except OSError as err:
+        reason = write_fault(err) or err.strerror or str(err)
+        kept = f"{str(path)!r} is left as it was" if existed else "nothing was written"
+        raise JaxparError(f"{what} {str(path)!r}: could not write: {reason} "
+                          f"({human_bytes(free_bytes(path))} free there); {kept}") from None

@@ -47,11 +47,26 @@ def test_compile_json_has_the_inspect_keys_and_hbm(capsys):
     (["--target", "tpu-v5e:2x2", "--devices", "8"], "--devices simulates CPU devices"),
     (["--target", "cpu", "--slices", "2"], "--slices needs a TPU --target"),
     (["--target", "tpu-v5e:2x2", "--dump-hlo", "."], "--dump-hlo '.' is a folder"),
+    # a user's file is never replaced unasked (this was the config itself, overwritten)
+    (["--target", "cpu", "--dump-hlo", "configs/tiny.yaml"],
+     "--dump-hlo 'configs/tiny.yaml' exists; pass --force to replace it, or name another"),
+    (["--target", "cpu", "--dump-hlo", "no/such/x.hlo"],
+     "--dump-hlo 'no/such/x.hlo': folder 'no/such' does not exist; create it first"),
+    (["--target", "cpu", "--dump-hlo", "gs://b/x.hlo"],
+     "--dump-hlo 'gs://b/x.hlo': gs:// storage is not supported"),
+    (["--target", "cpu", "--save", "s3://b/aot"], "--save 's3://b/aot': s3:// storage is not "
+                                                  "supported"),
+    (["--target", "cpu", "--save", "configs"],
+     "--save 'configs' exists and is not empty; pass --force to replace it"),
+    (["--target", "cpu", "--save", "configs/tiny.yaml"],
+     "--save 'configs/tiny.yaml' is a file; name a folder"),
+    (["--target", "cpu", "--save", "no/such/aot"], "folder 'no/such' does not exist"),
 ])
 def test_bad_compile_arguments_are_one_line(args, says, capsys):
     assert cli.main(["compile", "--config", "configs/tiny.yaml", *args, *TINY]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+    assert not Path("s3:").exists() and not Path("gs:").exists()
 
 
 def test_a_saved_step_trains_as_the_jitted_one_and_refuses_another_config(tmp_path):
@@ -110,15 +125,86 @@ def test_plan_verify_compiles_the_plans_for_the_tpu(capsys):
     assert "--verify compiles with the TPU compiler" in capsys.readouterr().err
 
 
-def test_a_step_saved_for_a_tpu_is_refused_on_other_devices(tmp_path, capsys):
-    saved = tmp_path / "tpu"
+@pytest.fixture(scope="module")
+def saved_for_tpu(tmp_path_factory):
+    """A tiny step compiled for tpu-v5e:2x2 and saved by ``jaxpar compile --save``."""
+    saved = tmp_path_factory.mktemp("compiled") / "tpu"
     assert cli.main(["compile", "--target", "tpu-v5e:2x2", "--config", "configs/tiny.yaml",
                      "--save", str(saved), *TINY, *SMALL_RUN[-3:]]) == 0
+    return saved
+
+
+def test_a_step_saved_for_a_tpu_is_refused_on_other_devices(saved_for_tpu):
+    saved = saved_for_tpu
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["device_kind"] == "TPU v5 lite" and manifest["versions"]["libtpu"] != "-"
+    assert not list(saved.parent.glob(".tpu.jaxpar-*"))  # the staging folder was swapped in
     proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4",
                       "--compiled", str(saved), *TINY, *SMALL_RUN[-3:])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"jaxpar: error: --compiled {str(saved)!r} was compiled for tpu-v5e:2x2 (4 TPU v5 "
         "lite devices); this run has 4 cpu devices")
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_cut, "executable.pkl is not the executable its manifest.json was written with"),
+    (lambda p: p.with_name("manifest.json").write_text("{garbage"),
+     "manifest.json is damaged (JSONDecodeError: "),
+    (lambda p: p.with_name("config.yaml").unlink(), "config.yaml is missing"),
+    (lambda p: p.with_name("config.yaml").write_text("model: [\n"), "config.yaml is "),
+])
+def test_a_damaged_compiled_folder_is_one_line(saved_for_tpu, tmp_path, damage, says):
+    """A folder cut short, garbled, or holding another compile's executable: one line
+    naming the folder and the way out, not an UnpicklingError (or a shape error at the
+    first step)."""
+    import shutil
+
+    import jax
+
+    import jaxpar
+    from jaxpar.analysis.executables import load_compiled
+    from jaxpar.errors import JaxparError
+
+    folder = tmp_path / "aot"
+    shutil.copytree(saved_for_tpu, folder)
+    damage(folder / "executable.pkl")
+    config = jaxpar.load_config("configs/tiny.yaml", [*TINY, *SMALL_RUN[-3:]])
+    with pytest.raises(JaxparError) as got:
+        load_compiled(folder, config, jax.devices()[:4])
+    line = str(got.value)
+    assert line.startswith(f"--compiled {str(folder)!r}: {says}") and "\n" not in line
+    assert line.endswith(f"compile it again with jaxpar compile --save {str(folder)!r} "
+                         "--force")
+
+
+def test_a_full_disk_keeps_the_earlier_outputs(monkeypatch, tmp_path, capsys):
+    """--dump-hlo and --save on a full disk: one line; the file --force would replace and
+    the folder are as they were, no half file or staging folder is left."""
+    import errno
+
+    from jaxpar.storage import folders
+
+    def full_disk(file, data):
+        file.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(folders, "_write_all", full_disk)
+    hlo, saved = tmp_path / "step.hlo", tmp_path / "aot"
+    hlo.write_text("earlier\n")
+    args = ["compile", "--target", "cpu", "--config", "configs/tiny.yaml", *SMALL_RUN]
+    assert cli.main([*args, "--dump-hlo", str(hlo), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxpar: error: --dump-hlo {str(hlo)!r}: could not write: no space left "
+                   f"on device ({err.split('device (')[1].split(' free')[0]} free there); "
+                   f"{str(hlo)!r} is left as it was\n")
+    assert hlo.read_text() == "earlier\n"
+    assert cli.main([*args, "--save", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxpar: error: --save {str(saved)!r}: could not write: no space "
+                          "left on device (") and err.endswith("; nothing was written\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.hlo"]
