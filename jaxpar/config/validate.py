@@ -148,9 +148,9 @@ def _check_choices(config: Config) -> None:
     if t.profile_steps:
         check_profile_steps(list(t.profile_steps))
     check_trackers(list(t.trackers) if isinstance(t.trackers, list | tuple) else t.trackers)
-    if not (math.isfinite(t.peak_flops) and t.peak_flops >= 0):
-        raise _bad("train.peak_flops", t.peak_flops, "must be 0 (the catalog's) or a "
-                   "positive FLOP/s figure")
+    if not (math.isfinite(t.peak_flops) and (t.peak_flops == 0 or t.peak_flops >= 1e9)):
+        raise _bad("train.peak_flops", t.peak_flops, "must be 0 (the catalog's) or the "
+                   "peak FLOP/s of one device, at least 1e9 (an H100's bf16 is 9.89e14)")
 
 
 def check_profile_steps(steps: Any) -> None:

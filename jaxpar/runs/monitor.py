@@ -153,6 +153,17 @@ def peak_flops_per_device(device: Any = None, chips: Mapping[str, Any] | None = 
     return None if chip is None else float(chip.peak_flops)
 
 
+def compute_peak(chip: Chip, precision: str = "") -> float:
+    """The peak FLOP/s per device of ``chip`` in the dtype a run computes in: its
+    float32 matmul rate (:attr:`Chip.matmul_flops_f32`) for float32 compute (the default
+    policy, ``plan.precision`` empty), its 16-bit peak otherwise."""
+    from jaxpar.sharding.precision import Policy
+
+    compute = Policy.parse(precision).compute if precision else Policy().compute
+    return float(chip.matmul_flops_f32 if jax.numpy.dtype(compute).itemsize >= 4
+                 else chip.peak_flops)
+
+
 def run_chip(catalog: str = "", devices: Sequence[Any] | None = None) -> Chip | None:
     """The catalog entry for a run's devices (default ``jax.devices()``): from the
     ``catalog`` file (``train.catalog``, what ``jaxpar calibrate --out`` writes) when given

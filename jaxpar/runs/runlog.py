@@ -72,8 +72,9 @@ class RunLog:
             self._lr = np.asarray(learning_rate(config.train)(np.arange(config.train.steps)))
         self._flops, self.flops_source = monitor.step_model_flops(config)
         self._chip = monitor.run_chip(config.train.catalog)
-        self._peak = config.train.peak_flops or (self._chip.peak_flops if self._chip
-                                                 else None)
+        precision = config.plan.precision if isinstance(config.plan.precision, str) else ""
+        self._peak = config.train.peak_flops or (  # the peak of the dtype that runs
+            monitor.compute_peak(self._chip, precision) if self._chip else None)
         self._devices = jax.device_count()
         self._fd: int | None = None
         self._tensorboard: monitor.TensorBoardLog | None = None

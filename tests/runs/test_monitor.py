@@ -184,7 +184,8 @@ def test_check_profile_steps_accepts(good):
 def test_a_factory_run_logs_mfu_from_its_traced_flops(tmp_path, capsys):
     # A user's LlamaLike trained 2 steps on 8 CPU devices against a calibrated peak: its
     # MFU is the traced step's matmul FLOPs over (step time x devices x peak), and those
-    # FLOPs are 6 N + 12 L d s a token by the test's own count.
+    # FLOPs are 6 N + 12 L d s a token by the test's own count. The run computes in
+    # float32: its peak is the catalog's f32_flops, not the 16-bit peak_flops.
     import numpy as np
 
     import jaxpar
@@ -195,7 +196,7 @@ def test_a_factory_run_logs_mfu_from_its_traced_flops(tmp_path, capsys):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, VOCAB, 40_000).astype(np.int32))
     catalog = tmp_path / "cpu.yaml"
-    catalog.write_text("cpu8: {peak_flops: 1.0e9, f32_flops: 1.0e9, hbm_bytes: 3.0e9, "
+    catalog.write_text("cpu8: {peak_flops: 2.0e9, f32_flops: 1.0e9, hbm_bytes: 3.0e9, "
                        "hbm_bw: 1.0e9, ici_bw: 1.0e9, dcn_bw: 1.0e9, domain: 8}\n")
     config = jaxpar.load_config(None, [
         "model.factory=tests.user_models:llama_like", f"model.vocab_size={VOCAB}",

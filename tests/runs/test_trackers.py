@@ -92,7 +92,9 @@ def test_an_offline_wandb_run_holds_config_metrics_and_mfu(tmp_path, monkeypatch
 
 def test_trackers_and_peak_are_checked():
     for overrides, message in [(["train.trackers=[mlflow]"], "'mlflow' is not a tracker"),
-                               (["train.peak_flops=-1"], "train.peak_flops=-1")]:
+                               (["train.peak_flops=-1"], "train.peak_flops=-1"),
+                               (["train.peak_flops=1"], "train.peak_flops=1.0: must be 0 (the "
+                                "catalog's) or the peak FLOP/s of one device, at least 1e9")]:
         with pytest.raises(JaxparError, match=re.escape(message)):
             check_config(jaxpar.load_config(None, overrides), devices=8, processes=1)
 
