@@ -5,8 +5,10 @@ what a run spent compiling.
 ``$JAX_COMPILATION_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/jaxpar/xla`` (``~/.cache``
 without it); ``off`` turns the cache off; anything else is the folder. A second run of the
 same program (same model, layout, shapes, jax version and devices) loads its compiled
-step out of that folder instead of compiling it. :class:`CompileWatch` counts, from JAX's monitoring
-events, the seconds spent compiling and the programs found in the cache.
+step out of that folder instead of compiling it. A URL (``gs://``, ``s3://``) is refused in
+one line: read as a path it would fill a local folder named ``gs:``.
+:class:`CompileWatch` counts, from JAX's monitoring events, the seconds spent compiling
+and the programs found in the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.errors import JaxparWarning
+from jaxpar.storage.folders import refuse_url
 
 OFF = "off"
 AUTO = "auto"
@@ -28,16 +31,22 @@ _READ = "/jax/compilation_cache/cache_retrieval_time_sec"
 
 
 def cache_folder(setting: str) -> Path | None:
-    """The folder ``train.compile_cache`` names (None: off)."""
+    """The folder ``train.compile_cache`` names (None: off).
+
+    Raises:
+      JaxparError: for a URL, in the setting or in ``$JAX_COMPILATION_CACHE_DIR``.
+    """
     setting = (setting or AUTO).strip()
     if setting.lower() == OFF:
         return None
     if setting.lower() == AUTO:
         env = os.environ.get("JAX_COMPILATION_CACHE_DIR", "").strip()
         if env:
+            refuse_url(env, "train.compile_cache=auto: JAX_COMPILATION_CACHE_DIR")
             return Path(env)
         base = os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache"
         return Path(base) / "jaxpar" / "xla"
+    refuse_url(setting, "train.compile_cache")
     return Path(setting).expanduser()
 
 

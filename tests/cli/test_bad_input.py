@@ -123,6 +123,9 @@ CASES = [
     Case("remat_unknown", [*TRAIN, "plan.remat=sometimes"], ("plan.remat", "sometimes")),
     Case("optimizer_unknown", [*TRAIN, "train.optimizer=adamz"], ("train.optimizer", "adamz")),
     Case("trainable_bad_regex", [*TRAIN, "train.trainable=a(b"], ("train.trainable", "a(b")),
+    # a URL where a local folder is needed (it filled a local folder named s3:)
+    Case("compile_cache_url", [*TRAIN, "train.compile_cache=s3://b/cache"],
+         ("train.compile_cache 's3://b/cache'", "s3:// storage is not supported")),
     Case("loss_not_a_function", [*TRAIN, "train.loss=no way"], ("train.loss", "no way")),
     Case("lora_target_bad_regex", [*TRAIN, "lora.enabled=true", "lora.target=wq("],
          ("lora.target", "wq(")),
