@@ -203,9 +203,12 @@ def _check_relations(config: Config) -> None:
     check_url(config.init_from, "init_from")
     if config.init_from.startswith(HF_PREFIX):
         refuse_url(config.init_from[len(HF_PREFIX):], "init_from hf:")
-    if uses_documents(d.source, d.sources, d.tokenizer):
+    documents = uses_documents(d.source, d.sources, d.tokenizer)
+    shards = not documents and (bool(d.sources) or names_shards(d.source))
+    _check_data_knobs(config, documents, shards)
+    if documents:
         _check_documents(config)
-    elif d.sources or names_shards(d.source):
+    elif shards:
         _check_sources(config)
     elif d.source != "stdlib" and not Path(d.source).exists():
         raise _bad("data.source", d.source, "is neither 'stdlib' nor an existing file or "
@@ -241,6 +244,22 @@ def _check_relations(config: Config) -> None:
     elif config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
+
+
+def _check_data_knobs(config: Config, documents: bool, shards: bool) -> None:
+    """Knobs that would do nothing for this kind of data are mistakes, not no-ops:
+    ``data.token_dtype`` on text (it reads ``.bin`` ids), ``data.cross_document``
+    beside anything but documents tokenized as read."""
+    d = config.data
+    text = d.source == "stdlib" or Path(d.source).suffix not in (".bin", ".npy")
+    if d.token_dtype != DataConfig.token_dtype and (documents or d.tokenizer
+                                                    or (not shards and text)):
+        raise JaxparError(f"data.token_dtype={d.token_dtype} is the id type of .bin token "
+                          f"shards, but data.source {d.source!r} is text: drop it")
+    if d.cross_document and not documents:
+        raise JaxparError("data.cross_document=true applies to documents tokenized as read "
+                          "(data.tokenizer with document files); other data runs across "
+                          "documents with data.eos_id=-1: drop it")
 
 
 def _check_sources(config: Config) -> None:
@@ -467,8 +486,8 @@ def check_config(config: Config, *, devices: int | None = None, processes: int =
     _check_local_tier(config)
     if devices is not None:
         _check_layout(config, devices, processes)
-    for text in no_op_knobs(config):
-        warnings.warn(text, JaxparWarning, stacklevel=2)
+    for text in no_op_knobs(config):  # shown once a process however often it is checked
+        warnings.warn(text, JaxparWarning, stacklevel=1)
 
 
 def no_op_knobs(config: Config) -> list[str]:
@@ -481,6 +500,14 @@ def no_op_knobs(config: Config) -> list[str]:
         if changed:
             found.append(f"plan.{changed[0]} picks the matmuls plan.quantize quantizes, but "
                          "plan.quantize is none: it does nothing")
+    if p.remat_blocks and p.remat == "none":
+        found.append(f"plan.remat_blocks={p.remat_blocks!r} picks the blocks plan.remat "
+                     "recomputes, but plan.remat is none: it does nothing (set plan.remat, "
+                     "e.g. plan.remat=full)")
+    elif p.remat_blocks and not config.model.factory:
+        found.append(f"plan.remat_blocks={p.remat_blocks!r} picks a model.factory model's "
+                     "blocks; jaxpar's own model applies plan.remat to each of its blocks "
+                     "itself: it does nothing")
     if config.mesh.stage == 1 and config.mesh.dcn_stage == 1:
         set_ = [f"pipeline.{f.name}" for f in dataclasses.fields(pipe)
                 if getattr(pipe, f.name) != f.default]

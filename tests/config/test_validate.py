@@ -216,7 +216,26 @@ def test_balanced_context_chunks_that_divide_pass():
      "pipeline.schedule, pipeline.microbatches configure pipeline stages, but mesh.stage is 1"),
     (["diloco.sync_every=50", "train.steps=2", "mesh.data=2"],
      "diloco.sync_every=50 is more than train.steps=2: the replicas never meet"),
+    (["plan.remat=full", "plan.remat_blocks=blocks"], "plan.remat_blocks='blocks' picks a "
+     "model.factory model's blocks; jaxpar's own model applies plan.remat to each"),
 ])
 def test_knobs_that_would_do_nothing_are_named_at_start(overrides, warning):
     with pytest.warns(JaxparWarning, match=re.escape(warning)):
         check_config(config(*overrides))
+
+
+def test_a_knob_that_does_nothing_is_named_once_however_often_it_is_checked():
+    """jaxpar train checks its config three times (arguments, devices, trainer): the
+    line shows once, under Python's default warning filter."""
+    import warnings
+
+    cfg = config("pipeline.schedule=gpipe", "plan.remat_blocks=^blocks/1$")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        check_config(cfg)  # three calls from three places, as jaxpar train's
+        check_config(cfg, devices=8)
+        check_config(cfg)
+    assert [str(w.message) for w in said] == [
+        "plan.remat_blocks='^blocks/1$' picks the blocks plan.remat recomputes, but "
+        "plan.remat is none: it does nothing (set plan.remat, e.g. plan.remat=full)",
+        "pipeline.schedule configure pipeline stages, but mesh.stage is 1: they do nothing"]
