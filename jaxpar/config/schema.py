@@ -41,6 +41,7 @@ class ModelConfig(TransformerConfig):
 
     factory: str = ""
     kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments ``factory`` is called with (a mapping of the user's own keys)."""
 
     def transformer(self) -> TransformerConfig:
         """The built-in decoder's own config (without the factory fields)."""
@@ -56,17 +57,32 @@ class MeshConfig:
     ``jax.sharding.reshard`` or pass ``out_sharding=``."""
 
     data: int = -1
+    """Data-parallel replicas (each a copy of the model, its own share of the batch); -1:
+    the devices the other axes leave."""
     stage: int = 1
+    """Pipeline stages (see the ``pipeline`` section)."""
     fsdp: int = 1
+    """Fully sharded data parallelism: weights (and optimizer state) split over this axis,
+    gathered layer by layer."""
     expert: int = 1
+    """Expert parallelism: a mixture of experts' experts split over this axis."""
     context: int = 1
+    """Context parallelism: each sequence split over this axis
+    (``plan.context_attention``)."""
     tensor: int = 1
+    """Tensor (Megatron) parallelism: each layer's matmuls split over this axis."""
     dcn_data: int = 1
+    """Slices (over the data-center network) the ``data`` axis also spans; 1: one slice."""
     dcn_stage: int = 1
+    """Slices the ``stage`` axis also spans."""
     dcn_fsdp: int = 1
+    """Slices the ``fsdp`` axis also spans."""
     dcn_expert: int = 1
+    """Slices the ``expert`` axis also spans."""
     dcn_context: int = 1
+    """Slices the ``context`` axis also spans."""
     dcn_tensor: int = 1
+    """Slices the ``tensor`` axis also spans."""
     explicit: bool = False
 
     def ici(self) -> dict[str, int]:
@@ -97,6 +113,9 @@ def _plan_section() -> type:
 
 _PLAN_DOC = """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), ZeRO stage, precision
     policy, remat policy and gradient-accumulation microbatches.
+
+    ``rules``: the preset of logical-name-to-mesh-axis rules: ``dp``, ``fsdp``, ``tp`` or
+    ``fsdp_tp`` (see :mod:`jaxpar.sharding.rules`).
 
     ``annotations``: ``[[path regex, [logical names]], ...]`` for variables (see
     :func:`jaxpar.annotate`). ``layouts``: ``[[path regex or "type:ClassName", [logical
@@ -131,6 +150,7 @@ class PipelineConfig:
 
     schedule: str = "circular"
     microbatches: int = 0
+    """Microbatches each step's batch is split into for the pipeline; 0: one per stage."""
     repeats: int = 0
     layers_per_stage: int = 0
     split: str = ""
@@ -151,18 +171,33 @@ class TrainConfig:
     step out of that folder instead of compiling it again."""
 
     steps: int = 200
+    """Optimizer steps of the whole run (a resumed run continues to this step)."""
     global_batch: int = 16
+    """Sequences per step over all devices (split over the data-parallel axes and
+    processes)."""
     seq_len: int = 128
+    """Tokens per sequence."""
     lr: float = 3e-3
+    """Peak learning rate: linear warmup to it over ``warmup_steps``, cosine decay to a
+    tenth of it by ``steps``."""
     warmup_steps: int = 10
+    """Steps of the learning rate's linear warmup."""
     weight_decay: float = 0.01
+    """Decoupled weight decay (``adamw``, ``lion``) of the weight matrices (not of norm
+    scales and biases)."""
     grad_clip: float = 1.0
+    """Clip the gradients' global norm to this; 0: no clipping."""
     optimizer: str = "adamw"
+    """``adamw``, ``adam``, ``sgd`` (momentum 0.9), ``lion`` or ``adafactor``."""
     seed: int = 0
+    """Seed of the initial weights and the data order."""
     log_every: int = 1
+    """Log a metrics row every this many steps (and the first, the last and any evaluated
+    step)."""
     trainable: str = ""
     eval_every: int = 0
     eval_batches: int = 4
+    """Held-out batches each evaluation (``eval_every``) averages over."""
     loss: str = ""
     profile_steps: tuple = ()
     compile_cache: str = "auto"
@@ -188,9 +223,14 @@ class DataConfig:
     Hugging Face ``datasets`` folders; :mod:`jaxpar.data.streams`)."""
 
     source: str = "stdlib"
+    """Where the tokens come from (see above): ``stdlib`` (the Python standard library's
+    source, built in), a text file, a folder, ``.npy``/``.bin`` token files, token shards or
+    document files."""
     max_bytes: int = 8_000_000
     """Bytes read from ``stdlib`` or untokenized text (not from tokenized data, .npy or .bin)."""
     holdout_fraction: float = 0.05
+    """The fraction of the data held out for evaluation (``train.eval_every``), never
+    trained on."""
     tokenizer: str = ""
     """A ``tokenizer.json`` file or a folder holding one. Document files (see above) are
     tokenized with it as they are read; a text file, folder of text or one ``.jsonl`` once,
@@ -207,12 +247,19 @@ class DataConfig:
     """Threads tokenizing documents as they are read (with ``tokenizer`` and document
     files)."""
     token_dtype: str = "uint16"
-    """The id type of ``.bin`` shards: ``uint16`` or ``uint32``."""
+    """The id type of ``.bin`` token files and shards: ``uint16`` or ``uint32``. Shards
+    ``jaxpar tokenize`` wrote must be read with the type their ``tokenize.json`` records
+    (another is refused, as is this knob on text)."""
     eos_id: int = -1
     """The end-of-document id. With one (>= 0), rows are packed: each token gets its
     document's segment id, attention never crosses a document, RoPE positions restart at
     each, and the target after an end of document does not count. -1: rows run across
-    documents."""
+    documents. Documents tokenized as read are always packed, each ended by this id (-1:
+    the tokenizer's EOS)."""
+    cross_document: bool = False
+    """Documents tokenized as read: rows without segment ids, attention running across
+    documents (each still ended by EOS), for a model whose ``__call__`` takes no
+    ``segment_ids``; the run says so in one warning line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,13 +276,20 @@ class CheckpointConfig:
     its newest ``local_keep`` kept. ``--resume`` takes the newest step of either tier."""
 
     every: int = 100
+    """Save every this many steps (and at the end); 0: only at the end."""
     keep: int = 3
+    """How many of the newest checkpoints are kept."""
     async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
     on_preempt: bool = True
     local_dir: str = ""
     local_every: int = 0
+    """Save to the fast tier (``local_dir``) every this many steps; 0: only on SIGTERM."""
     local_keep: int = 2
+    """How many of the fast tier's newest steps each host keeps."""
     preempt_grace_s: float = 30.0
+    """Seconds after SIGTERM within which ``on_preempt``'s save must finish (what the
+    scheduler allows before it kills)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,13 +303,25 @@ class DiLoCoConfig:
     step's compute (applied one inner step late)."""
 
     sync_every: int = 0
+    """Inner steps between the replicas' meetings; 0: DiLoCo off (synchronous data
+    parallelism)."""
     outer_lr: float = 0.7
+    """Learning rate of the outer SGD applied to the averaged outer gradient at each
+    meeting."""
     outer_momentum: float = 0.9
+    """Momentum of the outer SGD."""
     nesterov: bool = True
+    """Nesterov momentum for the outer SGD."""
     fragments: int = 1
+    """Streaming DiLoCo: the model meets in this many fragments, one at a time, in turn; 1:
+    whole."""
     staleness: int = 0
+    """Meetings late each outer gradient is applied (0: at once)."""
     outer_bits: int = 32
+    """Bits a value of the outer gradients is sent in: 32 (float32) or 8 (int8)."""
     overlap: bool = False
+    """Run each meeting inside the next inner step, its all-reduce beside that step's
+    compute (applied one inner step late)."""
 
 
 @dataclasses.dataclass(frozen=True)

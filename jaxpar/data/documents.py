@@ -262,9 +262,11 @@ class ArrayRecordDocuments:
             raise JaxparError(f"{where}: not UTF-8") from None
         if text.startswith("{"):
             try:
-                return _record_text(json.loads(text), self.field, where)
+                record = json.loads(text)
             except ValueError:
-                pass  # text that happens to start with a brace
+                return text  # text that happens to start with a brace
+            if isinstance(record, dict):  # a JSON object: its text is at data.field
+                return _record_text(record, self.field, where)
         return text
 
 

@@ -3,8 +3,8 @@
 The built-in corpus is the Python standard library's own source, read as bytes (vocab
 256): it exists on every machine that runs jaxpar. User data may be a text file or a
 folder of them (bytes again, or tokenized by a Hugging Face tokenizer: see
-:mod:`jaxpar.data.tokenizer`), a ``.npy`` array of token ids, or a ``.bin`` file of ``uint16``
-token ids (the nanoGPT convention).
+:mod:`jaxpar.data.tokenizer`), a ``.npy`` array of token ids, or a ``.bin`` file of
+``uint16`` (the nanoGPT convention) or ``uint32`` token ids (``data.token_dtype``).
 
 Batch ``k`` depends only on ``(seed, k)``, so a loader resumes exactly from a step
 number, and each process of a multi-host run reads only its own rows of the global batch.
@@ -117,27 +117,29 @@ def _load_npy(source: str, path: Path) -> np.ndarray:
     return tokens
 
 
-def _load_bin(source: str, path: Path) -> np.ndarray:
+def _load_bin(source: str, path: Path, token_dtype: str = "uint16") -> np.ndarray:
+    width = np.dtype(token_dtype).itemsize
     try:
         size = path.stat().st_size
-        if size % 2:
+        if size % width:
             raise JaxparError(
-                f"data.source {source!r}: a .bin file holds uint16 token ids (2 bytes each), "
-                f"but its size is {size} bytes, an odd number: the file is truncated or "
-                "not uint16")
+                f"data.source {source!r}: a .bin file of {token_dtype} token ids "
+                f"(data.token_dtype) has {width} bytes an id, but its size is {size} bytes: "
+                "the file is truncated or of another id type")
         if size == 0:
-            return np.zeros(0, dtype=np.uint16)
-        return np.memmap(path, dtype=np.uint16, mode="r")
+            return np.zeros(0, dtype=token_dtype)
+        return np.memmap(path, dtype=token_dtype, mode="r")
     except OSError as exc:
         raise _cannot_read(source, path, exc) from None
 
 
 def load_tokens(source: str, max_bytes: int = 8_000_000, *, tokenizer: str = "",
-                field: str = "text") -> np.ndarray:
+                field: str = "text", token_dtype: str = "uint16") -> np.ndarray:
     """Token ids from ``"stdlib"``, a text file, a folder of text files, a .npy or a .bin file.
 
     Text (a file, or every file of a folder, in sorted order) is read as bytes, at most
-    ``max_bytes`` of them; .npy and .bin files are memory-mapped whole. With a
+    ``max_bytes`` of them; .npy and .bin files (of ``token_dtype`` ids) are memory-mapped
+    whole. With a
     ``tokenizer``, text and ``.jsonl`` (the string at ``field``) are tokenized whole
     instead, through a cache (:func:`jaxpar.data.tokenizer.tokenized`).
 
@@ -166,7 +168,7 @@ def load_tokens(source: str, max_bytes: int = 8_000_000, *, tokenizer: str = "",
     elif path.suffix == ".npy":
         tokens = _load_npy(source, path)
     elif path.suffix == ".bin":
-        tokens = _load_bin(source, path)
+        tokens = _load_bin(source, path, token_dtype)
     else:
         tokens = np.frombuffer(_read_prefix(source, path, max_bytes), dtype=np.uint8)
     if len(tokens) == 0:

@@ -9,13 +9,20 @@ of the next), never across two shards, and serves them by index: it is a random-
 source for :mod:`jaxpar.data.mixture`, which shuffles and mixes them.
 
 ``.bin`` shards hold raw ids of ``data.token_dtype`` (``uint16``, the nanoGPT convention,
-or ``uint32`` for vocabularies past 65,536); ``.npy`` shards carry their dtype.
+or ``uint32`` for vocabularies past 65,536); ``.npy`` shards carry their dtype. Shards
+``jaxpar tokenize`` wrote carry their id type, EOS id and vocabulary in the
+``tokenize.json`` beside them: :func:`check_shards` refuses a ``data.token_dtype``,
+``data.eos_id`` or ``model.vocab_size`` that disagrees (the config is never overridden
+silently), and a manifest of an interrupted ``jaxpar tokenize``. Raw ``.bin`` shards
+without one are checked in their first window: ids read as the wrong width show as every
+other id 0, or as ids past the vocabulary that the other width keeps within it.
 """
 
 from __future__ import annotations
 
 import bisect
 import glob
+import json
 from pathlib import Path
 
 import numpy as np
@@ -172,4 +179,88 @@ class Windows:
             if isinstance(ids, RemoteTokens):
                 self._vocab_size = vocab_size  # checked in __getitem__
                 continue
-            check_token_ids(ids, vocab_size, source=getattr(ids, "filename", self.name))
+            check_token_ids(ids, vocab_size, source=str(getattr(ids, "filename", None)
+                                                        or self.name))
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The ``tokenize.json`` in ``folder`` (None when there is none or it is unreadable)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+HEAD_IDS = 4096
+"""Ids of a raw shard's start that :func:`check_shards` looks at for a wrong id width."""
+
+
+def _width_mismatch(path: Path, token_dtype: str, vocab_size: int
+                    ) -> tuple[str, str] | None:
+    """The id type a raw ``.bin`` shard's first ids say it has, when not ``token_dtype``,
+    and why."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(HEAD_IDS * 4)
+    except OSError:
+        return None  # open_shard names the file
+    head = head[:len(head) // 4 * 4]
+    if len(head) < 64:
+        return None
+    as16, as32 = np.frombuffer(head, "<u2"), np.frombuffer(head, "<u4")
+    if token_dtype == "uint16":
+        if not as16[1::2].any() and as16[0::2].any():
+            return "uint32", "uint16 are every other one 0"
+        if as16.max() >= vocab_size > as32.max():
+            return "uint32", f"uint16 pass model.vocab_size={vocab_size}"
+    elif as32.max() >= vocab_size > as16.max():
+        return "uint16", f"uint32 pass model.vocab_size={vocab_size}"
+    return None
+
+
+def check_shards(paths: list[Path | str], token_dtype: str, eos_id: int, vocab_size: int,
+                 source: str) -> None:
+    """Refuse, in one line naming the setting, shards the config would misread: a
+    ``tokenize.json`` beside them that records another ``token_dtype``, an ``eos_id`` other
+    than ``data.eos_id`` (when set), a vocabulary larger than ``model.vocab_size``, or an
+    interrupted run; raw ``.bin`` shards whose first ids look like the other width.
+    Shards in object storage are not looked at here (their ids are checked as read)."""
+    manifests: dict[Path, dict | None] = {}
+    for path in paths:
+        if is_remote(path):
+            continue
+        path = Path(path)
+        folder = path.parent
+        if folder not in manifests:
+            manifests[folder] = read_manifest(folder)
+        manifest = manifests[folder]
+        listed = manifest is not None and path.name in {
+            s.get("shard") for s in manifest.get("shards", []) if isinstance(s, dict)}
+        where = f"data source {source!r}"
+        if manifest is not None and manifest.get("complete") is False:
+            raise JaxparError(f"{where}: {str(folder)!r} holds the shards of an interrupted "
+                              "jaxpar tokenize (its tokenize.json is unfinished): run it "
+                              "again with the same --out to rewrite them")
+        if listed:
+            want = manifest.get("token_dtype")
+            if path.suffix == ".bin" and want in TOKEN_DTYPES and want != token_dtype:
+                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its shards hold "
+                                  f"{want} ids, but data.token_dtype={token_dtype}: set "
+                                  f"data.token_dtype={want}")
+            eos = manifest.get("eos_id")
+            if eos_id >= 0 and isinstance(eos, int) and eos != eos_id:
+                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its documents "
+                                  f"end with id {eos}, but data.eos_id={eos_id}: set "
+                                  f"data.eos_id={eos} (or -1: rows across documents)")
+            vocab = manifest.get("vocab_size")
+            if isinstance(vocab, int) and vocab > vocab_size:
+                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its tokenizer "
+                                  f"has {vocab} ids, but model.vocab_size={vocab_size}: set "
+                                  f"model.vocab_size={vocab} or more")
+        elif path.suffix == ".bin":
+            found = _width_mismatch(path, token_dtype, vocab_size)
+            if found:
+                raise JaxparError(f"{where}: shard {str(path)!r} holds {found[0]} ids, not "
+                                  f"data.token_dtype={token_dtype} (its first ids as "
+                                  f"{found[1]}): set data.token_dtype={found[0]}")

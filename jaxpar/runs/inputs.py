@@ -10,6 +10,7 @@ Parquet, Arrow, ArrayRecord, Hugging Face ``datasets`` folders with ``data.token
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ from jaxpar.config.schema import Config
 from jaxpar.data.documents import open_documents, uses_documents
 from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
 from jaxpar.data.mixture import MixtureLoader, Source
-from jaxpar.data.shards import Windows, names_shards, open_shard, shard_paths
+from jaxpar.data.shards import Windows, check_shards, names_shards, open_shard, shard_paths
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.data.tokenizer import eos_id, load_tokenizer, tokenizer_json, vocab_size
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JaxparWarning
 
 
 def fitting_tokenizer(config: Config) -> Any:
@@ -45,8 +46,11 @@ def load_corpus(config: Config) -> np.ndarray:
     data = config.data
     if data.tokenizer:
         fitting_tokenizer(config)
+    elif Path(data.source).suffix == ".bin":  # one shard: its manifest or first ids
+        check_shards([Path(data.source)], data.token_dtype, data.eos_id,
+                     config.model.vocab_size, data.source)
     return load_tokens(data.source, data.max_bytes, tokenizer=data.tokenizer,
-                       field=data.field)
+                       field=data.field, token_dtype=data.token_dtype)
 
 
 def reads_shards(config: Config) -> bool:
@@ -66,11 +70,17 @@ def reads_documents(config: Config) -> bool:
 def document_loader(config: Config, *, holdout: bool = False) -> DocumentLoader:
     """This process's :class:`DocumentLoader` over the config's document sources: the first
     ``1 - data.holdout_fraction`` of each source's documents for training, the rest held
-    out. Documents end with the tokenizer's EOS id; rows carry segment ids unless the mesh
+    out. Documents end with ``data.eos_id`` (-1: the tokenizer's EOS id); rows carry
+    segment ids unless ``data.cross_document`` (said in one warning line), or the mesh
     has stages, or a context axis in the balanced order (which do not take them yet)."""
     data, train = config.data, config.train
     tokenizer = fitting_tokenizer(config)
-    eos = eos_id(tokenizer, tokenizer_json(data.tokenizer).parent)
+    eos = (data.eos_id if data.eos_id >= 0
+           else eos_id(tokenizer, tokenizer_json(data.tokenizer).parent))
+    if data.cross_document and not holdout:
+        warnings.warn("data.cross_document=true: rows run across documents (no segment "
+                      "ids; attention crosses from one document into the next)",
+                      JaxparWarning, stacklevel=2)
     cut = 1.0 - data.holdout_fraction
     sources = [(open_documents(entry["path"], data.field), float(entry.get("weight", 1.0)))
                for entry in data.sources or [{"path": data.source}]]
@@ -78,8 +88,8 @@ def document_loader(config: Config, *, holdout: bool = False) -> DocumentLoader:
         sources, tokenizer, eos, train.global_batch, train.seq_len,
         seed=train.seed + (1 if holdout else 0), process_index=jax.process_index(),
         process_count=jax.process_count(), part=(cut, 1.0) if holdout else (0.0, cut),
-        segments=config.mesh.stage == 1 and (config.mesh.context == 1
-                                             or not config.plan.context_balance),
+        segments=not data.cross_document and config.mesh.stage == 1 and (
+            config.mesh.context == 1 or not config.plan.context_balance),
         workers=data.workers)
 
 
@@ -90,7 +100,10 @@ def shard_loader(config: Config, *, holdout: bool = False) -> MixtureLoader:
     cut = 1.0 - data.holdout_fraction
     sources = []
     for entry in data.sources or [{"path": data.source}]:
-        shards = [open_shard(p, data.token_dtype) for p in shard_paths(entry["path"])]
+        paths = shard_paths(entry["path"])
+        check_shards(paths, data.token_dtype, data.eos_id, config.model.vocab_size,
+                     entry["path"])
+        shards = [open_shard(p, data.token_dtype) for p in paths]
         windows = Windows(shards, train.seq_len, name=entry["path"],
                           part=(cut, 1.0) if holdout else (0.0, cut))
         sources.append(Source(windows, float(entry.get("weight", 1.0))))

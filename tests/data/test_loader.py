@@ -156,7 +156,7 @@ def _holdout_smaller_than_a_batch(d):  # 2000 * 0.05 = 100 held-out tokens < 8 *
 
 
 BAD_DATA = {  # case: (make files under tmp_path -> (source, overrides), message fragments)
-    "odd-size .bin": (_odd_bin, ["2001 bytes, an odd number", "uint16"]),
+    "odd-size .bin": (_odd_bin, ["its size is 2001 bytes", "uint16"]),
     "id >= vocab after the first chunk": (
         _bin_bad_id_after_first_chunk,
         ["token id 300 at position 3000 is >= model.vocab_size=256"]),

@@ -65,3 +65,63 @@ def test_the_command_says_how_to_train_and_refuses_a_folder_with_shards(corpus, 
     assert main(["tokenize", "--tokenizer", str(tok), "--out", str(tmp_path / "o2"),
                  str(bad)]) == 2
     assert "bad.jsonl:1: the record has no data.field='text'" in capsys.readouterr().err
+
+
+def test_parquet_and_zstd_inputs_an_interrupt_stops_the_workers_and_a_rerun_rewrites(
+        tmp_path, monkeypatch, capsys):
+    """Parquet and ``.jsonl.zst`` are read as training reads them; SIGTERM mid-run stops
+    the workers at once (exit 143, one line), training refuses the unfinished folder, and
+    the same command again rewrites it."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import signal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from jaxpar.data.shards import check_shards
+    from jaxpar.data.tokenize_shards import input_files
+    from jaxpar.errors import JaxparError
+
+    tokenizer = make_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(pa.table({"text": SENTENCES[:3]}), raw / "a.parquet")
+    (raw / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": s}) + "\n" for s in SENTENCES[3:]).encode()))
+    np.zeros(4, np.int32).tofile(tmp_path / "ids.npy")
+    with pytest.raises(JaxparError, match=r"input '.*ids.npy' is not a kind it reads \(text, "):
+        input_files([str(tmp_path / "ids.npy")])
+    out = tmp_path / "out"
+    argv = ["tokenize", "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
+            "--workers", "2", str(raw)]
+    real = concurrent.futures.as_completed
+
+    def terminated(jobs):  # SIGTERM arrives while the workers are busy
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield from real(jobs)
+
+    monkeypatch.setattr(concurrent.futures, "as_completed", terminated)
+    assert main(argv) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxpar: tokenize stopped by SIGTERM, its workers with it; the shards are "
+                   "unfinished: run the same command again to rewrite them"]
+    assert multiprocessing.active_children() == [] and not list(out.glob(".*.tmp"))
+    assert json.loads((out / MANIFEST).read_text())["complete"] is False
+    with pytest.raises(JaxparError, match="holds the shards of an interrupted jaxpar tokenize"):
+        check_shards([out / "00000-a.bin"], "uint16", -1, 64, str(out))
+    monkeypatch.setattr(concurrent.futures, "as_completed", real)
+    (out / "00001-b.bin").write_bytes(b"\0\0")  # what a killed run might have left
+    assert main(argv) == 0
+    assert "left (1 shards, no finished tokenize.json): rewriting it" in capsys.readouterr().err
+    eos = tokenizer.token_to_id("</s>")
+    for path, texts in zip(shard_paths(str(out)), [SENTENCES[:3], SENTENCES[3:]], strict=True):
+        want = [i for s in texts for i in (*tokenizer.encode(s, add_special_tokens=False).ids,
+                                           eos)]
+        np.testing.assert_array_equal(open_shard(path), want)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] is True and manifest["vocab_size"] == tokenizer.get_vocab_size()
+    assert main(argv) == 2  # a finished folder is not rewritten
+    assert "holds shards already" in capsys.readouterr().err
