@@ -40,7 +40,7 @@ from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
-from jaxpar.runs import compile_cache, goodput, monitor, tiers
+from jaxpar.runs import compile_cache, goodput, monitor, tiers, trackers
 from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
 from jaxpar.runs.monitor import ProfileWindow
@@ -217,6 +217,8 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
     started = goodput.session_start()  # goodput: the session counts from here (or its process)
     check_run_folder(out_dir, resume=resume, config=config)
     monitor.run_chip(config.train.catalog)  # a bad train.catalog: one line, before any work
+    if out_dir is not None and "wandb" in config.train.trackers:
+        trackers.check_wandb()  # W&B that cannot log: one line, before anything is written
     mirror = None
     if is_remote(out_dir):  # see jaxpar.storage.run_mirror: what is written where
         mirror = RunMirror(str(out_dir), skip=(LOCK_NAME,))

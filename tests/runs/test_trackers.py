@@ -115,3 +115,46 @@ def test_a_catalog_gives_cpu_devices_their_calibrated_peak(tmp_path):
         run_chip(str(both), jax.devices()[:2])
     with pytest.raises(JaxparError, match="does not exist"):
         run_chip(str(tmp_path / "missing.yaml"))
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once closed
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"WANDB_MODE": "ofline"}, "WANDB_MODE='ofline' is not a W&B mode: use one of online, "
+                               "offline, disabled"),
+    ({}, "W&B has no API key for http://127.0.0.1:"),
+    ({"WANDB_API_KEY": "x" * 40}, "the W&B server http://127.0.0.1:"),
+    ({"WANDB_API_KEY": "short"}, "wandb refuses its credentials (WANDB_API_KEY invalid"),
+])
+def test_wandb_that_cannot_log_is_one_line_before_the_run(env, says, tmp_path, monkeypatch,
+                                                         capsys):
+    """A typo in WANDB_MODE, no key, no network (a closed port): one line, exit 2, before
+    the run folder is made (it was left with an empty checkpoints/), within seconds."""
+    import time
+
+    from jaxpar import cli
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE",
+                 "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    start = time.monotonic()
+    assert cli.main(["train", "--config", "configs/tiny.yaml", "--out", str(out),
+                     "train.trackers=[jsonl, wandb]", "model.d_model=32", "model.n_layers=1",
+                     "model.d_ff=64", "train.seq_len=16", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: ") and err.count("\n") == 1, err
+    assert says in err, err
+    assert time.monotonic() - start < 10 and not out.exists()
