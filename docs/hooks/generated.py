@@ -66,6 +66,61 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_SECTION = re.compile(r"^(Attributes|Args):\s*$")
+_ENTRY = re.compile(r"^(\w+): (.*)$")
+_INLINE = re.compile(r"``(\w+)``: ")
+
+
+def _docstring_fields(doc: str) -> dict[str, str]:
+    """``name -> text`` from a class docstring: its ``Attributes:``/``Args:`` entries
+    (``name: text``, continued on deeper-indented lines) and its inline definitions
+    (a double-backquoted name, a colon and its text, up to the next one or the
+    paragraph's end)."""
+    found: dict[str, str] = {}
+    lines = inspect.cleandoc(doc or "").splitlines()
+    prose: list[str] = []
+    entry: str | None = None
+    section = False
+    for line in lines:
+        if _SECTION.match(line):
+            section, entry = True, None
+            continue
+        if section:
+            if not line.strip():
+                section, entry = False, None
+                prose.append("")
+                continue
+            head = _ENTRY.match(line.strip()) if line.startswith("  ") and not line.startswith(
+                "    ") else None
+            if head:
+                entry = head.group(1)
+                found[entry] = head.group(2)
+            elif entry:
+                found[entry] += " " + line.strip()
+            continue
+        prose.append(line)
+    for paragraph in "\n".join(prose).split("\n\n"):
+        text = " ".join(paragraph.split())
+        marks = list(_INLINE.finditer(text))
+        if not marks:
+            continue
+        for mark, after in zip(marks, [*marks[1:], None], strict=True):
+            end = after.start() if after else len(text)
+            found.setdefault(mark.group(1), text[mark.end():end].strip())
+    return found
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """What the reference says of each field of ``cls``: its attribute docstring, else
+    its entry in the class docstring (of ``cls`` or a base) as :func:`_docstring_fields`
+    reads it."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # not object's
+        docs.update(_docstring_fields(klass.__doc__ or ""))
+    docs.update(_attribute_docs(cls))
+    return docs
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -83,7 +138,9 @@ def config_reference(_: str | None = None) -> str:
             top.append(field)
             continue
         cls = type(default)
-        docs = _attribute_docs(Plan if field.name == "plan" else cls)
+        docs = field_docs(cls)
+        if field.name == "plan":  # the knobs are the Plan's; rules and strict the section's
+            docs = {**docs, **field_docs(Plan)}
         out += [f"## {field.name}", "", inspect.cleandoc(cls.__doc__ or ""), "",
                 "| key | default | type | what it does |", "|---|---|---|---|"]
         hints = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -93,7 +150,7 @@ def config_reference(_: str | None = None) -> str:
             out.append(f"| `{field.name}.{f.name}` | `{getattr(default, f.name)!r}` | "
                        f"{_cell(str(kind))} | {_cell(docs.get(f.name, ''))} |")
         out.append("")
-    docs = _attribute_docs(Config)
+    docs = field_docs(Config)
     out += ["## top level", "", "| key | default | what it does |", "|---|---|---|"]
     for f in top:
         out.append(f"| `{f.name}` | `{getattr(Config(), f.name)!r}` | "

@@ -313,8 +313,8 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD."""
     fragments: int = 1
-    """Streaming DiLoCo: the model meets in this many fragments, one at a time, in turn; 1:
-    whole."""
+    """Streaming DiLoCo: the weights meet in this many fragments, each at its own step
+    within the ``sync_every`` steps (a meeting moves 1/fragments of the bytes); 1: whole."""
     staleness: int = 0
     """Meetings late each outer gradient is applied (0: at once)."""
     outer_bits: int = 32

@@ -52,38 +52,65 @@ class TransformerConfig:
     """
 
     vocab_size: int = 256
+    """Token ids the model embeds and predicts (the token data are checked against it)."""
     d_model: int = 64
+    """Width of the residual stream (the embedding size)."""
     n_layers: int = 2
+    """Decoder blocks."""
     n_heads: int = 4
+    """Query heads per attention layer."""
     n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention: ``n_heads`` must be a multiple; equal to it
+    is multi-head attention)."""
     head_dim: int = 0
+    """Size of each head; 0: ``d_model // n_heads``."""
     d_ff: int = 256
+    """Hidden width of each block's gated MLP."""
     max_seq_len: int = 256
+    """The longest sequence the model is built for (RoPE tables); ``train.seq_len`` may not
+    exceed it."""
     tie_embeddings: bool = False
+    """Use the embedding table as the output head (no separate head weights)."""
     rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies."""
     norm_eps: float = 1e-5
+    """Epsilon of the RMSNorms."""
     init_std: float = 0.02
+    """Standard deviation of the weights' normal initialisation."""
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: str = "none"
     rope_factor: float = 1.0
+    """The ``rope_scaling`` factor frequencies are divided by (``linear``, ``llama3``)."""
     rope_low_freq_factor: float = 1.0
+    """``llama3`` scaling: wavelengths longer than ``rope_original_max_len /
+    rope_low_freq_factor`` are divided by ``rope_factor``."""
     rope_high_freq_factor: float = 4.0
+    """``llama3`` scaling: wavelengths shorter than ``rope_original_max_len /
+    rope_high_freq_factor`` are kept."""
     rope_original_max_len: int = 8192
+    """``llama3`` scaling: the context length the model was trained for before scaling."""
     norm_offset: float = 0.0
     embed_scale: bool = False
     mlp_activation: str = "silu"
     sliding_window: int = 0
     attention: str = "auto"
     attention_block: int = 512
+    """The key block size of the ``chunked`` attention implementation."""
     loss_chunk: int = 0
     n_experts: int = 0
+    """Experts in each layer's MLP (mixture of experts); 0: a dense MLP."""
     experts_per_token: int = 2
+    """Experts each token is routed to (with ``n_experts``)."""
     expert_d_ff: int = 0
+    """Hidden width of each expert; 0: ``d_ff``."""
     expert_capacity: float = 1.25
     n_shared_experts: int = 0
+    """Experts every token uses besides its routed ones."""
     router_aux_loss: float = 0.01
+    """Weight of the router's load-balancing loss added to the training loss."""
     router_z_loss: float = 0.001
+    """Weight of the router's z-loss (on its logits' size) added to the training loss."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",

@@ -201,6 +201,11 @@ class Plan:
         paths match ``quantize_target`` and not ``quantize_exclude`` (regular expressions
         matched against whole paths such as ``blocks/mlp/w_up``); see
         :mod:`jaxpar.sharding.quantization`.
+      quantize_target: the regular expression of the module paths ``quantize`` applies to
+        (matched against whole paths; the default ``.*``: every matmul not excluded).
+      quantize_exclude: the regular expression of module paths ``quantize`` leaves in
+        full precision even when ``quantize_target`` matches them (the default: the
+        embeddings, the output head and attention).
       quantize_gather: ``int8``: weights split over the data-parallel axes (FSDP, ZeRO-3)
         are all-gathered as int8 plus per-row scales (ZeRO++'s qwZ), see
         :func:`jaxpar.parallel.zeropp.gather_int8`.
@@ -219,6 +224,8 @@ class Plan:
       compress_gradients: ``sign``: the gradients are averaged over the ``data`` axis one
         bit a value with error feedback, after ``compress_warmup`` exact steps (see
         :mod:`jaxpar.parallel.compression`).
+      compress_warmup: the steps averaged exactly before ``compress_gradients`` starts
+        compressing (0: from the first step).
     """
 
     mesh: Mesh
