@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jaxpar.config.schema import load_config
 from jaxpar.config.validate import check_config
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, RunStopped
 from jaxpar.runs.distributed import simulate_devices
 from jaxpar.storage.folders import check_new_output, refused_write, write_file
 
@@ -24,6 +28,40 @@ def _checked_outputs(args: argparse.Namespace) -> None:
         check_new_output(args.save, "--save", force=args.force, folder=True)
         if Path(args.save).absolute() == Path(args.dump_hlo or "").absolute():
             raise JaxparError(f"--dump-hlo and --save both name {args.save!r}; name two paths")
+
+
+def stoppable(work: Callable[[], Any], what: str) -> Any:
+    """``work()`` (a compile) in a worker thread, while this thread answers SIGINT and
+    SIGTERM at once with :class:`RunStopped` (130, 143): XLA's compiler holds the main
+    thread for minutes otherwise, and libtpu's own SIGTERM handler prints a stack dump.
+    Nothing has been written when it stops; the worker is a daemon, left to the exit."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = work()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = err
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise RunStopped(f"stopped by {name} during {what}; nothing was written",
+                         128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return work()  # signals reach the main thread only: nothing to answer here
+    worker = threading.Thread(target=run, name="jaxpar-compile", daemon=True)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def command(args: argparse.Namespace) -> int:
@@ -46,7 +84,7 @@ def command(args: argparse.Namespace) -> int:
 
     save = getattr(args, "save", None)  # jaxpar compile only
     target = parse_target(target_text, args.slices)
-    step = compile_step(config, target)
+    step = stoppable(lambda: compile_step(config, target), "the compile")
     report = step_report(step, source=args.config or "defaults")
     if args.dump_hlo:
         with refused_write(args.dump_hlo, "--dump-hlo"):

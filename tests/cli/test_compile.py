@@ -208,3 +208,33 @@ def test_a_full_disk_keeps_the_earlier_outputs(monkeypatch, tmp_path, capsys):
     assert err.startswith(f"jaxpar: error: --save {str(saved)!r}: could not write: no space "
                           "left on device (") and err.endswith("; nothing was written\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.hlo"]
+
+
+def test_sigterm_during_the_compile_is_one_line_and_143(monkeypatch, tmp_path, capsys):
+    """A scheduler's SIGTERM while XLA compiles: answered at once (the compile runs in a
+    worker thread), one line, exit 143, no --dump-hlo written; the handlers are restored."""
+    import os
+    import signal
+    import threading
+
+    from jaxpar.analysis import inspection
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_compile(config, target):
+        started.set()
+        release.wait(30)
+        raise AssertionError("the compile was not abandoned")
+
+    monkeypatch.setattr(inspection, "compile_step", slow_compile)
+    threading.Thread(target=lambda: started.wait(30) and os.kill(os.getpid(), signal.SIGTERM),
+                     daemon=True).start()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.main(["compile", "--target", "cpu", "--config", "configs/tiny.yaml",
+                         "--dump-hlo", str(tmp_path / "x.hlo"), *SMALL_RUN]) == 143
+    finally:
+        release.set()
+    assert capsys.readouterr().err == ("jaxpar: stopped by SIGTERM during the compile; "
+                                       "nothing was written\n")
+    assert signal.getsignal(signal.SIGTERM) is before and not any(tmp_path.iterdir())
