@@ -172,7 +172,7 @@ def test_unstaged_gives_the_model_back_computing_the_same():
      "StageSplit(blocks='norm') is a RMSNorm"),
     (lambda: MhaLM(layers=2, rngs=nnx.Rngs(0)), StageSplit(embed=None, head=None), 2,
      "the blocks at 'blocks' hold random streams (dropout)"),
-    (_llama, {"embed": None, "head": None}, 2, "jaxpar.stage_model: split is a dict, not a "
+    (lambda: None, {"embed": None, "head": None}, 2, "jaxpar.stage_model: split is a dict, not a "
      "jaxpar.StageSplit: pass StageSplit(embed=..., head=..., blocks=...) (StageSplit(**split) "
      "from this dict)"),
     (lambda: {"layers": []}, LLAMA_SPLIT, 2, "jaxpar.stage_model: model is a dict, not an "
