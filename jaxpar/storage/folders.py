@@ -318,7 +318,7 @@ def check_new_output(path: str | Path, what: str, *, force: bool, folder: bool =
     if not parent.is_dir():
         raise JaxparError(f"{what} {str(path)!r}: folder {str(path.parent)!r} does not exist; "
                           "create it first")
-    taken = path.is_dir() and any(path.iterdir()) if folder else path.exists()
+    taken = path.is_dir() and any(path.iterdir()) if folder else path.is_file()
     if taken and not force:
         raise JaxparError(f"{what} {str(path)!r} exists{' and is not empty' * folder}; pass "
                           "--force to replace it, or name another")
@@ -336,15 +336,21 @@ def _write_all(file, data: bytes) -> None:
 def write_file(path: str | Path, data: bytes | str) -> None:
     """Write ``data`` to ``path`` whole or not at all: into a hidden sibling first, renamed
     over ``path`` once complete (a full disk leaves the earlier file, not half a new one).
+    A path that is not a regular file (``/dev/null``, a pipe) is written as it is.
 
     Raises:
       OSError: the file system's refusal, after the partial sibling is removed.
     """
     path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    if path.exists() and not path.is_file():  # /dev/null, /dev/stdout, a pipe: as it is
+        with open(path, "wb") as file:
+            file.write(data)
+        return
     temp = path.parent / f".{path.name}.jaxpar-tmp-{os.getpid()}"
     try:
         with open(temp, "wb") as file:
-            _write_all(file, data.encode() if isinstance(data, str) else data)
+            _write_all(file, data)
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -131,3 +131,21 @@ def test_a_failed_staged_write_leaves_the_folder_as_it_was(tmp_path):
         (staging / "config.json").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["config.json",
                                                          "model-00001-of-00002.safetensors"]
+
+
+def test_an_output_file_is_new_or_forced_and_written_whole(tmp_path):
+    """check_new_output / write_file: an existing file needs force, a device file
+    (/dev/null) is neither refused nor replaced by a rename, a write leaves no temp file."""
+    from jaxpar.storage.folders import check_new_output, write_file
+
+    target = tmp_path / "step.hlo"
+    check_new_output(target, "--dump-hlo", force=False)
+    write_file(target, "one")
+    with pytest.raises(JaxparError, match="exists; pass --force"):
+        check_new_output(target, "--dump-hlo", force=False)
+    check_new_output(target, "--dump-hlo", force=True)
+    write_file(target, b"two")
+    assert target.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["step.hlo"]
+    check_new_output("/dev/null", "--dump-hlo", force=False)
+    write_file("/dev/null", "gone")
+    assert Path("/dev/null").exists() and not Path("/dev/null").is_file()
