@@ -125,3 +125,53 @@ def test_a_run_trains_on_a_mixture_of_shard_folders_packed(tmp_path):
     _, history = train(config, tmp_path / "run")
     assert len(history) == 2 and np.isfinite(history[-1]["loss"])
     assert np.isfinite(history[-1]["eval_loss"])
+
+
+def test_shards_are_read_as_their_manifest_or_first_ids_say(tmp_path):
+    """Shards ``jaxpar tokenize`` wrote carry their id type, EOS and vocabulary in
+    tokenize.json: a config that disagrees is refused naming the setting; raw shards read
+    at the wrong width are refused naming data.token_dtype (never a PosixPath repr)."""
+    import json
+
+    from jaxpar.runs.inputs import make_loader
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, 3000, 2000)
+    ids[::50] = 1  # documents end with 1
+    small = ["model.vocab_size=4096", "train.seq_len=16", "train.global_batch=4"]
+
+    def refused(folder, *overrides) -> str:
+        config = jaxpar.load_config(None, [*small, f"data.source={folder}", *overrides])
+        with pytest.raises(JaxparError) as info:
+            make_loader(config)
+        assert "PosixPath" not in str(info.value) and "\n" not in str(info.value)
+        return str(info.value)
+
+    made = tmp_path / "made"
+    made.mkdir()
+    ids.astype("uint32").tofile(made / "00000-a.bin")
+    (made / "tokenize.json").write_text(json.dumps({
+        "eos_id": 1, "token_dtype": "uint32", "vocab_size": 3000, "complete": True,
+        "shards": [{"shard": "00000-a.bin", "tokens": 2000}]}))
+    assert "says its shards hold uint32 ids, but data.token_dtype=uint16: set " \
+        "data.token_dtype=uint32" in refused(made)
+    assert "end with id 1, but data.eos_id=5: set data.eos_id=1" in refused(
+        made, "data.token_dtype=uint32", "data.eos_id=5")
+    assert "has 3000 ids, but model.vocab_size=2048: set model.vocab_size=3000" in refused(
+        made, "data.token_dtype=uint32", "model.vocab_size=2048")
+    config = jaxpar.load_config(None, [*small, f"data.source={made}",
+                                       "data.token_dtype=uint32", "data.eos_id=1"])
+    assert make_loader(config).batch(0)["tokens"].max() < 3000
+    (made / "tokenize.json").unlink()  # raw: the first ids tell
+    assert "holds uint32 ids, not data.token_dtype=uint16 (its first ids as uint16 are " \
+        "every other one 0): set data.token_dtype=uint32" in refused(made)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    ids.astype("uint16").tofile(raw / "a.bin")
+    assert "holds uint16 ids, not data.token_dtype=uint32 (its first ids as uint32 pass " \
+        "model.vocab_size=4096): set data.token_dtype=uint16" in refused(
+            raw, "data.token_dtype=uint32")
+    assert "holds uint16 ids" in refused(raw / "a.bin", "data.token_dtype=uint32")  # one file
+    big = np.concatenate([ids, [5000]]).astype("uint16")
+    big.tofile(raw / "a.bin")
+    assert f"data.source '{raw / 'a.bin'}': token id 5000 at position 2000" in refused(raw)

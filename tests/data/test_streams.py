@@ -160,3 +160,60 @@ def test_resumed_on_other_process_counts_the_batches_are_one_sequence(tmp_path, 
         saved = np.concatenate([ld.local_state(start + 3) for ld in loaders]).tolist()
     with pytest.raises(JaxparError, match="saved for train.global_batch=12, not 6"):
         _loader(sources(), tokenizer, batch=6).restore(saved, 9)
+
+
+def test_document_knobs_do_what_they_say_or_are_refused(tmp_path, tokenizer):
+    """ArrayRecord JSON objects without data.field are refused (as Parquet and Arrow are);
+    data.eos_id ends documents when set; data.token_dtype on text and data.cross_document
+    beside anything but documents are refused; data.cross_document trains a model that
+    takes no segment_ids (rows without them, one warning), which packed rows refuse."""
+    import warnings
+
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from jaxpar.runs.inputs import make_loader
+    from jaxpar.training.objective import lm_loss
+    from tests.user_models import MhaLM
+
+    writer = ArrayRecordWriter(str(tmp_path / "r.array_record"), "group_size:1")
+    for record in ['{"text": "a b"}', '{"body": "c d"}', "{plain text}"]:
+        writer.write(record.encode())
+    writer.close()
+    table = open_documents(str(tmp_path / "r.array_record"))
+    assert table[0] == "a b" and table[2] == "{plain text}"
+    with pytest.raises(JaxparError, match=r"record 1: the record has no data.field='text'"):
+        table[1]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"text": _docs(40)}), tmp_path / "d" / "a.parquet")
+    tok = tmp_path / "tok" / "tokenizer.json"
+    base = [f"data.tokenizer={tok}", f"data.source={tmp_path}/d/a.parquet",
+            "model.vocab_size=64", "train.seq_len=16", "train.global_batch=4"]
+    assert make_loader(jaxpar.load_config(None, [*base, "data.eos_id=5"])).eos_id == 5
+    for overrides, message in [
+        ([*base, "data.token_dtype=uint32"], "data.token_dtype=uint32 is the id type of .bin "
+         f"token shards, but data.source '{tmp_path}/d/a.parquet' is text: drop it"),
+        (["data.token_dtype=uint32"], "data.token_dtype=uint32 is the id type"),  # stdlib
+        (["data.cross_document=true"], "data.cross_document=true applies to documents"),
+    ]:
+        with pytest.raises(JaxparError, match=re.escape(message)):
+            check_config(jaxpar.load_config(None, overrides), devices=8, processes=1)
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):  # traced, not run: the loss's shape is the check
+        model = nnx.eval_shape(lambda: MhaLM(rate=0.0, rngs=nnx.Rngs(0)))  # no segment_ids
+    packed = make_loader(jaxpar.load_config(None, base)).batch(0)
+    with pytest.raises(JaxparError, match="takes no segment_ids: add a segment_ids=None"):
+        nnx.eval_shape(lm_loss, model, packed)
+    config = jaxpar.load_config(None, [*base, "data.cross_document=true"])
+    check_config(config, devices=4, processes=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rows = make_loader(config).batch(0)
+    assert [str(w.message) for w in said] == [
+        "data.cross_document=true: rows run across documents (no segment ids; attention "
+        "crosses from one document into the next)"]
+    np.testing.assert_array_equal(rows, packed["tokens"])  # the same ids, unpacked
+    assert nnx.eval_shape(lm_loss, model, rows).shape == ()
