@@ -7,6 +7,7 @@ real ``python -m jaxpar.cli`` processes too, to show what a user sees.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,6 +96,16 @@ def negative_ids(tmp: Path) -> dict[str, str]:
     tokens = np.arange(5_000, dtype=np.int32) % 200
     tokens[1_234] = -7
     return write("neg.npy", tokens, key="data")(tmp)
+
+
+def tokenized(tmp: Path) -> dict[str, str]:
+    """uint32 shards as ``jaxpar tokenize`` writes them, with their tokenize.json."""
+    (tmp / "made").mkdir()
+    (np.arange(4000) % 200 + 2).astype(np.uint32).tofile(tmp / "made" / "00000-a.bin")
+    (tmp / "made" / "tokenize.json").write_text(json.dumps({
+        "eos_id": 1, "token_dtype": "uint32", "vocab_size": 202, "complete": True,
+        "shards": [{"shard": "00000-a.bin", "tokens": 4000}]}))
+    return {}
 
 
 NPY_2D = np.zeros((100, 100), dtype=np.int32)
@@ -295,6 +306,14 @@ CASES = [
          setup=write("shards/a.bin", np.zeros(64, np.uint16).tobytes())),
     Case("data_source_glob_matches_nothing", [*TRAIN, "data.source={tmp}/none-*.bin"],
          ("none-*.bin", "matches no file")),
+    Case("tokenized_uint32_shards_read_as_uint16", [*TRAIN, "data.source={tmp}/made"],
+         ("tokenize.json", "uint32 ids", "set data.token_dtype=uint32"), setup=tokenized),
+    Case("raw_uint16_shards_read_as_uint32",
+         [*TRAIN, "data.source={tmp}/raw", "data.token_dtype=uint32"],
+         ("raw/a.bin", "set data.token_dtype=uint16"),
+         setup=write("raw/a.bin", (np.arange(4000) % 200 + 2).astype(np.uint16).tobytes())),
+    Case("token_dtype_on_text", [*TRAIN, "data.token_dtype=uint32"],
+         ("data.token_dtype=uint32", "'stdlib' is text: drop it")),
     Case("launch_child_bad_key", [*LAUNCH, *CHILD, "train.stepz=3"], ("train.stepz",)),
     Case("launch_child_lr_negative", [*LAUNCH, *CHILD, "train.lr=-1"], ("train.lr=-1",)),
     Case("launch_child_out_is_file", [*LAUNCH, *CHILD_BASE, "--out", "{file}",
