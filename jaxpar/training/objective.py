@@ -66,7 +66,9 @@ def packed_lm_loss(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array,
         raise JaxparError(f"packed documents (data.eos_id) need a model that keeps them "
                           f"apart, but {type(model).__name__}.__call__ takes no segment_ids: "
                           "add a segment_ids=None argument (attention only within a "
-                          "document), or set data.eos_id to -1")
+                          "document), or let attention cross documents: data.eos_id=-1 "
+                          "(token shards) or data.cross_document=true (documents "
+                          "tokenized as read)")
     kwargs = {"rngs": rngs} if rngs is not None and takes_rngs(model.__call__) else {}
     logits = model(tokens[:, :-1], segment_ids=segment_ids[:, :-1], **kwargs)
     return loss_lib.cross_entropy(logits, tokens[:, 1:],
