@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,17 +101,33 @@ def check_wandb() -> None:
     if not _has_credentials(url):
         raise JaxparError(f"train.trackers has wandb, but W&B has no API key for {url}: set "
                           f"WANDB_API_KEY or run wandb login, {OFFLINE_HINT}")
-    parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname or "", port),
-                                 timeout=PROBE_TIMEOUT_S).close()
-    except OSError as err:
-        reason = "no answer" if isinstance(err, TimeoutError) else (
-            err.strerror or type(err).__name__)
+    reason = _unreachable(url)
+    if reason is not None:
         raise JaxparError(f"train.trackers has wandb, but the W&B server {url} cannot be "
                           f"reached ({reason} within {PROBE_TIMEOUT_S:.0f} s): check the "
-                          f"network or WANDB_BASE_URL, {OFFLINE_HINT}") from None
+                          f"network or WANDB_BASE_URL, {OFFLINE_HINT}")
+
+
+def _unreachable(url: str) -> str | None:
+    """Why ``url``'s host does not accept a connection within :data:`PROBE_TIMEOUT_S`
+    (name lookup included, which a socket timeout does not bound), or None."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((parts.hostname or "", port),
+                                     timeout=PROBE_TIMEOUT_S).close()
+            result.append(None)
+        except OSError as err:
+            result.append("no answer" if isinstance(err, TimeoutError)
+                          else err.strerror or type(err).__name__)
+
+    worker = threading.Thread(target=probe, name="jaxpar-wandb-probe", daemon=True)
+    worker.start()
+    worker.join(PROBE_TIMEOUT_S + 0.5)
+    return result[0] if result else "no answer"
 
 
 class WandbTracker:
