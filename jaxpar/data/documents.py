@@ -10,7 +10,8 @@ here is a random-access table of documents (``len(docs)``, ``docs[i] -> str``), 
   cannot be read at an offset: for corpora larger than memory prefer the formats below);
 * ``.parquet``: read a row group at a time (the last few kept), column ``data.field``;
 * ``.arrow`` files and Hugging Face ``datasets`` folders (``save_to_disk``): memory-mapped;
-* ``.array_record``: each record UTF-8 text, or a JSON object holding ``data.field``.
+* ``.array_record``: each record UTF-8 text, or a JSON object holding ``data.field``
+  (one without it is refused, as a Parquet file without the column is).
 
 In a bucket (``s3://``, ``gs://``; :mod:`jaxpar.storage.remote`), Parquet is read by byte
 ranges a row group at a time, ``.jsonl`` (plain or compressed) and Arrow files are read

@@ -8,10 +8,11 @@ documents ``D[0], D[1], ...``. Nothing is tokenized ahead of time.
 
 Row ``r`` of every global batch (``0 <= r < B``, ``B = train.global_batch``) is fed by a
 stream of its own: documents ``D[r], D[r + B], D[r + 2B], ...``, each tokenized when the
-stream reaches it, ended with the tokenizer's EOS id and concatenated; consecutive batches
-cut consecutive ``seq_len + 1`` ids from it (concatenate-and-split packing: no padding,
-no token dropped). A row's segment ids count the EOS ids before each token, so attention
-stays inside a document (:func:`jaxpar.data.loader.packed`).
+stream reaches it, ended with the EOS id (the tokenizer's, or ``data.eos_id``) and
+concatenated; consecutive batches cut consecutive ``seq_len + 1`` ids from it
+(concatenate-and-split packing: no padding, no token dropped). A row's segment ids count
+the EOS ids before each token, so attention stays inside a document
+(:func:`jaxpar.data.loader.packed`); with ``data.cross_document`` rows go without them.
 
 Process ``p`` of ``n`` runs the streams of its rows only (it reads and tokenizes only its
 share), ``workers`` threads filling rows at once (the tokenizer's Rust code runs outside
