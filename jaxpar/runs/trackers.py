@@ -104,8 +104,8 @@ def check_wandb() -> None:
     reason = _unreachable(url)
     if reason is not None:
         raise JaxparError(f"train.trackers has wandb, but the W&B server {url} cannot be "
-                          f"reached ({reason} within {PROBE_TIMEOUT_S:.0f} s): check the "
-                          f"network or WANDB_BASE_URL, {OFFLINE_HINT}")
+                          f"reached ({reason}): check the network or WANDB_BASE_URL, "
+                          f"{OFFLINE_HINT}")
 
 
 def _unreachable(url: str) -> str | None:
@@ -121,13 +121,14 @@ def _unreachable(url: str) -> str | None:
                                      timeout=PROBE_TIMEOUT_S).close()
             result.append(None)
         except OSError as err:
-            result.append("no answer" if isinstance(err, TimeoutError)
-                          else err.strerror or type(err).__name__)
+            result.append(f"no answer within {PROBE_TIMEOUT_S:.0f} s"
+                          if isinstance(err, TimeoutError)
+                          else (err.strerror or type(err).__name__).lower())
 
     worker = threading.Thread(target=probe, name="jaxpar-wandb-probe", daemon=True)
     worker.start()
     worker.join(PROBE_TIMEOUT_S + 0.5)
-    return result[0] if result else "no answer"
+    return result[0] if result else f"no answer within {PROBE_TIMEOUT_S:.0f} s"
 
 
 class WandbTracker:
