@@ -26,7 +26,7 @@ def _checked_outputs(args: argparse.Namespace) -> None:
         check_new_output(args.dump_hlo, "--dump-hlo", force=args.force)
     if getattr(args, "save", None):
         check_new_output(args.save, "--save", force=args.force, folder=True)
-        if Path(args.save).absolute() == Path(args.dump_hlo or "").absolute():
+        if args.dump_hlo and Path(args.save).absolute() == Path(args.dump_hlo).absolute():
             raise JaxparError(f"--dump-hlo and --save both name {args.save!r}; name two paths")
 
 
