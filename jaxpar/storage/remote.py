@@ -116,18 +116,37 @@ def filesystem(url: str, what: str) -> Any:
 
     scheme = url_scheme(url)
     try:
-        return fsspec.filesystem(scheme, **_options(scheme))
+        fs = fsspec.filesystem(scheme, **_options(scheme))
     except ImportError:
         raise JaxparError(f"{what} {url!r}: {scheme}:// needs the {SCHEMES[scheme]} package "
                           f"(pip install {SCHEMES[scheme]})") from None
+    if scheme == "s3":  # s3fs retries a timed-out request 5 times on top of botocore's
+        fs.retries = 1
+    return fs
+
+
+REQUEST_TIMEOUT_S = 15.0
+"""How long one request to a bucket may wait for an answer; with :data:`ATTEMPTS` tries,
+an endpoint that accepts connections and never answers fails within a minute."""
+ATTEMPTS = 2
 
 
 def _options(scheme: str | None) -> dict[str, Any]:
-    """fsspec options: against a GCS emulator no credentials are looked for, and a
-    request that gets no answer fails after a bounded wait (gcsfs would otherwise look for
-    a metadata server and retry for minutes)."""
-    if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
-        return {"token": "anon", "retries": 2}
+    """fsspec options: a request that gets no answer fails after a bounded wait (the
+    clients' own defaults retry for minutes); listings are not cached (other processes and
+    hosts write the same folders: a cached listing would hide their checkpoints); against
+    a GCS emulator no credentials are looked for."""
+    if scheme == "gs":
+        options: dict[str, Any] = {"requests_timeout": REQUEST_TIMEOUT_S,
+                                   "retries": ATTEMPTS, "use_listings_cache": False}
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            options["token"] = "anon"
+        return options
+    if scheme == "s3":
+        return {"use_listings_cache": False,
+                "config_kwargs": {"connect_timeout": PROBE_TIMEOUT_S,
+                                  "read_timeout": REQUEST_TIMEOUT_S,
+                                  "retries": {"max_attempts": ATTEMPTS, "mode": "standard"}}}
     return {}
 
 
@@ -180,8 +199,10 @@ def check_bucket(url: str, what: str) -> None:
     probe_endpoint(url, what)
     bucket = bucket_of(url)
     with reported(url, what):
-        if not fs.exists(f"{url_scheme(url)}://{bucket}"):
-            raise JaxparError(f"{what} {url!r}: bucket {bucket!r} does not exist")
+        try:  # not exists(): it answers False for no credentials or a refused request
+            fs.ls(f"{url_scheme(url)}://{bucket}", detail=False)
+        except FileNotFoundError:
+            raise JaxparError(f"{what} {url!r}: bucket {bucket!r} does not exist") from None
         if fs.isfile(url):
             raise JaxparError(f"{what} {url!r} is an object, not a folder")
 
@@ -190,7 +211,13 @@ def storage_error(exc: BaseException, url: str, what: str) -> JaxparError:
     """One line for a failed bucket operation: a missing bucket or object, no credentials,
     an unreachable endpoint."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, TimeoutError) or "timeout" in f"{type(exc).__name__} {text}".lower():
+        text = (f"the storage endpoint did not answer within {REQUEST_TIMEOUT_S:.0f} s, "
+                f"{ATTEMPTS} tries ({text})")
+    elif "credentials" in text.lower() and "access denied" not in text.lower():
+        text = (f"no credentials ({text}): give the machine a service account or role, or "
+                "set GOOGLE_APPLICATION_CREDENTIALS / AWS_ACCESS_KEY_ID")
+    elif isinstance(exc, FileNotFoundError):
         text = "no such bucket or object" if not text or "does not exist" in text else text
     elif isinstance(exc, PermissionError):
         text = f"access denied ({text})"

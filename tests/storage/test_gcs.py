@@ -116,7 +116,7 @@ def test_a_run_checkpoints_into_gcs_and_resumes_from_the_bucket_alone(gcs, tmp_p
     assert not gcs.exists(f"{BUCKET}/runs/a/.jaxpar.lock")
 
 
-def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path):
+def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path, capsys):
     """init_from, `jaxpar sample --run`'s reading, `export --to-hf`, `plan --write` and
     `tokenize --out` take gs:// paths (the run folder of the test above)."""
     import jax
@@ -146,12 +146,14 @@ def test_what_a_run_writes_goes_to_the_bucket(gcs, tmp_path):
     names = sorted(k.rsplit("/", 1)[-1] for k in gcs.ls(f"{BUCKET}/hf"))
     assert "config.json" in names and "model.safetensors" in names
     assert "model-00001-of-00002.safetensors" not in names  # an earlier export's shard
-    assert main(["plan", "--model", str(ROOT / "configs/tiny.yaml"), "--chips", "v5p:8", "--global-batch", "8",
-                 "--seq", "1024", "--top", "1", "--write",
-                 f"gs://{BUCKET}/plans/1b.yaml"]) == 0
+    plan = ["plan", "--model", str(ROOT / "configs/tiny.yaml"), "--chips", "v5p:8",
+            "--global-batch", "8", "--seq", "1024", "--top", "1"]
+    assert main([*plan, "--write", f"gs://{BUCKET}/plans/1b.yaml"]) == 0
     assert b"mesh:" in gcs.cat_file(f"{BUCKET}/plans/1b.yaml")
-    assert main(["plan", "--model", str(ROOT / "configs/tiny.yaml"), "--chips", "v5p:8", "--global-batch", "8",
-                 "--seq", "1024", "--write", f"gs://{BUCKET}/plans/1b.yaml"]) == 2
+    capsys.readouterr()
+    assert main(["goodput", out]) == 0  # both sessions' records, read from the bucket
+    assert "2 sessions" in capsys.readouterr().out
+    assert main([*plan, "--write", f"gs://{BUCKET}/plans/1b.yaml"]) == 2  # exists: --force
 
 
 def test_bad_gcs_paths_fail_in_one_line_within_a_bound(gcs, tmp_path):
@@ -182,6 +184,21 @@ def test_bad_gcs_paths_fail_in_one_line_within_a_bound(gcs, tmp_path):
                                               r"answer"):
             check_run_folder(f"gs://{BUCKET}/run")
         assert time.monotonic() - start < remote.PROBE_TIMEOUT_S + 5
+        import socket
+
+        silent = socket.socket()  # accepts connections (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        remote.REQUEST_TIMEOUT_S, timeout = 1.0, remote.REQUEST_TIMEOUT_S
+        start = time.monotonic()
+        try:
+            with pytest.raises(JaxparError, match=r"did not answer within 1 s, 2 tries"):
+                check_run_folder(f"gs://{BUCKET}/run")
+        finally:
+            remote.REQUEST_TIMEOUT_S = timeout
+            silent.close()
+        assert time.monotonic() - start < 20
     finally:
         os.environ["STORAGE_EMULATOR_HOST"] = saved
         remote.configure_clients()
