@@ -8,8 +8,8 @@ import pytest
 from jaxpar.cli.parser import build_parser, device_count, parse_args
 
 COMMANDS = {"train", "plan", "inspect", "compile", "calibrate", "launch", "sample", "convert",
-            "export", "tokenize"}
-"""The commands the README's usage lists."""
+            "export", "tokenize", "goodput"}
+"""Every subcommand of the jaxpar command."""
 
 
 @pytest.mark.parametrize("argv, line", [
