@@ -102,6 +102,10 @@ def test_a_lost_host_stops_the_pod_and_it_resumes_on_four_then_two(tmp_path):
         fs.invalidate_cache()
         rows = [json.loads(line) for line in
                 fs.cat_file(f"{BUCKET}/runs/pod/metrics.jsonl").decode().splitlines()]
+        print(f"survivors stopped {stopped:.1f} s after the kill")
+        for row, ref in zip(rows, whole, strict=False):  # shown with pytest -s
+            print(f"step {row['step']}: pod {row['loss']:.6f}  one process "
+                  f"{ref['loss']:.6f}")
         assert [r["step"] for r in rows] == list(range(1, 9))
         np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in whole],
                                    rtol=1e-5)
