@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpar.data.loader import check_token_ids
 from jaxpar.errors import JaxparError
-from jaxpar.storage.remote import RemoteTokens, is_remote, remote_files
+from jaxpar.storage.remote import RemoteTokens, is_remote, read_object, remote_files
 
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
 SHARD_SUFFIXES: tuple[str, ...] = (".bin", ".npy")
@@ -183,11 +183,16 @@ class Windows:
                                                         or self.name))
 
 
-def read_manifest(folder: Path) -> dict | None:
-    """The ``tokenize.json`` in ``folder`` (None when there is none or it is unreadable)."""
+def read_manifest(folder: Path | str) -> dict | None:
+    """The ``tokenize.json`` in ``folder``, local or in a bucket (None when there is none
+    or it is unreadable)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        if is_remote(folder):
+            manifest = json.loads(read_object(f"{str(folder).rstrip('/')}/{MANIFEST}",
+                                              "data source"))
+        else:
+            manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):  # a JaxparError (no such object) is a ValueError
         return None
     return manifest if isinstance(manifest, dict) else None
 
@@ -224,42 +229,39 @@ def check_shards(paths: list[Path | str], token_dtype: str, eos_id: int, vocab_s
     """Refuse, in one line naming the setting, shards the config would misread: a
     ``tokenize.json`` beside them that records another ``token_dtype``, an ``eos_id`` other
     than ``data.eos_id`` (when set), a vocabulary larger than ``model.vocab_size``, or an
-    interrupted run; raw ``.bin`` shards whose first ids look like the other width.
-    Shards in object storage are not looked at here (their ids are checked as read)."""
-    manifests: dict[Path, dict | None] = {}
+    interrupted run; raw ``.bin`` shards whose first ids look like the other width (local
+    ones: in a bucket, ids are checked as they are read)."""
+    manifests: dict[str, dict | None] = {}
     for path in paths:
-        if is_remote(path):
-            continue
-        path = Path(path)
-        folder = path.parent
+        folder, _, name = str(path).rpartition("/")
         if folder not in manifests:
-            manifests[folder] = read_manifest(folder)
+            manifests[folder] = read_manifest(folder or ".")
         manifest = manifests[folder]
-        listed = manifest is not None and path.name in {
+        listed = manifest is not None and name in {
             s.get("shard") for s in manifest.get("shards", []) if isinstance(s, dict)}
-        where = f"data source {source!r}"
+        where, recorded = f"data source {source!r}", f"{folder or '.'}/{MANIFEST}"
         if manifest is not None and manifest.get("complete") is False:
-            raise JaxparError(f"{where}: {str(folder)!r} holds the shards of an interrupted "
+            raise JaxparError(f"{where}: {folder or '.'!r} holds the shards of an interrupted "
                               "jaxpar tokenize (its tokenize.json is unfinished): run it "
                               "again with the same --out to rewrite them")
         if listed:
             want = manifest.get("token_dtype")
-            if path.suffix == ".bin" and want in TOKEN_DTYPES and want != token_dtype:
-                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its shards hold "
+            if name.endswith(".bin") and want in TOKEN_DTYPES and want != token_dtype:
+                raise JaxparError(f"{where}: {recorded!r} says its shards hold "
                                   f"{want} ids, but data.token_dtype={token_dtype}: set "
                                   f"data.token_dtype={want}")
             eos = manifest.get("eos_id")
             if eos_id >= 0 and isinstance(eos, int) and eos != eos_id:
-                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its documents "
+                raise JaxparError(f"{where}: {recorded!r} says its documents "
                                   f"end with id {eos}, but data.eos_id={eos_id}: set "
                                   f"data.eos_id={eos} (or -1: rows across documents)")
             vocab = manifest.get("vocab_size")
             if isinstance(vocab, int) and vocab > vocab_size:
-                raise JaxparError(f"{where}: {str(folder / MANIFEST)!r} says its tokenizer "
+                raise JaxparError(f"{where}: {recorded!r} says its tokenizer "
                                   f"has {vocab} ids, but model.vocab_size={vocab_size}: set "
                                   f"model.vocab_size={vocab} or more")
-        elif path.suffix == ".bin":
-            found = _width_mismatch(path, token_dtype, vocab_size)
+        elif name.endswith(".bin") and not is_remote(path):
+            found = _width_mismatch(Path(path), token_dtype, vocab_size)
             if found:
                 raise JaxparError(f"{where}: shard {str(path)!r} holds {found[0]} ids, not "
                                   f"data.token_dtype={token_dtype} (its first ids as "

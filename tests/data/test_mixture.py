@@ -127,7 +127,7 @@ def test_a_run_trains_on_a_mixture_of_shard_folders_packed(tmp_path):
     assert np.isfinite(history[-1]["eval_loss"])
 
 
-def test_shards_are_read_as_their_manifest_or_first_ids_say(tmp_path):
+def test_shards_are_read_as_their_manifest_or_first_ids_say(tmp_path, monkeypatch):
     """Shards ``jaxpar tokenize`` wrote carry their id type, EOS and vocabulary in
     tokenize.json: a config that disagrees is refused naming the setting; raw shards read
     at the wrong width are refused naming data.token_dtype (never a PosixPath repr)."""
@@ -162,6 +162,15 @@ def test_shards_are_read_as_their_manifest_or_first_ids_say(tmp_path):
     config = jaxpar.load_config(None, [*small, f"data.source={made}",
                                        "data.token_dtype=uint32", "data.eos_id=1"])
     assert make_loader(config).batch(0)["tokens"].max() < 3000
+    import jaxpar.data.shards as shards  # in a bucket: the manifest is read from there too
+
+    written = (made / "tokenize.json").read_bytes()
+    monkeypatch.setattr(shards, "read_object", lambda url, what: written if url == (
+        "s3://b/made/tokenize.json") else (_ for _ in ()).throw(JaxparError("no object")))
+    with pytest.raises(JaxparError, match=r"'s3://b/made/tokenize.json' says its shards hold "
+                       r"uint32 ids, but data.token_dtype=uint16"):
+        shards.check_shards(["s3://b/made/00000-a.bin"], "uint16", -1, 4096, "s3://b/made/")
+    shards.check_shards(["s3://b/raw/a.bin"], "uint16", -1, 4096, "s3://b/raw/")  # none
     (made / "tokenize.json").unlink()  # raw: the first ids tell
     assert "holds uint32 ids, not data.token_dtype=uint16 (its first ids as uint16 are " \
         "every other one 0): set data.token_dtype=uint32" in refused(made)
