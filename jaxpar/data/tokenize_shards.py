@@ -23,6 +23,7 @@ refused.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
 import json
 import multiprocessing
@@ -186,6 +187,19 @@ class _Signals:
         for sig, handler in self.saved.items():
             signal.signal(sig, handler)
 
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """SIGINT ignored while workers start: they inherit that, so a Ctrl-C to the whole
+        terminal's process group reaches only this process, which stops them."""
+        if signal.SIGINT not in self.saved:
+            yield
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._stop)
+
 
 def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor, out: Path) -> None:
     """End the workers now (a file half tokenized is abandoned) and their temporary files."""
@@ -226,13 +240,14 @@ def write_shards(inputs: list[str], tokenizer_spec: str, out: str | Path, *,
     shards: list[dict] = [{} for _ in files]
     # spawn: workers start clean (no inherited threads or device runtimes).
     context = multiprocessing.get_context("spawn")
-    with _Signals(), tqdm(total=len(files), desc="tokenize", unit="file",
-                          disable=None if progress else True) as bar:
+    with _Signals() as signals, tqdm(total=len(files), desc="tokenize", unit="file",
+                                     disable=None if progress else True) as bar:
         pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
                                                       initializer=_quiet_worker)
         try:
-            jobs = {pool.submit(_tokenize_file, i, str(f), tokenizer_spec, field, str(out)):
-                    i for i, f in enumerate(files)}
+            with signals.spawning():  # the pool starts its workers on the first submit
+                jobs = {pool.submit(_tokenize_file, i, str(f), tokenizer_spec, field,
+                                    str(out)): i for i, f in enumerate(files)}
             for job in concurrent.futures.as_completed(jobs):
                 name, count = job.result()
                 i = jobs[job]
