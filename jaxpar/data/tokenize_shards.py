@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.data.documents import open_documents
+from jaxpar.data.documents import document_files, is_hf_dataset, open_documents
 from jaxpar.data.shards import MANIFEST, is_pattern, read_manifest
 from jaxpar.data.tokenizer import (
     data_files,
@@ -64,7 +64,7 @@ SHARD_NAME = re.compile(r"^\d{5}-.*\.bin$")
 
 def input_files(inputs: list[str]) -> list[Path]:
     """Every file the inputs name, in order (globs sorted, folders recursively, hidden
-    files left out), each once.
+    files left out; a Hugging Face ``datasets`` folder's Arrow files), each once.
 
     Raises:
       JaxparError: for an input that matches nothing, does not exist, or is of a kind not
@@ -76,6 +76,8 @@ def input_files(inputs: list[str]) -> list[Path]:
                      if Path(p).is_file()]
             if not found:
                 raise JaxparError(f"jaxpar tokenize: {spec!r} matches no file")
+        elif is_hf_dataset(spec):  # its Arrow shards, not its state and info files
+            found = [Path(f) for f in document_files(spec)]
         elif Path(spec).exists():
             found = data_files(spec)
         else:

@@ -94,6 +94,11 @@ def test_parquet_and_zstd_inputs_an_interrupt_stops_the_workers_and_a_rerun_rewr
     np.zeros(4, np.int32).tofile(tmp_path / "ids.npy")
     with pytest.raises(JaxparError, match=r"input '.*ids.npy' is not a kind it reads \(text, "):
         input_files([str(tmp_path / "ids.npy")])
+    hf = tmp_path / "hf"  # a datasets folder: its Arrow files, not its json state
+    hf.mkdir()
+    (hf / "dataset_info.json").write_text("{}")
+    (hf / "state.json").write_text('{"_data_files": [{"filename": "data-0.arrow"}]}')
+    assert input_files([str(hf)]) == [hf / "data-0.arrow"]
     out = tmp_path / "out"
     argv = ["tokenize", "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
             "--workers", "2", str(raw)]
