@@ -307,7 +307,7 @@ class LocalTier:
         if failed is not None:
             warnings.warn(f"local checkpoint tier: step {step} of process {self.process} is "
                           f"unreadable ({failed})", CheckpointWarning, stacklevel=2)
-        if not np.all(_gather(np.array([failed is None]))):
+        if not np.all(_gather(np.array([failed is None], np.int32))):
             return None
         trainer.state = state
         return index

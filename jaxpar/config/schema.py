@@ -283,6 +283,8 @@ class CheckpointConfig:
     """Write checkpoints in the background while training goes on."""
     on_preempt: bool = True
     local_dir: str = ""
+    """The fast tier's folder on each host's own disk (``{process}``: the process index);
+    empty: no fast tier."""
     local_every: int = 0
     """Save to the fast tier (``local_dir``) every this many steps; 0: only on SIGTERM."""
     local_keep: int = 2

@@ -104,7 +104,8 @@ def test_restore_takes_the_newer_tier_or_falls_back(tmp_path, trained):
     save_local(local, ckpt, at_step(trainer, 3), config)
     got = restore_newest(blank(trainer), ckpt, local, said.append)
     assert (got.step, got.where) == (3, f"local tier step 3 ({tmp_path / 'fast' / '3'})")
-    assert got.meta["data"]["position"] == 3 and got.config == json.loads(json.dumps(config.to_dict()))
+    assert got.meta["data"]["position"] == 3
+    assert got.config == json.loads(json.dumps(config.to_dict()))
     save_local(local, ckpt, at_step(trainer, 4), config)  # a tie goes to the local tier
     ckpt.save(at_step(trainer, 4), config=config, force=True)
     assert restore_newest(blank(trainer), ckpt, local, said.append).where.startswith("local")
@@ -188,6 +189,13 @@ def test_bad_tier_keys_are_one_line(overrides, message):
 RUN = [*LAUNCH_RUN, "train.steps=10", "checkpoint.every=4"]
 
 
+def _env(cache: Path) -> dict:
+    """The environment of one launch: a compilation cache of its own, empty. In a cache
+    that holds the run's programs process 0 alone finds them (the others compile) and waits
+    for the others at the first collective, past gloo's 30 s on a loaded machine."""
+    return {**without_cache(os.environ), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+
 def _children(pid: int) -> dict[int, int]:
     """``{process index: pid}`` of the processes ``jaxpar launch`` (``pid``) started."""
     found = {}
@@ -212,7 +220,7 @@ def test_sigterm_to_one_of_4_processes_then_exact_resume(tmp_path):
     out, fast = tmp_path / "run", tmp_path / "fast"
     metrics = out / "metrics.jsonl"
     proc = subprocess.Popen(_launch(out, fast), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=without_cache(os.environ))
+                            stderr=subprocess.STDOUT, text=True, env=_env(tmp_path / "xla1"))
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -229,7 +237,7 @@ def test_sigterm_to_one_of_4_processes_then_exact_resume(tmp_path):
         assert (fast / str(i) / str(stopped) / f"process_{i}.json").is_file(), i
 
     done = subprocess.run(_launch(out, fast, "--resume"), capture_output=True,
-                          text=True, timeout=240, env=without_cache(os.environ))
+                          text=True, timeout=240, env=_env(tmp_path / "xla2"))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert (f"[0] jaxpar: resumed from local tier step {stopped} "
             f"({fast / '0' / str(stopped)}) (step {stopped} of 10)") in done.stdout
