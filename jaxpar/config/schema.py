@@ -406,6 +406,8 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
                                   "it (e.g. plan.remat=offload:layer_input)")
             if isinstance(value, Mapping | list):
                 raise ValueError(value)
+            if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
+                return "on" if value else "off"
             return str(value)
         if kind is tuple:
             if not isinstance(value, list | tuple):

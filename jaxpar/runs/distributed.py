@@ -36,6 +36,9 @@ from jaxpar.errors import JaxparError
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+ENV_HEARTBEAT = "JAXPAR_HEARTBEAT_TIMEOUT_S"
+"""Seconds without a heartbeat after which a process counts as lost and the others are
+stopped (``jax.distributed``'s ``heartbeat_timeout_seconds``; default 100)."""
 ENV_AUTO = "JAXPAR_DISTRIBUTED"
 """Set to ``auto`` to call ``jax.distributed.initialize()`` with no arguments (clusters
 JAX detects itself: Cloud TPU, SLURM, Open MPI)."""
@@ -63,6 +66,17 @@ def _env_int(name: str) -> int | None:
         raise JaxparError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _heartbeat() -> dict[str, int]:
+    """``jax.distributed.initialize``'s heartbeat timeout, when ``JAXPAR_HEARTBEAT_TIMEOUT_S``
+    sets one: how soon the others stop once a host is lost."""
+    seconds = _env_int(ENV_HEARTBEAT)
+    if seconds is None:
+        return {}
+    if seconds < 1:
+        raise JaxparError(f"{ENV_HEARTBEAT}={seconds}: give a number of seconds, 1 or more")
+    return {"heartbeat_timeout_seconds": seconds}
+
+
 def _tpu_pod() -> bool:
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return len([h for h in hosts.split(",") if h.strip()]) > 1
@@ -88,7 +102,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     pid = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
     if coordinator is None and num is None and pid is None:
         if os.environ.get(ENV_AUTO, "").lower() == "auto" or _tpu_pod():
-            jax.distributed.initialize()
+            jax.distributed.initialize(**_heartbeat())
             return True
         return False
     given = {"--coordinator": coordinator, "--num-processes": num, "--process-id": pid}
@@ -101,7 +115,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise JaxparError(f"--process-id {pid} is not in [0, {num}) (--num-processes {num})")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                               process_id=pid)
+                               process_id=pid, **_heartbeat())
     return True
 
 

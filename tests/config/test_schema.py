@@ -46,3 +46,11 @@ def test_save_round_trip(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["train.steps=7"])
     cfg.save(tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_a_yaml_boolean_word_in_a_text_key_stays_the_word():
+    """YAML 1.1 reads ``off`` as false: train.compile_cache=off turned the cache off, not
+    into a folder named False."""
+    import jaxpar
+
+    assert jaxpar.load_config(None, ["train.compile_cache=off"]).train.compile_cache == "off"
