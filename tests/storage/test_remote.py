@@ -148,6 +148,38 @@ def test_bad_urls_and_buckets_fail_in_one_line(s3):
         check_run_folder("ftp://host/run")
 
 
+def test_no_credentials_and_a_silent_endpoint_are_named_within_a_bound(s3, monkeypatch):
+    """Without credentials the line says so (not "no such bucket"); an endpoint that accepts
+    connections and never answers is one line after the bounded tries, not minutes."""
+    import socket
+
+    from jaxpar.runs.run_folder import check_run_folder
+
+    s3.mkdir("creds")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    type(s3).clear_instance_cache()  # clients read the environment when made
+    with pytest.raises(JaxparError, match=r"--out 's3://creds/run': no credentials"):
+        check_run_folder("s3://creds/run")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are accepted by the kernel, never answered
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
+    type(s3).clear_instance_cache()
+    start = time.monotonic()
+    with pytest.raises(JaxparError, match=r"did not answer within 1 s, 2 tries"):
+        check_config(jaxpar.load_config(None, ["data.source=s3://creds/x/*.bin"]),
+                     devices=8, processes=1)
+    assert time.monotonic() - start < 20
+    silent.close()
+    type(s3).clear_instance_cache()
+
+
 def _config(steps: int) -> list[str]:
     return [f"data.source=s3://{BUCKET}/train/*.bin", "model.vocab_size=4096",
             "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
