@@ -61,7 +61,8 @@ def gcs_server(buckets: tuple[str, ...] = ()) -> Iterator[Any]:
         from jaxpar.storage.remote import configure_clients
 
         configure_clients()
-        fs = fsspec.filesystem("gs", token="anon", skip_instance_cache=True)
+        fs = fsspec.filesystem("gs", token="anon", skip_instance_cache=True,
+                               use_listings_cache=False)
         for bucket in buckets:
             fs.mkdir(bucket)
         fsspec.filesystem("gs").invalidate_cache()

@@ -431,10 +431,12 @@ def _train_watched(config: Config, out_dir: str | Path | None, loader: TokenLoad
                 history.append(row)
                 if log.due(row["step"], last=row["step"] == end, metrics=row):
                     log.write(row)
-            if due.save and mirror is not None and rows[-1]["step"] < end:
-                if not mirror.direct:
+            # After a save to either tier, the bucket gets the rows of every step it holds
+            # (a resume from the fast tier continues metrics.jsonl from there).
+            if (due.save or due.local) and mirror is not None and rows[-1]["step"] < end:
+                if due.save and not mirror.direct:
                     ckpt.wait()  # the step's files are on disk: send them to the bucket
-                _push(mirror)  # with the rows of every step the checkpoint holds
+                _push(mirror)
                 clock.mark("checkpoint")  # goodput: the upload (with the rows' logging)
             last = rows[-1]
             bar.set_postfix(loss=f"{last['loss']:.4f}",

@@ -1,18 +1,15 @@
 """The fast checkpoint tier (jaxpar.checkpoint.local_tier) and a run's two tiers
 (jaxpar.runs.tiers): a bit-exact save and restore of a sharded state, pruning, a fresh
 start, the newer tier restored, a change of layout or a lost folder falling back to the
-persistent tier, the grace period of a preemption, the config keys, and SIGTERM to one of
-4 processes (all stop at one step, save, exit 0; --resume continues exactly)."""
+persistent tier, the grace period of a preemption and the config keys. SIGTERM to one of
+4 processes (all stop at one step, save, exit 0; --resume continues exactly from the fast
+tier) is rehearsed in tests/runs/test_pod_rehearsal.py."""
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -26,10 +23,8 @@ from jaxpar.checkpoint.checkpointer import Checkpointer, CheckpointWarning, flat
 from jaxpar.checkpoint.local_tier import LocalTier, common_step, why_not
 from jaxpar.config.validate import check_config
 from jaxpar.runs.interrupts import StopOnSignal
-from jaxpar.runs.loop import train
 from jaxpar.runs.tiers import fits, preempt, restore_newest, save_local
-from tests.cli.test_launch import RUN as LAUNCH_RUN
-from tests.helpers import loader, make_trainer, small_config, without_cache
+from tests.helpers import loader, make_trainer, small_config
 
 
 @pytest.fixture(scope="module")
@@ -183,68 +178,3 @@ def test_bad_tier_keys_are_one_line(overrides, message):
     with pytest.raises(jaxpar.JaxparError, match=message):
         check_config(small_config(*overrides))
     check_config(small_config("checkpoint.local_dir=/ssd/{process}", "checkpoint.local_every=2"))
-
-
-# --- 4 processes, SIGTERM to one of them ---------------------------------------------------
-RUN = [*LAUNCH_RUN, "train.steps=10", "checkpoint.every=4"]
-
-
-def _env(cache: Path) -> dict:
-    """The environment of one launch: a compilation cache of its own, empty. In a cache
-    that holds the run's programs process 0 alone finds them (the others compile) and waits
-    for the others at the first collective, past gloo's 30 s on a loaded machine."""
-    return {**without_cache(os.environ), "JAX_COMPILATION_CACHE_DIR": str(cache)}
-
-
-def _children(pid: int) -> dict[int, int]:
-    """``{process index: pid}`` of the processes ``jaxpar launch`` (``pid``) started."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            index = [e for e in env if e.startswith(b"JAXPAR_PROCESS_ID=")]
-            if index:
-                found[int(index[0].split(b"=")[1])] = int(child)
-    return found
-
-
-def _launch(out: Path, fast: Path, *extra: str) -> list[str]:
-    """``jaxpar launch`` of RUN on 4 processes x 2 devices, the local tier every 2 steps."""
-    return [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "4",
-            "--devices-per-process", "2", "--", "train", "--config", "configs/tiny.yaml",
-            "--out", str(out), *extra, *RUN, f"checkpoint.local_dir={fast}/{{process}}",
-            "checkpoint.local_every=2"]
-
-
-def test_sigterm_to_one_of_4_processes_then_exact_resume(tmp_path):
-    out, fast = tmp_path / "run", tmp_path / "fast"
-    metrics = out / "metrics.jsonl"
-    proc = subprocess.Popen(_launch(out, fast), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(tmp_path / "xla1"))
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
-    os.kill(_children(proc.pid)[2], signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stdout[-4000:]  # every process exited 0
-    stopped = int(re.search(r"\[0\] jaxpar: SIGTERM: stopped after step (\d+); the newest "
-                            r"checkpoint is step \1; continue with --resume", stdout)[1])
-    assert stopped < 10
-    assert (f"[0] jaxpar: SIGTERM: saved step {stopped} to the local tier in " in stdout
-            or f"[0] jaxpar: SIGTERM: local tier step {stopped} already holds" in stdout)
-    for i in range(4):  # every process stopped at that step and saved its shards
-        assert (fast / str(i) / str(stopped) / f"process_{i}.json").is_file(), i
-
-    done = subprocess.run(_launch(out, fast, "--resume"), capture_output=True,
-                          text=True, timeout=240, env=_env(tmp_path / "xla2"))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert (f"[0] jaxpar: resumed from local tier step {stopped} "
-            f"({fast / '0' / str(stopped)}) (step {stopped} of 10)") in done.stdout
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    assert "local_checkpoint_block_s" in rows[1]  # step 2: local_every=2
-    _, history = train(jaxpar.load_config("configs/tiny.yaml", RUN), tmp_path / "one",
-                       progress=False)
-    np.testing.assert_allclose([r["loss"] for r in rows], [m["loss"] for m in history],
-                               rtol=1e-5)
