@@ -30,7 +30,7 @@ from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import staged as staged_lib
 from jaxpar.sharding.mesh import make_mesh
 from jaxpar.sharding.partitioning import abstract_sharded, init_sharded
-from jaxpar.sharding.plan import Plan, knobs
+from jaxpar.sharding.plan import AUTO_KNOBS, Plan, knobs
 from jaxpar.sharding.rules import preset
 from jaxpar.training.diloco import DiLoCo
 from jaxpar.training.optimizer import make_optimizer
@@ -70,11 +70,14 @@ def build_mesh(config: Config, devices: Any = None) -> jax.sharding.Mesh:
 
 
 def build_plan(config: Config, mesh: jax.sharding.Mesh) -> Plan:
-    """The :class:`Plan` of ``config.plan`` on ``mesh``."""
+    """The :class:`Plan` of ``config.plan`` on ``mesh``. An ``auto`` knob still unresolved
+    (``jaxpar train`` resolves them first: :func:`jaxpar.planner.auto.resolve_auto`) takes
+    the Plan's own default."""
     p = config.plan
     params, acts = preset(p.rules, strict=p.strict)
-    return Plan(mesh=mesh, param_rules=params, act_rules=acts,
-                **{knob.name: getattr(p, knob.name) for knob in knobs()})
+    values = {knob.name: getattr(p, knob.name) for knob in knobs()}
+    values.update({k: getattr(Plan, k) for k in AUTO_KNOBS if values[k] == "auto"})
+    return Plan(mesh=mesh, param_rules=params, act_rules=acts, **values)
 
 
 def pipeline_schedule(config: Config, mesh: jax.sharding.Mesh) -> pipeline_lib.Schedule | None:

@@ -26,7 +26,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.hf.families import merge_model, read_config
 from jaxpar.models.config import TransformerConfig
 from jaxpar.sharding.mesh import MESH_AXES
-from jaxpar.sharding.plan import Plan, knobs
+from jaxpar.sharding.plan import AUTO_KNOBS, Plan, knobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,9 @@ def _plan_section() -> type:
     fields: list[tuple[str, Any, Any]] = [("rules", str, dataclasses.field(default="fsdp_tp"))]
     for f in knobs():
         textual = f.metadata["knob"].parse is not None
+        default = "auto" if f.name in AUTO_KNOBS else str(f.default) if textual else f.default
         fields.append((f.name, str if textual else hints[f.name],
-                       dataclasses.field(default=str(f.default) if textual else f.default)))
+                       dataclasses.field(default=default)))
     fields.append(("strict", bool, dataclasses.field(default=False)))
     return dataclasses.make_dataclass("PlanConfig", fields, frozen=True, namespace={
         "__doc__": _PLAN_DOC, "__module__": __name__})
@@ -127,7 +128,10 @@ _PLAN_DOC = """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), Ze
     ``ring``, how attention spans a sequence split over the ``context`` mesh axis;
     ``context_balance``: reorder sequence chunks so causal work is even across it.
     ``vocab_over_fsdp``: split the vocabulary (embedding table, output head, logits) over
-    ``fsdp`` (and ``stage``) as well as ``tensor``, so the head is never gathered."""
+    ``fsdp`` (and ``stage``) as well as ``tensor``, so the head is never gathered;
+    ``auto`` (the default): what the planner picks for the model, mesh and batch,
+    resolved when the run starts and said in its first lines (see
+    :mod:`jaxpar.planner.auto`)."""
 PlanConfig = _plan_section()
 
 
@@ -382,6 +386,10 @@ def _unknown_key(key: str) -> JaxparError:
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
+    if isinstance(value, str) and value.lower() == "auto" and kind == bool | str:
+        return "auto"  # an auto knob (see jaxpar.sharding.plan.AUTO_KNOBS)
+    if kind == bool | str:
+        kind = bool
     try:
         if kind is bool:
             if isinstance(value, str):

@@ -57,7 +57,7 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           quantize_gather=config.plan.quantize_gather,
                           quantize_reduce=config.plan.quantize_reduce,
                           hpz=config.plan.hpz,
-                          vocab_over_fsdp=config.plan.vocab_over_fsdp,
+                          vocab_over_fsdp=config.plan.vocab_over_fsdp is True,  # auto: off
                           pipeline_repeats=_repeats(config, ici.get("stage", 1) * dcn["stage"]),
                           precision=jnp.dtype(policy.compute).name,
                           optimizer=config.train.optimizer,

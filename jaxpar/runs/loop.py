@@ -40,6 +40,7 @@ from jaxpar.config.schema import Config
 from jaxpar.data.loader import TokenLoader
 from jaxpar.data.streams import DocumentLoader
 from jaxpar.errors import JaxparError, RunStopped
+from jaxpar.planner.auto import resolve_auto
 from jaxpar.runs import compile_cache, goodput, monitor, tiers, trackers
 from jaxpar.runs.inputs import load_corpus, make_loader, reads_shards
 from jaxpar.runs.interrupts import StopOnSignal
@@ -281,6 +282,8 @@ def _push(mirror: RunMirror) -> None:
 def _checked_trainer(config: Config, loader: TokenLoader) -> Trainer:
     """The config's trainer; a ``model.factory`` model's logits checked against
     ``model.vocab_size`` (the corpus was checked against that when it was loaded)."""
+    config, said = resolve_auto(config, jax.device_count())  # what each auto knob became
+    [_say(line) for line in said]
     trainer = build_trainer(config)
     if config.model.factory:  # the banner could only describe the built-in model
         weights = trainer.state.get("anchor", trainer.state.get("params"))  # DiLoCo: anchor

@@ -69,6 +69,12 @@ class Knob:
         return None
 
 
+AUTO_KNOBS = ("vocab_over_fsdp",)
+"""Knobs whose config default is ``auto``: resolved, when a run is assembled from its
+config, to what the planner picks for the model, mesh and batch (see
+:mod:`jaxpar.planner.auto`). A :class:`Plan` itself takes only a concrete value."""
+
+
 def knob(default: Any, **allowed: Any) -> Any:
     """A :class:`Plan` field that is a training knob, with what it allows (see :class:`Knob`)."""
     return dataclasses.field(default=default, metadata={"knob": Knob(**allowed)})
@@ -259,13 +265,17 @@ class Plan:
     quantize_gather: str = knob("none", choices=("none", "int8"))
     quantize_reduce: str = knob("none", choices=("none", "int8"))
     hpz: bool = knob(False)
-    vocab_over_fsdp: bool = knob(False)
+    vocab_over_fsdp: bool | str = knob(False, choices=(False, True, "auto"))
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
 
     def __post_init__(self) -> None:
         for f in knobs():
             object.__setattr__(self, f.name, check_knob(f.name, getattr(self, f.name)))
+            if f.name in AUTO_KNOBS and getattr(self, f.name) == "auto":
+                raise JaxparError(f"Plan({f.name}='auto'): auto is resolved from a run "
+                                  "config (jaxpar.planner.auto.resolve_auto); a Plan takes "
+                                  "true or false")
         check_knob_pairs(self)
         rule = Rules([_SEQUENCE_PARALLEL]).rules[0]
         if self.sequence_parallel and rule not in self.act_rules.rules:
