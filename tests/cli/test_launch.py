@@ -1,7 +1,7 @@
-"""Multi-process runs: ``jaxpar launch`` of 2 processes x 4 CPU devices (gloo) against one
-process with 8 devices, and the launcher's handling of failures and bad arguments: the
-command lines and environments it gives its processes (jaxpar.cli.launch). How processes
-are run and stopped (run_all) is tested in tests/runs/test_distributed.py."""
+"""Multi-process runs: ``jaxpar launch`` of 4, 2 and 3 processes (gloo) resuming one run
+against one process with 8 devices, and the launcher's handling of failures and bad
+arguments: the command lines and environments it gives its processes (jaxpar.cli.launch).
+How processes are run and stopped (run_all) is tested in tests/runs/test_distributed.py."""
 
 import argparse
 import functools
@@ -21,45 +21,7 @@ from jaxpar.cli.launch import command
 from jaxpar.config.assembly import build_trainer
 from jaxpar.runs.distributed import initialize, run_all
 from jaxpar.runs.loop import train
-from tests.helpers import MESH_2X2X2, SMALL, without_cache
-
-RUN = [*(f"model.{k}={v}" for k, v in vars(SMALL).items()), *MESH_2X2X2, "train.seq_len=32",
-       "train.global_batch=16", "train.steps=6", "train.warmup_steps=2",
-       "data.max_bytes=200000", "checkpoint.every=3"]
-
-
-def test_two_processes_match_one(tmp_path):
-    out = tmp_path / "mp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", "2",
-         "--devices-per-process", "4", "--", "train", "--config", "configs/tiny.yaml",
-         "--out", str(out), *RUN], capture_output=True, text=True, timeout=300,
-        env=without_cache(os.environ))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[0] jaxpar: 8 cpu devices in 2 processes, mesh data=2 x fsdp=2 x tensor=2" in (
-        proc.stdout)
-    assert "[1] " in proc.stdout and "[0] done: 6 steps" in proc.stdout
-
-    config = jaxpar.load_config("configs/tiny.yaml", RUN)
-    single, history = train(config, tmp_path / "single", progress=False)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))  # written once, by process 0
-    multi = [r["loss"] for r in rows]
-    one = [m["loss"] for m in history]
-    assert multi[0] == one[0]  # same data, same init: the first loss is bitwise equal
-    # Later steps differ at most by float summation order (gloo all-reduce vs in-process).
-    np.testing.assert_allclose(multi, one, rtol=2e-6)
-
-    # The checkpoints were written collectively and load into one process with 8 devices.
-    with Checkpointer(out / "checkpoints") as ckpt:
-        assert ckpt.steps() == [3, 6]
-        restored = build_trainer(config)
-        meta = ckpt.restore(restored)
-    assert meta["processes"] == 2 and restored.step_count == 6
-    want = flat_paths(single.state)
-    for key, value in flat_paths(restored.state).items():
-        np.testing.assert_allclose(np.asarray(value), np.asarray(want[key]), rtol=1e-4,
-                                   atol=1e-6, err_msg=key)
+from tests.helpers import MESH_2X2X2, without_cache
 
 
 def _launch_args(*cmd: str) -> argparse.Namespace:
@@ -171,10 +133,14 @@ def test_the_command_starts_the_checked_child_with_its_devices(monkeypatch):
 
 def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
     """A mixture of documents (Parquet and zstd jsonl) tokenized as read and packed: two
-    steps on 4 processes (2 devices each), two more resumed on 2 processes (4 each) from
-    the stream positions gathered into the checkpoint, two more on 3 (2 each, 6 devices).
-    The global batches do not depend on the process count, so the losses follow one
-    uninterrupted process's run on 8 devices, up to float summation order."""
+    steps on 4 processes (2 devices each), two more resumed on 2 processes (4 each, on a
+    data x fsdp x tensor mesh: tensor parallelism across the processes) from the stream
+    positions gathered into the checkpoint, two more on 3 (2 each, 6 devices). The global
+    batches do not depend on the process count, so the losses follow one uninterrupted
+    process's run on 8 devices (the first bitwise: same data, same init), up to float
+    summation order; metrics are written once, by process 0; and the last checkpoint,
+    written collectively by 3 processes, loads into one process with 8 devices holding
+    that run's weights."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
@@ -195,19 +161,35 @@ def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
            "data.workers=1", "checkpoint.every=2", "checkpoint.async_save=false",
            "train.eval_every=0"]
     out = tmp_path / "run"
-    for processes, devices, steps in ((4, 2, 2), (2, 4, 4), (3, 2, 6)):
+    said = {}
+    for processes, devices, steps, mesh in ((4, 2, 2, []), (2, 4, 4, MESH_2X2X2),
+                                            (3, 2, 6, [])):
         # the same train.steps (and learning-rate schedule) throughout: --max-steps stops
         resume = ["--resume"] if steps > 2 else []
         proc = subprocess.run(
             [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", str(processes),
              "--devices-per-process", str(devices), "--", "train", "--config",
              "configs/tiny.yaml", "--out", str(out), "--max-steps", "2", *resume, *run,
-             "train.steps=6"],
+             *mesh, "train.steps=6"],
             capture_output=True, text=True, timeout=300, env=without_cache(os.environ))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        said[processes] = proc.stdout
+    assert ("[0] jaxpar: 8 cpu devices in 2 processes, mesh data=2 x fsdp=2 x tensor=2"
+            in said[2]) and "[1] " in said[2]
+    assert "[0] jaxpar: 6 cpu devices in 3 processes, mesh fsdp=6" in said[3], said[3]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 7))  # written once, by process 0
     config = jaxpar.load_config("configs/tiny.yaml", [*run, "train.steps=6"])
-    _, history = train(config, tmp_path / "single", progress=False)
+    single, history = train(config, tmp_path / "single", progress=False)
+    assert rows[0]["loss"] == history[0]["loss"]
     np.testing.assert_allclose([r["loss"] for r in rows], [m["loss"] for m in history],
                                rtol=1e-4)
+    with Checkpointer(out / "checkpoints") as ckpt:
+        assert ckpt.steps()[-1] == 6
+        restored = build_trainer(config)
+        meta = ckpt.restore(restored)
+    assert meta["processes"] == 3 and restored.step_count == 6
+    want = flat_paths(single.state)
+    for key, value in flat_paths(restored.state).items():
+        np.testing.assert_allclose(np.asarray(value), np.asarray(want[key]), rtol=1e-4,
+                                   atol=1e-6, err_msg=key)
