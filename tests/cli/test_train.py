@@ -88,21 +88,6 @@ def test_a_resumed_run_without_config_continues_under_its_saved_config(tmp_path)
     assert given.model.d_model == tiny["model"]["d_model"] != 48
 
 
-def test_train_under_1f1b_prints_the_schedule_and_learns(tmp_path):
-    """``pipeline.schedule=1f1b`` on stage 4 x data 2: the run says which schedule it runs
-    (two layers a stage, 10 ticks) and its loss falls."""
-    out = tmp_path / "run"
-    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "8", "--out",
-                      str(out), *SMALL_RUN, "model.n_layers=8", "train.steps=4",
-                      "train.lr=0.01", "mesh.stage=4", "mesh.data=2", "pipeline.schedule=1f1b")
-    assert proc.returncode == 0, proc.stderr
-    assert ("pipeline 1f1b: S=4 stages x R=1 repeats x L=2 layers, M=4 microbatches "
-            "(14 ticks), bubble 42.9%, 4 activations in flight per stage") in proc.stdout
-    losses = [json.loads(line)["loss"] for line in
-              (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 4 and losses[-1] < losses[0]
-
-
 @pytest.mark.parametrize("knobs,said", [
     (["diloco.staleness=1"], "staleness 1), outer SGD lr 0.7 momentum 0.9 nesterov\n"),
     (["diloco.overlap=true"], "staleness 0), outer SGD lr 0.7 momentum 0.9 nesterov, "
