@@ -7,10 +7,7 @@ stages."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import shutil
 
 import jax
 import numpy as np
@@ -21,12 +18,12 @@ from flax import nnx
 import jaxpar
 from jaxpar.checkpoint import structure
 from jaxpar.checkpoint.checkpointer import Checkpointer
+from jaxpar.cli import main
 from jaxpar.hf.own_weights import FILE, load_own_weights
 from jaxpar.parallel.staged import StageSplit, stage_model
 from jaxpar.runs.generate import load_run_model
 from tests import user_models as um
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
 LLAMA_SPLIT = StageSplit(embed=lambda m, t: m.embed_tokens(t), blocks="layers",
                          head=lambda m, h: m.lm_head(m.norm(h)))
@@ -98,40 +95,36 @@ data: {{source: ids.npy}}
 """
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def test_a_1f1b_user_run_samples_exports_and_resumes_without_stages(devices, tmp_path):
+def test_a_1f1b_user_run_samples_exports_and_resumes_without_stages(devices, tmp_path,
+                                                                      monkeypatch, capsys):
     """The issue's case: a 1F1B run of a user's model; `jaxpar sample --run` reads it into
     the model without stages, `jaxpar export` writes it under the model's own names (read
     back into the user's class, it computes what the run's model does), and `--resume` on
-    fsdp 8 without stages continues with the losses the pipelined run gives (rtol 1e-5)."""
+    fsdp 8 without stages continues with the losses the pipelined run gives (rtol 1e-5).
+    The commands run in this process (the model and the split are found by import path
+    as in a fresh one; a subprocess each cost a JAX start and a compile cache read)."""
+    monkeypatch.chdir(tmp_path)
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(
         0, um.VOCAB, 20_000).astype(np.uint16))
     (tmp_path / "run.yaml").write_text(CONFIG)
-    done = cli("train", "--config", "run.yaml", "--devices", "8", "--out", "a", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    sampled = cli("sample", "--run", "a", "--prompt", "!#", "--max-tokens", "4",
-                  "--temperature", "0", cwd=tmp_path)
-    assert sampled.returncode == 0, sampled.stderr[-2000:]
-    assert sampled.stdout.startswith("!#") and len(sampled.stdout.strip()) >= 3
-    exported = cli("export", "--run", "a", "--to-hf", "own", cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", "a"]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--run", "a", "--prompt", "!#", "--max-tokens", "4",
+                 "--temperature", "0"]) == 0
+    sampled = capsys.readouterr().out
+    assert sampled.startswith("!#") and len(sampled.strip()) >= 3
+    assert main(["export", "--run", "a", "--to-hf", "own"]) == 0
     mine = load_own_weights(um.LlamaLike(d=32, heads=4, kv_heads=2, ff=64, layers=LAYERS,
                                          rngs=nnx.Rngs(1)), tmp_path / "own" / FILE)
     assert mine.layers[3].self_attn.q_proj.kernel.shape == (32, 4, 8)  # under its own names
     run_model, _ = load_run_model(tmp_path / "a")
     x = jax.numpy.asarray(tokens(0)[:, :-1])
     np.testing.assert_allclose(mine(x), run_model(x), rtol=1e-5, atol=1e-5)
-    subprocess.run(["cp", "-r", "a", "b"], cwd=tmp_path, check=True)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
     losses = {}
     for run, overrides in (("a", ()), ("b", ("mesh.stage=1", "mesh.fsdp=8"))):
-        done = cli("train", "--config", "run.yaml", "--devices", "8", "--out", run,
-                   "--resume", "train.steps=4", *overrides, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", run,
+                     "--resume", "train.steps=4", *overrides]) == 0
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
                 .splitlines()]
         losses[run] = [r["loss"] for r in rows if "loss" in r and r["step"] > 2]
