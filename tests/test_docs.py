@@ -51,4 +51,7 @@ def test_what_is_shown_without_running_is_listed_with_its_reason():
         "docs/guides/multihost.md",  # gcloud: a Cloud project and a TPU pod
         "docs/guides/slices.md",  # launch --replicas: tests/cli/test_replicas.py runs it
         "docs/guides/slices.md",  # and its refusal to reuse a folder (the same file)
+        "docs/guides/watching.md",  # calibrate: planner.md runs it, and test_calibrate.py
+        "docs/guides/watching.md",  # MFU from a catalog: tests/runs/test_monitor.py
+        "docs/guides/watching.md",  # an offline W&B run: tests/runs/test_trackers.py
     ]
