@@ -48,6 +48,7 @@ def test_what_is_shown_without_running_is_listed_with_its_reason():
         "docs/guides/data.md",  # a real bucket: a Cloud project and credentials
         "docs/guides/lora.md",  # a 300-step base then fine-tune pair
         "docs/guides/memory.md",  # the 8B step compiled for a TPU, minutes each
+        "docs/guides/multihost.md",  # hosts by hand: tests/runs/test_pod_rehearsal.py
         "docs/guides/multihost.md",  # gcloud: a Cloud project and a TPU pod
         "docs/guides/slices.md",  # launch --replicas: tests/cli/test_replicas.py runs it
         "docs/guides/slices.md",  # and its refusal to reuse a folder (the same file)
