@@ -70,7 +70,10 @@ def resolve_auto(config: Config, n_devices: int,
     line per knob resolved (``plan.KNOB=auto -> VALUE (why)``); explicit values kept."""
     if config.plan.vocab_over_fsdp != "auto":
         return config, []
-    value, why = choose_vocab_over_fsdp(config, n_devices, machine)
+    try:
+        value, why = choose_vocab_over_fsdp(config, n_devices, machine)
+    except (JaxparError, ValueError) as err:  # a model or layout the cost model cannot price
+        value, why = False, f"the planner cannot price this run ({err}): the default"
     plan = dataclasses.replace(config.plan, vocab_over_fsdp=value)
     return (dataclasses.replace(config, plan=plan),
             [f"plan.vocab_over_fsdp=auto -> {str(value).lower()} ({why})"])
