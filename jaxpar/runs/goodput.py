@@ -316,12 +316,14 @@ class GoodputClock:
 
     def write(self) -> None:
         """Rewrite ``OUT/goodput.jsonl``: the earlier sessions' records and this one's
-        (nothing without a run folder, or in a process that does not write).
+        (nothing without a run folder, in a process that does not write, or before the
+        first step: a run refused while it was built leaves its folder as it was).
 
         Raises:
           JaxparError: naming the file, when it cannot be written (a full disk).
         """
-        if self.out is None or not self._writer or not self.out.is_dir():
+        if (self.out is None or not self._writer or not self.out.is_dir()
+                or self.first_step is None):
             return
         path = self.out / RECORDS
         part = path.with_name(RECORDS + ".part")  # never uploaded half-written
