@@ -3,16 +3,14 @@
 The reference decoder with ``model.n_experts`` trained on meshes with an ``expert`` axis
 equals the same model on one device (no token is dropped at this capacity); the compiled
 step exchanges tokens all-to-all over ``expert`` and never gathers the expert dimension of
-a weight; ZeRO, LoRA on the experts, checkpoint resharding and the CLI keep working.
+a weight; ZeRO, LoRA on the experts and checkpoint resharding keep working. (The CLI's
+run on expert 4 x fsdp 2 and its router metrics: docs/guides/long-context-moe.md.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -148,18 +146,3 @@ def test_checkpoint_reshards_between_expert_layouts(tmp_path, batches, one_devic
         # and it trains on as the one-device run did
         np.testing.assert_allclose(target.step(batches[1])["loss"], one_device[1][1]["loss"],
                                    rtol=1e-5)
-
-
-def test_cli_trains_an_moe_model_and_logs_router_metrics(tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.yaml",
-           "--devices", "8", "--out", str(out), "mesh.expert=4", "mesh.fsdp=2",
-           "model.n_experts=4", "model.experts_per_token=2", "train.steps=3",
-           "train.global_batch=8", "train.seq_len=32", "checkpoint.every=3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for row in rows:
-        assert row["moe_load_balance"] >= 1.0 - 1e-6 and 0 <= row["moe_dropped"] < 1
-        assert row["moe_aux_loss"] > 0
