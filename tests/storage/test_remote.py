@@ -45,8 +45,10 @@ def s3(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import fsspec
+    import s3fs
 
-    fsspec.filesystem("s3").invalidate_cache()
+    s3fs.S3FileSystem.clear_instance_cache()  # clients made for another server (an earlier
+    fsspec.filesystem("s3").invalidate_cache()  # module's) keep its endpoint
     deadline = time.time() + 60
     while True:
         try:
