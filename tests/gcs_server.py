@@ -61,6 +61,10 @@ def gcs_server(buckets: tuple[str, ...] = ()) -> Iterator[Any]:
         from jaxpar.storage.remote import configure_clients
 
         configure_clients()
+        import gcsfs
+
+        for kind in {gcsfs.GCSFileSystem, fsspec.get_filesystem_class("gs")}:
+            kind.clear_instance_cache()  # clients made for an earlier server keep its address
         fs = fsspec.filesystem("gs", token="anon", skip_instance_cache=True,
                                use_listings_cache=False)
         for bucket in buckets:
