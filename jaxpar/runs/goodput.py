@@ -286,7 +286,7 @@ class GoodputClock:
 
     def closing(self) -> None:
         """The run is closing: the time since the last mark (logs, the profile) was other;
-        from here the session waits for its last save."""
+        after this the session waits for its last save."""
         self.mark("other")
         self._closing = True
 
