@@ -85,12 +85,6 @@ def is_remote(path: str | Path | None) -> bool:
     return path is not None and url_scheme(path) in SCHEMES
 
 
-def writes_directly(path: str | Path | None) -> bool:
-    """Whether checkpoints at ``path`` are written straight to it by every process (a local
-    folder, or a URL of :data:`DIRECT_SCHEMES`)."""
-    return not is_remote(path) or url_scheme(path) in DIRECT_SCHEMES
-
-
 def bucket_of(url: str) -> str:
     """The bucket of a URL (``b`` of ``gs://b/runs/x``)."""
     return str(url).split("://", 1)[1].split("/", 1)[0]
