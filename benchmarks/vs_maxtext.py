@@ -8,8 +8,8 @@ Both sides train the decoder of the issue that asked for this comparison (d_mode
 4 layers, 4 heads of 64, 4 KV heads, SwiGLU d_ff 1024, vocab 32000, 20.6M parameters),
 global batch 8 x sequence 128, float32 weights and compute, AdamW, on 8 simulated CPU
 devices, both with MaxText's default remat policy (``full``: every layer recomputed in
-the backward pass) and jaxpar with the vocabulary split over fsdp under FSDP (the
-``plan.vocab_over_fsdp`` its planner picks for this model). MaxText (0.2.4, an optional
+the backward pass) and jaxpar with its defaults otherwise (``plan.vocab_over_fsdp`` left
+at ``auto``: what its planner picks for this model and mesh). MaxText (0.2.4, an optional
 dependency in its own virtual environment: see
 docs/benchmarks/vs-maxtext.md for the install steps) is found through
 ``MAXTEXT_PYTHON`` or ``../maxtext-venv/bin/python``; without it the benchmark says so
@@ -45,19 +45,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 D, HEADS, HEAD_DIM, FF, LAYERS, VOCAB_SIZE, SEQ, BATCH = 256, 4, 64, 1024, 4, 32000, 128, 8
 
-# layout -> (MaxText mesh arguments, jaxpar overrides). Under FSDP jaxpar splits the
-# vocabulary over fsdp too (plan.vocab_over_fsdp, what `jaxpar plan` picks for this model:
-# a step's 1024 tokens are far fewer than its 32000 vocabulary entries).
-VOCAB = "plan.vocab_over_fsdp=true"
+# layout -> (MaxText mesh arguments, jaxpar overrides). jaxpar runs its defaults: the
+# layout knobs left at auto (plan.vocab_over_fsdp) take what its planner picks for this
+# model and mesh, as `jaxpar train` would (the worker prints what they became).
 LAYOUTS: dict[str, tuple[list[str], list[str]]] = {
-    "fsdp8": (["ici_fsdp_parallelism=8"], ["mesh.fsdp=8", VOCAB]),
+    "fsdp8": (["ici_fsdp_parallelism=8"], ["mesh.fsdp=8"]),
     "fsdp4xtensor2": (["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
-                      ["mesh.fsdp=4", "mesh.tensor=2", VOCAB]),
+                      ["mesh.fsdp=4", "mesh.tensor=2"]),
     "data2xtensor4": (["ici_data_parallelism=2", "ici_fsdp_parallelism=1",
                        "ici_tensor_parallelism=4"], ["mesh.data=2", "mesh.tensor=4"]),
     "stage2xfsdp4": (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
                       "num_pipeline_microbatches=2"],
-                     ["mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2", VOCAB]),
+                     ["mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2"]),
 }
 
 MAXTEXT_ARGS = [
@@ -174,7 +173,10 @@ def jaxpar_worker(layout: str, dump: str | None, overrides: list[str]) -> None:
 
     config = jaxpar.load_config(str(ROOT / "configs/tiny.yaml"),
                                 [*JAXPAR_ARGS, *LAYOUTS[layout][1], *overrides])
-    trainer = jaxpar.build_trainer(config)
+    run = jaxpar.assemble(config)  # auto knobs resolved, as jaxpar train does
+    for line in run.auto:
+        print(f"jaxpar {layout}: {line}", file=sys.stderr, flush=True)
+    trainer = run.trainer
     tokens = np.random.default_rng(0).integers(0, VOCAB_SIZE, (BATCH, SEQ + 1), dtype=np.int32)
     batch = trainer.global_batch(tokens)
     compiled = trainer.lower(batch).compile()

@@ -32,7 +32,7 @@ _skip_absent_tpu()
 _EXPORTS: dict[str, str] = {
     "models": "jaxpar.models", "planner": "jaxpar.planner",
     "lora": "jaxpar.adapters.lora", "pipeline": "jaxpar.parallel.pipeline",
-    "assemble": "jaxpar.config.assembly", "build_trainer": "jaxpar.config.assembly",
+    "assemble": "jaxpar.planner.auto", "build_trainer": "jaxpar.planner.auto",
     "Config": "jaxpar.config.schema", "load_config": "jaxpar.config.schema",
     "JaxparError": "jaxpar.errors", "from_linen": "jaxpar.models.linen",
     "StagedModel": "jaxpar.parallel.staged", "StageSplit": "jaxpar.parallel.staged",

@@ -27,10 +27,11 @@ from jaxpar.analysis.hlo import (
 from jaxpar.analysis.report import fmt_bytes
 from jaxpar.analysis.sources import explain_collectives
 from jaxpar.analysis.targets import Target, cpu_target
-from jaxpar.config.assembly import Assembly, assemble
+from jaxpar.config.assembly import Assembly
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
 from jaxpar.parallel.pipeline import Schedule
+from jaxpar.planner.auto import assemble
 from jaxpar.sharding.mesh import describe
 from jaxpar.sharding.partitioning import logical_names, mostly_replicated
 from jaxpar.sharding.paths import path_str
@@ -190,6 +191,8 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
     quantization and pipeline schedule as ``jaxpar train`` builds them, with nothing
     allocated), the global batch is a ``ShapeDtypeStruct``, and the Trainer's own step is
     lowered and compiled. Compiling for a TPU slice uses the TPU compiler on this host.
+    ``auto`` plan knobs take what the planner picks for ``target``'s chips
+    (:func:`jaxpar.planner.auto.resolve_auto`), as ``jaxpar train`` on them would.
     """
     import time
 
@@ -197,7 +200,7 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
 
     target = target or cpu_target()
     config = for_slices(config, target.slices)
-    run = assemble(config, target.devices, abstract=True)
+    run = assemble(config, target.devices, abstract=True, machine=target.machine)
     trainer = run.trainer
     shape = (config.train.global_batch, config.train.seq_len + 1)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.plan.batch_sharding(2))
@@ -317,6 +320,7 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
                      + (f", {plan.quantize} matmuls" if plan.quantize != "none" else "")
                      + (f", {plan.quantize_gather} weight gathers"
                         if plan.quantize_gather != "none" else "")),
+            "auto": list(run.auto),  # what each auto plan knob became, and why
             "attention": config.model.attention,
             "global_batch": config.train.global_batch,
             "seq_len": config.train.seq_len,

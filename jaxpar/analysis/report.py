@@ -98,6 +98,7 @@ def render_inspection(report: dict[str, Any]) -> str:
                    f"({head['n_devices']} {head.get('device_kind', '')} devices, {slices} "
                    f"slice{'s' * (slices > 1)}; the TPU compiler, run here), mesh {head['mesh']}")
     out.append(f"  model {report['param_count']:,} params; {head['plan']}")
+    out += [f"  {line}" for line in head.get("auto", [])]
     out.append(f"  batch {head['global_batch']} x {head['seq_len']} tokens, attention "
                f"{head.get('attention', 'auto')}; one train step compiled in "
                f"{head['compile_s']:.1f} s (not run)")

@@ -155,6 +155,9 @@ class Assembly:
     plan: Plan
     schedule: pipeline_lib.Schedule | None
     config: Config
+    auto: list[str] = dataclasses.field(default_factory=list)
+    """What each ``auto`` plan knob became, one line each (see :mod:`jaxpar.planner.auto`;
+    empty when nothing was resolved)."""
 
 
 def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> Assembly:
@@ -216,5 +219,6 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
 
 def build_trainer(config: Config, devices: Any = None) -> Trainer | DiLoCo:
     """The :class:`Trainer` of :func:`assemble` (wrapped in :class:`DiLoCo` when
-    ``diloco.sync_every`` is set)."""
+    ``diloco.sync_every`` is set). ``auto`` knobs take the Plan's defaults here:
+    ``jaxpar.build_trainer`` (:func:`jaxpar.planner.auto.build_trainer`) resolves them."""
     return assemble(config, devices).trainer

@@ -6,14 +6,22 @@ and batch on this machine's devices and returns the config with the planner's ch
 and one line per knob saying what ``auto`` became and why. A user's explicit value is
 kept. The rule is the search's own (:func:`jaxpar.planner.search.search`): the
 vocabulary goes over ``fsdp`` too when that is faster and fits (or nothing fits).
+
+:func:`assemble` and :func:`build_trainer` (``jaxpar.assemble``, ``jaxpar.build_trainer``)
+resolve them before assembling, so a run built in Python gets what ``jaxpar train``,
+``jaxpar compile`` and ``jaxpar inspect`` get from the same config; the lines are logged
+(logger ``jaxpar``) and kept on the :class:`~jaxpar.config.assembly.Assembly`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any
 
 import jax
 
+from jaxpar.config import assembly
 from jaxpar.config.schema import Config
 from jaxpar.errors import JaxparError
 from jaxpar.planner.catalog import Machine, cpu_chip, parse_chips
@@ -77,3 +85,23 @@ def resolve_auto(config: Config, n_devices: int,
     plan = dataclasses.replace(config.plan, vocab_over_fsdp=value)
     return (dataclasses.replace(config, plan=plan),
             [f"plan.vocab_over_fsdp=auto -> {str(value).lower()} ({why})"])
+
+
+def assemble(config: Config, devices: Any = None, *, abstract: bool = False,
+             machine: Machine | None = None) -> assembly.Assembly:
+    """:func:`jaxpar.config.assembly.assemble` after :func:`resolve_auto` (on ``machine``,
+    default the devices' own): the run ``jaxpar train`` builds from ``config``. What each
+    ``auto`` knob became is logged and kept in ``Assembly.auto``."""
+    n_devices = len(devices) if devices is not None else jax.device_count()
+    config, said = resolve_auto(config, n_devices, machine)
+    for line in said:
+        logging.getLogger("jaxpar").info(line)
+    run = assembly.assemble(config, devices, abstract=abstract)
+    run.auto = said
+    return run
+
+
+def build_trainer(config: Config, devices: Any = None) -> Any:
+    """The :class:`~jaxpar.Trainer` of :func:`assemble` (a :class:`~jaxpar.DiLoCo` when
+    ``diloco.sync_every`` is set): ``auto`` knobs resolved as ``jaxpar train`` does."""
+    return assemble(config, devices).trainer

@@ -41,6 +41,14 @@ def test_compile_json_has_the_inspect_keys_and_hbm(capsys):
     assert set(tpu) == set(cpu) and set(tpu["memory"]) == set(cpu["memory"])
     assert tpu["memory"]["hbm_bytes"] == 16 * 2**30 and tpu["memory"]["fits"] is True
     assert tpu["header"]["platform"] == "tpu" and tpu["header"]["device_kind"] == "TPU v5 lite"
+    # auto knobs resolved for the target's chips, as jaxpar train on them would
+    from jaxpar.analysis.targets import parse_target
+    from jaxpar.config.schema import load_config
+    from jaxpar.planner.auto import resolve_auto
+
+    config = load_config("configs/tiny.yaml", args[2:])
+    said = resolve_auto(config, 4, parse_target("tpu-v5e:2x2", 1).machine)[1]
+    assert tpu["header"]["auto"] == said and "the planner on tpu-v5e" in said[0]
 
 
 @pytest.mark.parametrize("args, says", [

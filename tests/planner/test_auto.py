@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import jaxpar
-from jaxpar.config.assembly import build_plan
+from jaxpar.config.assembly import assemble, build_plan
 from jaxpar.config.schema import load_config
 from jaxpar.errors import JaxparError
 from jaxpar.planner import api
@@ -66,6 +66,21 @@ def test_the_issues_model_splits_on_fsdp8_and_tiny_does_not():
     chips = parse_chips("h100:8")
     assert resolve_auto(_config("vocab32k", "fsdp8"), 8, chips)[0].plan.vocab_over_fsdp
     assert not resolve_auto(_config("tiny", "fsdp8"), 8, chips)[0].plan.vocab_over_fsdp
+
+
+def test_jaxpar_assemble_resolves_auto_as_jaxpar_train_does():
+    """``jaxpar.assemble`` / ``jaxpar.build_trainer`` (the public API) resolve ``auto``
+    before building; the low-level ``jaxpar.config.assembly.assemble`` takes the Plan's
+    default. Shapes only: nothing is allocated."""
+    config = _config("vocab32k", "fsdp8")
+    machine = parse_chips("h100:8")
+    run = jaxpar.assemble(config, abstract=True, machine=machine)
+    assert run.plan.vocab_over_fsdp is True and run.config.plan.vocab_over_fsdp is True
+    assert run.auto == resolve_auto(config, 8, machine)[1]
+    embed = jax.tree.leaves(run.trainer.state["params"]["embed"])[0].sharding.spec
+    assert embed == jax.sharding.PartitionSpec("fsdp", None)  # the vocabulary split too
+    low = assemble(config, abstract=True)
+    assert low.auto == [] and low.plan.vocab_over_fsdp is False
 
 
 def test_a_plan_refuses_auto_and_build_plan_takes_the_default():
