@@ -12,6 +12,7 @@ at the first step, or worse, run a different program.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -24,6 +25,7 @@ import yaml
 from jaxpar.analysis.inspection import CompiledStep
 from jaxpar.config.schema import Config, from_dict
 from jaxpar.errors import JaxparError
+from jaxpar.sharding.plan import AUTO_KNOBS
 from jaxpar.storage.folders import staged_folder, write_file
 
 EXECUTABLE = "executable.pkl"
@@ -73,6 +75,24 @@ def _differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
             out += _differences(saved.get(key), now.get(key), f"{prefix}{key}.")
         return out
     return [] if saved == now else [f"{prefix[:-1]}={now!r} (compiled with {saved!r})"]
+
+
+def with_compiled_auto(folder: str | Path, config: Config) -> tuple[Config, list[str]]:
+    """``config`` with each ``auto`` plan knob set to what the step saved in ``folder`` was
+    compiled with (``jaxpar compile`` resolved it for its target), and a line each; as
+    given when nothing is ``auto`` or the folder cannot be read (:func:`load_compiled`
+    then says why)."""
+    if not any(getattr(config.plan, k) == "auto" for k in AUTO_KNOBS):
+        return config, []
+    try:
+        _, saved, _ = _read_folder(Path(folder))
+    except (JaxparError, OSError):
+        return config, []
+    values = {k: getattr(saved.plan, k) for k in AUTO_KNOBS
+              if getattr(config.plan, k) == "auto" and getattr(saved.plan, k) != "auto"}
+    said = [f"plan.{k}=auto -> {str(v).lower()} (as compiled in {str(folder)!r})"
+            for k, v in values.items()]
+    return dataclasses.replace(config, plan=dataclasses.replace(config.plan, **values)), said
 
 
 def load_compiled(folder: str | Path, config: Config, devices: Any) -> tuple[Any, tuple]:

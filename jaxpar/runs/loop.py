@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.analysis.executables import load_compiled
+from jaxpar.analysis.executables import load_compiled, with_compiled_auto
 from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.checkpoint.local_tier import LocalTier
 from jaxpar.config.assembly import build_trainer
@@ -229,6 +229,9 @@ def train(config: Config, out_dir: str | Path | None = None, *, progress: bool =
             mirror.pull()
         out_dir = mirror.local
     compile_cache.enable(config.train.compile_cache)
+    if compiled:  # auto knobs take what the saved step was compiled with
+        config, said = with_compiled_auto(compiled, config)
+        [_say(line) for line in said]
     executable = load_compiled(compiled, config, jax.devices()) if compiled else None
     # One writer per run folder: process 0 of a run holds its lock until the run ends.
     lock: FolderLock | BucketLock | None = None

@@ -94,7 +94,10 @@ def test_a_saved_step_trains_as_the_jitted_one_and_refuses_another_config(tmp_pa
         assert cli.main(["train", "--config", "configs/tiny.yaml", "--devices", "8",
                          "--out", str(out), *extra, *SMALL_RUN]) == 0
         runs[name] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").open()]
-    assert "running the step compiled ahead of time" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "running the step compiled ahead of time" in out
+    # plan.vocab_over_fsdp=auto takes what the step was compiled with
+    assert f"plan.vocab_over_fsdp=auto -> false (as compiled in {str(saved)!r})" in out
     assert runs["aot"] == runs["jit"]
     assert cli.main(["train", "--config", "configs/tiny.yaml", "--devices", "8",
                      "--compiled", str(saved), *SMALL_RUN, "train.global_batch=16"]) == 2
