@@ -142,16 +142,6 @@ def test_int8_gradient_reductions_halve_the_bytes(devices, layout):
     assert max(abs(a - b) / b for a, b in zip(quant_losses, plain_losses, strict=True)) < 2e-3
 
 
-def test_qwz_and_qgz_together(devices):
-    """Both halves of ZeRO++ at once: int8 gathers and int8 reductions in one step; three
-    steps' losses within 5e-3 of the unquantized run's (measured 2.4e-3)."""
-    plain, plain_losses = _step("fsdp8", "none", "none")
-    both, both_losses = _step("fsdp8", "int8", "int8")
-    assert _bytes(both, ("all-gather",)) < 0.3 * _bytes(plain, ("all-gather",))
-    assert _bytes(both, ("all-to-all",)) < 0.55 * _bytes(plain, ("all-reduce",))
-    assert max(abs(a - b) / b for a, b in zip(both_losses, plain_losses, strict=True)) < 5e-3
-
-
 @pytest.mark.parametrize("axes,knobs,message", [
     ({"data": 8}, {}, "splits none"),
     ({"fsdp": 4, "stage": 2}, {}, "pipeline stages"),
