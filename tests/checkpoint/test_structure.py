@@ -107,7 +107,10 @@ def test_a_1f1b_user_run_samples_exports_and_resumes_without_stages(devices, tmp
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(
         0, um.VOCAB, 20_000).astype(np.uint16))
     (tmp_path / "run.yaml").write_text(CONFIG)
-    assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", "a"]) == 0
+    # Four steps on the pipeline, checkpoints at 2 and 4: steps 3 and 4 are what a resume
+    # from step 2 must give.
+    assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", "a",
+                 "train.steps=4"]) == 0
     capsys.readouterr()
     assert main(["sample", "--run", "a", "--prompt", "!#", "--max-tokens", "4",
                  "--temperature", "0"]) == 0
@@ -120,16 +123,20 @@ def test_a_1f1b_user_run_samples_exports_and_resumes_without_stages(devices, tmp
     run_model, _ = load_run_model(tmp_path / "a")
     x = jax.numpy.asarray(tokens(0)[:, :-1])
     np.testing.assert_allclose(mine(x), run_model(x), rtol=1e-5, atol=1e-5)
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    losses = {}
-    for run, overrides in (("a", ()), ("b", ("mesh.stage=1", "mesh.fsdp=8"))):
-        assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", run,
-                     "--resume", "train.steps=4", *overrides]) == 0
+
+    def losses(run: str) -> list[float]:
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
                 .splitlines()]
-        losses[run] = [r["loss"] for r in rows if "loss" in r and r["step"] > 2]
-    assert len(losses["a"]) == 2
-    np.testing.assert_allclose(losses["b"], losses["a"], rtol=1e-5)
+        return [r["loss"] for r in rows if "loss" in r and r["step"] > 2]
+
+    # The pipelined run's checkpoint 2, resumed on fsdp 8 without stages.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    assert main(["train", "--config", "run.yaml", "--devices", "8", "--out", "b",
+                 "--resume", "train.steps=4", "mesh.stage=1", "mesh.fsdp=8"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert len(losses("a")) == 2
+    np.testing.assert_allclose(losses("b"), losses("a"), rtol=1e-5)
 
 
 def test_unscan_gives_the_model_as_written(devices):

@@ -37,21 +37,16 @@ def test_llama_7b_on_v5p_256_fits_and_is_sane():
     assert best.step_time_s > 6 * 6.7e9 * 512 * 4096 / (459e12 * 256)
 
 
-def test_plans_are_ranked_by_absolute_step_time():
+def test_1024_chip_plan_answers_quickly_ranked_by_absolute_step_time():
+    start = time.perf_counter()
+    plans = plan("configs/llama-70b.yaml", chips="tpu-v5p:1024", global_batch=1024, seq=4096)
+    assert time.perf_counter() - start < 60  # the CLI target is 10 s; generous under load
+    assert plans and plans[0].fits and plans[0].candidate.n_devices == 1024
     # Regression: ranking by step time relative to each plan's own compute put full-remat
     # plans (more compute, so a smaller ratio) ahead of faster ones.
-    plans = plan("configs/llama-70b.yaml", chips="tpu-v5p:512", global_batch=512, seq=4096)
     times = [p.step_time_s for p in plans]
     assert all(b >= a * 0.995 for a, b in zip(times, times[1:], strict=False)), times
     assert plans[0].candidate.remat != "full"
-
-
-def test_1024_chip_plan_answers_quickly():
-    start = time.perf_counter()
-    plans = plan("configs/llama-70b.yaml", chips="tpu-v5p:1024", global_batch=1024, seq=4096,
-                 top=3)
-    assert time.perf_counter() - start < 60  # the CLI target is 10 s; generous under load
-    assert plans and plans[0].fits and plans[0].candidate.n_devices == 1024
 
 
 def test_70b_at_128k_on_v5p_uses_context_parallelism():
