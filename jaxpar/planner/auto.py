@@ -42,6 +42,10 @@ def machine_here(n_devices: int) -> Machine:
     return Machine(cpu_chip(n_devices), n_devices, 1)
 
 
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
 def _pick(plain: Estimate, split: Estimate) -> bool:
     """Whether the search keeps the vocabulary-over-fsdp twin over the plain candidate."""
     return split.step_time_s < plain.step_time_s and (split.fits or not plain.fits)
@@ -63,7 +67,7 @@ def choose_vocab_over_fsdp(config: Config, n_devices: int,
     split = estimate(spec, machine, dataclasses.replace(cand, vocab_over_fsdp=True),
                      batch, seq)
     choice = _pick(plain, split)
-    ms = f"{split.step_time_s * 1e3:.3g} ms vs {plain.step_time_s * 1e3:.3g} ms a step"
+    ms = f"{_seconds(split.step_time_s)} vs {_seconds(plain.step_time_s)} a step"
     gib = (f"{split.memory_per_device_bytes / 2**30:.3g} vs "
            f"{plain.memory_per_device_bytes / 2**30:.3g} GiB a device")
     why = ("split" if choice else "not split") + f" over fsdp={cand.sizes['fsdp']}: {ms}, {gib}"
