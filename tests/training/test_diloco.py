@@ -18,12 +18,7 @@ from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.config.validate import check_config
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.training.diloco import DiLoCo, fragments_of
-from tests.user_models import (
-    LINEN_LLAMA_ANNOTATIONS,
-    VOCAB,
-    ExplicitLinearLM,
-    LinenLlamaForCausalLM,
-)
+from tests.user_models import ExplicitLinearLM
 
 CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32)
@@ -183,7 +178,7 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
     a run saved with a meeting in flight resumes exactly; the anchor it reports has the
     meeting in flight applied."""
     lr, mu = 0.7, 0.9
-    data = batches(6)
+    data = batches(4)
 
     def run():
         return DiLoCo(inner(sgd()), sync_every=2, outer_lr=lr, outer_momentum=mu,
@@ -217,7 +212,7 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
     np.testing.assert_allclose(got, want, rtol=2e-5)
     for a, w in zip(jax.tree.leaves(whole.state["anchor"]), anchor, strict=True):
         np.testing.assert_allclose(np.asarray(a), w, rtol=1e-4, atol=1e-6)
-    # after step 6 a meeting is in flight: the reported anchor has it applied
+    # after step 4 a meeting is in flight: the reported anchor has it applied
     g = [np.mean([a - w[k] for w in pending], axis=0) for k, a in enumerate(anchor)]
     final = [a - lr * (gk + mu * (mu * m + gk))
              for a, gk, m in zip(anchor, g, momentum, strict=True)]
@@ -229,9 +224,9 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
     params = sum(x.size for x in jax.tree.leaves(whole.state["anchor"]))
     assert 0.9 * 4 * params / 4 <= carried <= 1.1 * 4 * params / 4 + 64
     assert _data_bytes(whole.lower(data[0]).compile().as_text(), mesh) <= 64
-    # saved after step 4 (its meeting in flight), restored, continued: the same losses
-    resumed = _saved_and_restored(run, data[:4], tmp_path)
-    assert [float(resumed.step(b)["loss"]) for b in data[4:]] == got[4:]
+    # saved after step 2 (its meeting in flight), restored, continued: the same losses
+    resumed = _saved_and_restored(run, data[:2], tmp_path)
+    assert [float(resumed.step(b)["loss"]) for b in data[2:]] == got[2:]
 
 
 @pytest.mark.parametrize("mesh,knobs,kwargs,message", [
@@ -310,24 +305,3 @@ def test_a_model_naming_data_under_diloco_is_told_to_leave_it_out(devices):
     with pytest.raises(jaxpar.JaxparError, match="names mesh axis 'data' in its own "
                                                  "shardings"):
         run.step(tokens)
-
-
-def test_diloco_on_a_linen_model_equals_synchronous_at_h1(devices):
-    """A Hugging Face-style linen Llama through jaxpar.from_linen, two replicas over data,
-    FSDP in each: H = 1 with outer SGD at lr 1 equals synchronous training, and the
-    anchor's loss reads back."""
-    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(MESH), "fsdp_tp",
-                                   annotations=LINEN_LLAMA_ANNOTATIONS)
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (16, 17)).astype(np.int32)
-
-    def fresh():
-        model = jaxpar.init_sharded(lambda: jaxpar.from_linen(
-            LinenLlamaForCausalLM(), np.zeros((2, 8), np.int32)), plan)
-        return jaxpar.Trainer(model, sgd(), plan)
-
-    run = DiLoCo(fresh(), sync_every=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-    sync = fresh()
-    got = [float(run.step(tokens)["loss"]) for _ in range(3)]
-    want = [float(sync.step(tokens)["loss"]) for _ in range(3)]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    np.testing.assert_allclose(run.eval_loss(tokens), sync.eval_loss(tokens), rtol=1e-5)
