@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -430,35 +427,39 @@ def factory_config(tmp_path_factory) -> Path:
     return path
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``jaxpar ARGS`` run in this process (the test's 8 devices): status, stdout, stderr."""
+    from jaxpar import cli
+
+    capsys.readouterr()
+    status = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
-def test_cli_train_inspect_plan_on_a_user_factory(factory_config, tmp_path):
+def test_cli_train_inspect_plan_on_a_user_factory(devices, factory_config, tmp_path, capsys):
     # Token ids of a byte corpus reach 255: model.vocab_size (64) must cover them.
     out = tmp_path / "run"
-    proc = _cli("train", "--config", str(factory_config), "--devices", "8", "--out", str(out),
-                "model.kwargs.d=32")
-    assert proc.returncode == 2 and "vocab" in proc.stderr, proc.stderr
+    status, _, err = _cli(capsys, "train", "--config", str(factory_config), "--devices", "8",
+                          "--out", str(out), "model.kwargs.d=32")
+    assert status == 2 and "vocab" in err, err
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, um.VOCAB, 20000).astype(np.int32))
-    proc = _cli("train", "--config", str(factory_config), "--devices", "8", "--out", str(out),
-                f"data.source={data}")
-    assert proc.returncode == 0, proc.stderr
+    status, stdout, err = _cli(capsys, "train", "--config", str(factory_config), "--devices",
+                               "8", "--out", str(out), f"data.source={data}")
+    assert status == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
     # The banner counts the model trained, not the built-in one the config also describes.
     built = um.llama_like(rngs=nnx.Rngs(0), d=32, heads=4, kv_heads=2, ff=64)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
-    assert f"model tests.user_models:llama_like: {n / 1e6:.3g}M params" in proc.stdout
-    assert "M params" not in proc.stdout.splitlines()[0]
+    assert f"model tests.user_models:llama_like: {n / 1e6:.3g}M params" in stdout
+    assert "M params" not in stdout.splitlines()[0]
 
-    proc = _cli("inspect", "--config", str(factory_config), "--devices", "8", "--json",
-                f"data.source={data}")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    status, stdout, err = _cli(capsys, "inspect", "--config", str(factory_config), "--devices",
+                               "8", "--json", f"data.source={data}")
+    assert status == 0, err
+    report = json.loads(stdout)
     params = {p["path"]: p for p in report["params"]}
     # (the layers scanned: one stack over a leading, unsplit "layers" dimension)
     assert params["layers/mlp/up_proj/kernel"]["spec"] == [None, "fsdp", "tensor"]
@@ -467,10 +468,10 @@ def test_cli_train_inspect_plan_on_a_user_factory(factory_config, tmp_path):
     assert report["predicted"]["memory"]["argument_bytes"] > 0
     assert not any(c["kind"] == "all-to-all" and c["count"] for c in report["collectives"])
 
-    proc = _cli("plan", "--model", str(factory_config), "--chips", "h100:8",
-                "--global-batch", "64", "--seq", "512", "--json")
-    assert proc.returncode == 0, proc.stderr
-    plans = json.loads(proc.stdout)
+    status, stdout, err = _cli(capsys, "plan", "--model", str(factory_config), "--chips",
+                               "h100:8", "--global-batch", "64", "--seq", "512", "--json")
+    assert status == 0, err
+    plans = json.loads(stdout)
     assert plans and all(p["mesh"]["stage"]["size"] == 1 for p in plans)
 
 
