@@ -43,7 +43,7 @@ def test_what_is_shown_without_running_is_listed_with_its_reason():
     assert all(reason for _, reason in shown), shown
     assert sorted(page for page, _ in shown) == [
         "docs/benchmarks/vs-maxtext.md",  # installs MaxText from PyPI, then minutes
-        "docs/get-started/first-run.md",  # make train's 200 steps (run below cut to 10)
+        "docs/get-started/first-run.md",  # make train's 200 steps (run below cut to 4)
         "docs/get-started/install.md",  # a second install (make test does it)
         "docs/guides/data.md",  # a real bucket: a Cloud project and credentials
         "docs/guides/lora.md",  # a 300-step base then fine-tune pair
