@@ -6,6 +6,7 @@ and ZeRO++ on the same models."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -48,6 +49,14 @@ def trainer(model: str, remat: str, sharded: bool = True) -> jaxpar.Trainer:
     return jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
 
 
+@functools.cache
+def single_device_losses(model: str) -> tuple[float, ...]:
+    """Three steps of the model on one device without remat (shared by the tests that
+    hold a sharded run to it)."""
+    single = trainer(model, "none", sharded=False)
+    return tuple(float(single.step(tokens(i))["loss"]) for i in range(3))
+
+
 @pytest.mark.parametrize("model", ["scan", "explicit"])  # a list: tests/sharding/test_scanned.py
 def test_remat_reaches_the_blocks_and_training_equals_one_device(devices, model):
     full = trainer(model, "full")
@@ -60,9 +69,7 @@ def test_remat_reaches_the_blocks_and_training_equals_one_device(devices, model)
     temp = {k: memory_stats(c)["temp_bytes"] for k, c in compiled.items()}
     assert temp["full"] < temp["none"], temp  # what they saved is recomputed
     losses = [full.step(tokens(i))["loss"] for i in range(3)]
-    single = trainer(model, "none", sharded=False)
-    np.testing.assert_allclose(losses, [single.step(tokens(i))["loss"] for i in range(3)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(losses, single_device_losses(model), rtol=1e-5)
 
 
 def test_dropout_under_remat_advances_and_equals_the_run_without(devices):
@@ -152,9 +159,7 @@ def test_optimizer_offload_on_a_users_model_equals_one_device(devices, model, ho
     assert all(x.sharding.memory_kind == "pinned_host"
                for x in jax.tree.leaves(t.state["opt_state"]) if x.ndim)
     losses = [t.step(tokens(i))["loss"] for i in range(3)]
-    single = trainer(model, "none", sharded=False)
-    np.testing.assert_allclose(losses, [single.step(tokens(i))["loss"] for i in range(3)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(losses, single_device_losses(model), rtol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["list", "scan"])
