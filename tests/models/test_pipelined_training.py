@@ -78,13 +78,14 @@ def pipelined_trainer(axes: tuple, schedule: pl.Schedule, optimizer=None, **knob
     return jaxpar.Trainer(model, optimizer or optax.sgd(LR), plan)
 
 
+# Plain 1F1B on stage 4 x data 2 is the checkpoint test's run below (its two steps'
+# weights, restored on one device, give the one-device run's third loss); interleaved 1F1B
+# there is the LoRA test's (equal to the circular schedule's), and both schedules, with
+# everything composed, are here.
 @pytest.mark.parametrize("axes,schedule,knobs", [
-    (S4D2, pl.Schedule(4, 4, 1, "1f1b", 2), {}),
-    (S4D2, pl.Schedule(4, 4, 2, "interleaved_1f1b", 1), {}),
     (S2F2T2, pl.Schedule(2, 4, 1, "1f1b", 4), COMPOSED),
     (S2F2T2, pl.Schedule(2, 2, 2, "interleaved_1f1b", 2), COMPOSED),
-], ids=["stage4-data2-1f1b", "stage4-data2-interleaved",
-        "stage2-fsdp2-tensor2-1f1b-composed", "stage2-fsdp2-tensor2-interleaved-composed"])
+], ids=["stage2-fsdp2-tensor2-1f1b-composed", "stage2-fsdp2-tensor2-interleaved-composed"])
 def test_schedules_train_like_the_unpipelined_model(devices, axes, schedule, knobs):
     """Eight layers on the stages (two or four a stage, in one chunk or two): every
     gradient of the first step, and the losses and gradient norms of three SGD steps,
