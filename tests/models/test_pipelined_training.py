@@ -93,8 +93,11 @@ def test_schedules_train_like_the_unpipelined_model(devices, axes, schedule, kno
     ref_losses, ref_first, ref_grads, ref_norms = reference()
     trainer = pipelined_trainer(axes, schedule, **knobs)
     first = layers_layout(trainer)
-    for path, value in ref_first.items():  # the same seed gives the same weights
-        np.testing.assert_array_equal(first[path], value)
+    # The same seed gives the same weights: bit for bit under XLA's default CPU code
+    # generation; the tests' (tests/conftest.py: classic emitters, no LLVM optimisation)
+    # rounds a few elements of the stacked program's initialisers one float32 ulp apart.
+    for path, value in ref_first.items():
+        np.testing.assert_allclose(first[path], value, rtol=2.5e-7, atol=0)
     grads = layers_layout(trainer, trainer.gradients(batches()[0]))
     assert max(rel(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
     losses, norms = train(trainer)
