@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- the site's table (docs/hooks/generated.py) ---------------------------------------------
 
-COMMAND = ("python benchmarks/overhead.py --rounds 5 --steps 10 "
+COMMAND = ("python benchmarks/overhead.py --rounds 5 --steps 3 "
            "--save benchmarks/results/overhead.json")
 """The command that wrote ``benchmarks/results/overhead.json``."""
 
