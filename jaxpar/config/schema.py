@@ -130,7 +130,8 @@ _PLAN_DOC = """Layout and memory knobs: rules preset (dp, fsdp, tp, fsdp_tp), Ze
     ``vocab_over_fsdp``: split the vocabulary (embedding table, output head, logits) over
     ``fsdp`` (and ``stage``) as well as ``tensor``, so the head is never gathered;
     ``auto`` (the default): what the planner picks for the model, mesh and batch,
-    resolved when the run starts and said in its first lines (see
+    resolved when the run is assembled (``jaxpar train``, ``compile`` and ``inspect``,
+    ``jaxpar.assemble``, ``jaxpar.build_trainer``) and said in one line (see
     :mod:`jaxpar.planner.auto`)."""
 PlanConfig = _plan_section()
 
