@@ -285,7 +285,7 @@ def print_table(results: dict) -> None:
 
 # --- the site's tables (docs/hooks/generated.py) --------------------------------------------
 
-COMMAND = ("python benchmarks/vs_maxtext.py --rounds 5 --steps 5 "
+COMMAND = ("python benchmarks/vs_maxtext.py --rounds 5 --steps 3 "
            "--save benchmarks/results/vs_maxtext.json")
 """The command that wrote ``benchmarks/results/vs_maxtext.json``."""
 
