@@ -80,13 +80,13 @@ def _differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
 def with_compiled_auto(folder: str | Path, config: Config) -> tuple[Config, list[str]]:
     """``config`` with each ``auto`` plan knob set to what the step saved in ``folder`` was
     compiled with (``jaxpar compile`` resolved it for its target), and a line each; as
-    given when nothing is ``auto`` or the folder cannot be read (:func:`load_compiled`
-    then says why)."""
+    given when nothing is ``auto`` or the saved config cannot be read (:func:`load_compiled`
+    then says why). Reads the config alone: :func:`load_compiled` checks the folder."""
     if not any(getattr(config.plan, k) == "auto" for k in AUTO_KNOBS):
         return config, []
     try:
-        _, saved, _ = _read_folder(Path(folder))
-    except (JaxparError, OSError):
+        saved = from_dict(Config, yaml.safe_load((Path(folder) / CONFIG).read_text()))
+    except (OSError, yaml.YAMLError, JaxparError, TypeError, ValueError):
         return config, []
     values = {k: getattr(saved.plan, k) for k in AUTO_KNOBS
               if getattr(config.plan, k) == "auto" and getattr(saved.plan, k) != "auto"}
