@@ -199,6 +199,7 @@ class Local:
     routed expert and of the shared experts' MLP, and ``dispatched`` the token slots one
     device's experts process (the dispatch buffer is not split over ``context``, so it
     counts the whole sequence: each context shard computes the same expert slots).
+    ``context_attention``: the candidate's (how keys travel under context parallelism).
     """
 
     seqs: float  # sequences per device per microbatch
@@ -215,6 +216,7 @@ class Local:
     expert_ff: int = 0
     shared_ff: int = 0
     dispatched: float = 0.0
+    context_attention: str = "allgather"
 
     @property
     def seq_local(self) -> int:
@@ -253,4 +255,5 @@ def local_sizes(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int
                "shared_ff": split(spec.n_shared_experts * spec.expert_d_ff),
                "dispatched": seqs * seq * slots}
     return Local(seqs, seqs * seq / context, split(spec.n_heads), split(spec.n_kv_heads),
-                 split(spec.d_ff), split(spec.vocab_size), seq, context, tp, sp, **moe)
+                 split(spec.d_ff), split(spec.vocab_size), seq, context, tp, sp, **moe,
+                 context_attention=cand.context_attention)

@@ -280,7 +280,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     n = cand.n_devices
     chip = machine.chip
     mflops = model_flops(spec, global_batch, seq)
-    attention = attention_kind(spec, cand, backend)
+    attention = attention_kind(spec, cand, backend, seq)
     dense, expert = flops_parts(spec, global_batch, seq, cand.remat, context=cand.context,
                                 attention=attention)
     # Expert work is split over every axis but context, whose shards repeat it.

@@ -45,6 +45,8 @@ from jaxpar.planner.offload import STAGING_LAYERS, STREAMED_LAYERS, state_offloa
 from jaxpar.sharding.remat import OFFLOAD, offloaded_names
 
 FLASH_ATTENTION = ("chunked", "cudnn", "splash")
+SPLASH_TILE = 128
+"""Splash attention's tile along the sequence (:data:`jaxpar.parallel.attention.SPLASH_TILE`)."""
 """Attention implementations that never hold a ``seq x seq`` score matrix: their backward
 pass recomputes scores from the saved output and log-sum-exp (see
 :mod:`jaxpar.parallel.attention`)."""
@@ -54,20 +56,35 @@ _KEEPS_LAYER = ("none",)
 for the backward pass; the others recompute them while the layer's backward runs."""
 
 
-def attention_kind(spec: ModelSpec, cand: Candidate, backend: str) -> str:
-    """The implementation attention runs as. With the sequence split over ``context``
-    it is the candidate's context attention (``allgather``: the local queries against all
-    gathered keys in one go, scores materialised; ``ring``: blockwise with an online
-    softmax, see :mod:`jaxpar.parallel.context`). Otherwise ``spec.attention``, where ``auto`` is
-    splash on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's (scores
-    materialised) elsewhere (see :func:`jaxpar.parallel.attention.resolve`)."""
-    if cand.context > 1:
-        return cand.context_attention
+def attention_kind(spec: ModelSpec, cand: Candidate, backend: str, seq: int = 0) -> str:
+    """The implementation attention runs as: ``spec.attention``, where ``auto`` is splash
+    on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's (scores
+    materialised) elsewhere (see :func:`jaxpar.parallel.attention.resolve`). With the
+    sequence split over ``context``: splash, per device (:mod:`jaxpar.parallel.context_splash`),
+    where it would run and each device's share of ``seq`` is a multiple of its 128-token
+    tiles; otherwise the candidate's context attention in plain blocks (``allgather``: the
+    local queries against all gathered keys in one go, scores materialised; ``ring``:
+    blockwise with an online softmax, see :mod:`jaxpar.parallel.context`)."""
     if spec.attention != "auto":
-        return spec.attention
-    if backend == "tpu":
-        return "splash"
-    return "cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2 else "xla"
+        kind = spec.attention
+    elif backend == "tpu":
+        kind = "splash"
+    else:
+        kind = "cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2 else "xla"
+    if cand.context > 1:
+        aligned = not seq or seq % (SPLASH_TILE * cand.context) == 0
+        return "splash" if kind == "splash" and aligned else cand.context_attention
+    return kind
+
+
+def _context_splash_kv(loc: Local, spec: ModelSpec, act: int) -> float:
+    """Bytes per local token splash under context parallelism holds beyond the kernel's
+    own: the gathered keys and values (``allgather``: ``context`` blocks of each), or
+    (``ring``) the blocks in flight: the one in use and the one arriving."""
+    if loc.context <= 1:
+        return 0.0
+    blocks = loc.context if loc.context_attention == "allgather" else 2
+    return blocks * 2 * loc.kv_heads * spec.head_dim * act
 
 
 def _ring_carry(loc: Local, spec: ModelSpec, act: int) -> float:
@@ -122,7 +139,11 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     # Per token: what attention keeps beyond q, k, v and its output (f32 scores, and
     # probabilities in the compute dtype; flash-style: one f32 log-sum-exp per head).
     if attention in FLASH_ATTENTION:
+        # Under context parallelism the all-gathered keys and values are the kernel's
+        # residuals too (the ring's kernel keeps only this device's own block).
         scores, probs = n * 4, 0
+        if loc.context_attention == "allgather":
+            scores += _context_splash_kv(loc, spec, act)
     elif attention == "ring":
         scores, probs = _ring_carry(loc, spec, act) if remat in _KEEPS_LAYER else 0, 0
     elif attention == "allgather":  # f32 probabilities and the gathered keys and values
@@ -198,6 +219,9 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     elif attention in FLASH_ATTENTION:
         block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
         score = 3 * n * block * 4 + 4 * (4 * n * h + 2 * k * h)
+        # Under context parallelism: the keys and values it holds (gathered, or two ring
+        # blocks) and their f32 gradients (summed whole, or travelling with the blocks).
+        score += _context_splash_kv(loc, spec, act) * (1 + 4 / act)
     elif attention == "ring":
         # One pair of half blocks at a time: half the local queries against half a block
         # of keys; f32 copies of q, the output gradient and the accumulated q, k, v
@@ -283,7 +307,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     traced = None
     if spec.is_transformer:
         layers = spec.n_layers / stages
-        attention = attention_kind(spec, cand, backend)
+        attention = attention_kind(spec, cand, backend, seq)
         saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention)
         per_layer = host_activation_bytes(spec, loc, seq, cand.remat, act, attention)
         host_act, staging = layers * per_layer, min(STAGING_LAYERS, layers) * per_layer

@@ -46,10 +46,10 @@ def test_flash_attention_and_loss_chunk_shrink_predicted_memory():
 
 
 def test_context_splits_activations_and_sequence_parallel_the_residual():
-    def est(**knobs):
+    def est(attention="auto", **knobs):
         ici = knobs.pop("ici")
-        return estimate("configs/llama-70b.yaml", Candidate.make(ici, None, remat="full",
-                                                                 zero_stage=3, **knobs),
+        model = jaxpar.load_config("configs/llama-70b.yaml", [f"model.attention={attention}"])
+        return estimate(model, Candidate.make(ici, None, remat="full", zero_stage=3, **knobs),
                         chips="tpu-v5p:512", global_batch=64, seq=131072)
 
     base = est(ici={"fsdp": 64, "tensor": 8})
@@ -63,10 +63,15 @@ def test_context_splits_activations_and_sequence_parallel_the_residual():
     assert sp.comm_s["reduce-scatter tensor"] + sp.comm_s["all-gather tensor"] == (
         pytest.approx(base.comm_s["all-reduce tensor"]))
     assert "collective-permute context" in ctx.comm_s
-    gather = est(ici={"fsdp": 8, "context": 8, "tensor": 8}, context_attention="allgather")
+    cp = {"fsdp": 8, "context": 8, "tensor": 8}
+    gather = est(ici=cp, context_attention="allgather")
     assert "all-gather context" in gather.comm_s
-    # All-gather attention materialises (seq / c) x seq scores; the ring never does.
-    assert gather.memory["working_bytes"] > 4 * ctx.memory["working_bytes"]
+    # In plain blocks all-gather attention materialises (seq / c) x seq scores; the ring
+    # never does. On the splash kernel neither does; the gathered keys and values remain.
+    plain = {kind: est("xla", ici=cp, context_attention=kind) for kind in ("allgather", "ring")}
+    assert plain["allgather"].memory["working_bytes"] > 4 * plain["ring"].memory["working_bytes"]
+    assert gather.memory["working_bytes"] < plain["allgather"].memory["working_bytes"] / 4
+    assert ctx.memory["working_bytes"] < gather.memory["working_bytes"]
 
 
 def test_expert_weights_per_device_fall_by_the_expert_degree():
@@ -176,13 +181,19 @@ def test_full_remat_keeps_only_each_block_input():
     ("auto", "gpu", "float32", 1, "xla"),  # cuDNN's fused kernel is half precision only
     ("auto", "cpu", "bfloat16", 1, "xla"),
     ("chunked", "tpu", "bfloat16", 1, "chunked"),
-    ("auto", "tpu", "bfloat16", 4, "ring"),  # a split sequence: the context attention
+    # A split sequence: splash per device where it runs and the shards are whole tiles,
+    # else the context attention in plain blocks.
+    ("auto", "tpu", "bfloat16", 4, "splash"),
+    ("xla", "tpu", "bfloat16", 4, "ring"),
+    ("auto", "gpu", "bfloat16", 4, "ring"),
 ])
 def test_attention_kind(attention, backend, precision, context, kind):
     spec = dataclasses.replace(from_transformer(TINY), attention=attention)
     cand = Candidate.make({"data": 8 // context, "context": context}, precision=precision,
                           context_attention="ring")
-    assert attention_kind(spec, cand, backend) == kind
+    assert attention_kind(spec, cand, backend, seq=2048) == kind
+    if context > 1:  # shards of 2048 / 4 = 512 tokens; 1000 / 4 = 250 is not whole tiles
+        assert attention_kind(spec, cand, backend, seq=1000) == "ring"
 
 
 def test_1f1b_activations_stay_flat_as_microbatches_grow_while_circular_grows():
