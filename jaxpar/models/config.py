@@ -32,7 +32,8 @@ class TransformerConfig:
     1, its weights stored as offsets from one). ``embed_scale``: multiply embeddings by
     ``sqrt(d_model)``. ``mlp_activation``: the gate's nonlinearity, ``silu`` (SwiGLU),
     ``gelu_tanh`` or ``gelu`` (GeGLU). ``sliding_window``: each query sees only itself and
-    the ``sliding_window - 1`` tokens before it (0: the whole causal prefix).
+    the ``sliding_window - 1`` tokens before it (0: the whole causal prefix); see
+    ``global_every`` for layers that alternate between local and global attention.
     ``attention``: the implementation (``auto``, ``xla``, ``cudnn``, ``chunked``, ``splash``; see
     :mod:`jaxpar.parallel.attention`), ``attention_block`` the key block of ``chunked``. These two
     change how attention is computed, not what: any value gives the same model.
@@ -94,6 +95,18 @@ class TransformerConfig:
     embed_scale: bool = False
     mlp_activation: str = "silu"
     sliding_window: int = 0
+    global_every: int = 0
+    """Local/global layer alternation (Gemma 2 and 3): with ``sliding_window`` > 0 and
+    ``global_every=N`` > 0, every ``N``-th layer (those with ``(i + 1) % N == 0``, ``i``
+    counting from 0) attends over the whole causal prefix and the others within the
+    sliding window; Gemma 2 is ``N=2`` (layer 0 local, layer 1 global), Gemma 3 ``N=6``
+    (Hugging Face's ``sliding_window_pattern``). 0: every layer uses ``sliding_window``.
+    Adds no weights or state; not available with pipeline stages."""
+    attn_logit_softcap: float = 0.0
+    """Attention logit soft-capping (Gemma 2 uses 50): the scaled scores become ``cap *
+    tanh(scores / cap)`` before the mask and softmax; 0: off. Every ``model.attention``
+    but ``cudnn`` takes it (``xla`` then computes attention in plain JAX), and context
+    parallelism does."""
     attention: str = "auto"
     attention_block: int = 512
     """The key block size of the ``chunked`` attention implementation."""
@@ -153,6 +166,19 @@ class TransformerConfig:
         if self.sliding_window < 0:
             raise JaxparError(f"model.sliding_window={self.sliding_window}: must be 0 (off) "
                               "or a positive number of tokens")
+        if self.global_every < 0:
+            raise JaxparError(f"model.global_every={self.global_every}: must be 0 (off) or "
+                              "a positive number of layers")
+        if self.global_every and not self.sliding_window:
+            raise JaxparError(f"model.global_every={self.global_every} needs "
+                              "model.sliding_window > 0 (the window of the local layers)")
+        if not self.attn_logit_softcap >= 0:
+            raise JaxparError(f"model.attn_logit_softcap={self.attn_logit_softcap}: must be "
+                              "0 (off) or positive")
+        if self.attn_logit_softcap and self.attention == "cudnn":
+            raise JaxparError(f"model.attn_logit_softcap={self.attn_logit_softcap} with "
+                              "model.attention='cudnn': cuDNN's kernel has no logit cap; use "
+                              "model.attention=auto, xla, chunked or splash")
         if self.head_dim < 0:
             raise JaxparError(f"model.head_dim={self.head_dim}: must be positive (or 0: "
                               "d_model // n_heads)")
@@ -170,6 +196,13 @@ class TransformerConfig:
             )
         if self.head_dim % 2:
             raise JaxparError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of decoder layer ``layer`` (counting from 0): 0 (the whole
+        causal prefix) for the global layers of ``global_every``, else ``sliding_window``."""
+        if self.global_every and (layer + 1) % self.global_every == 0:
+            return 0
+        return self.sliding_window
 
     @property
     def moe_d_ff(self) -> int:

@@ -5,8 +5,9 @@ RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention through
 Config fields, not copies of the model, cover the common open families: biases on the
 q/k/v projections (Qwen2), RMSNorm on queries and keys (Qwen3), ``head_dim`` other than
 ``d_model / n_heads``, RoPE frequency scaling (``linear``, and Llama 3.1's ``llama3``),
-Gemma's ``(offset + w)`` norm scale, ``sqrt(d_model)`` embedding scale and GeGLU MLP, and
-sliding-window attention (Mistral).
+Gemma's ``(offset + w)`` norm scale, ``sqrt(d_model)`` embedding scale and GeGLU MLP,
+sliding-window attention (Mistral), layers alternating between a sliding window and global
+attention and attention logit soft-capping (Gemma 2 and 3).
 The decoder layers are created stacked (one weight array per kind, leading ``layers``
 axis) and applied with ``jax.lax.scan``, so compile time does not grow with depth.
 
@@ -156,36 +157,44 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
             self.k_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.window = cfg.sliding_window
+        self.softcap = cfg.attn_logit_softcap
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
-                 segments: jax.Array | None = None) -> jax.Array:
+                 segments: jax.Array | None = None, is_global: jax.Array | None = None
+                 ) -> jax.Array:
+        """Attention of ``x`` ``(batch, seq, embed)``; ``is_global`` (a boolean scalar, may
+        be traced) makes the layer attend over the whole causal prefix instead of its
+        sliding window (``model.global_every``)."""
         q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
-        o = self._attend(q, k, v, segments)
+        if is_global is None or not self.window:
+            o = self._attend(q, k, v, segments, self.window)
+        else:  # every implementation's window is static: one branch per window
+            o = jax.lax.cond(is_global, lambda: self._attend(q, k, v, segments, 0),
+                             lambda: self._attend(q, k, v, segments, self.window))
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
 
-
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
-                segments: jax.Array | None = None) -> jax.Array:
-        """Attention over the whole causal prefix (of each document, with ``segments``);
-        with the sequence split over the plan's ``context`` axis, exact across the split
-        (see :mod:`jaxpar.parallel.context`)."""
+                segments: jax.Array | None, window: int) -> jax.Array:
+        """Attention over the causal prefix (of each document, with ``segments``) within
+        ``window`` (0: all of it); with the sequence split over the plan's ``context``
+        axis, exact across the split (see :mod:`jaxpar.parallel.context`)."""
         plan = current_plan()
         if plan is None or plan.mesh.shape.get("context", 1) == 1:
             return attention_lib.attention(q, k, v, implementation=self.implementation,
-                                           window=self.window, block=self.block,
-                                           segments=segments)
+                                           window=window, block=self.block,
+                                           segments=segments, softcap=self.softcap)
         order = sequence_order(q.shape[1])
         positions = jnp.arange(q.shape[1]) if order is None else jnp.asarray(order)
         return context_lib.context_attention(
             q, k, v, positions, mesh=plan.mesh, kind=plan.context_attention,
-            window=self.window, segments=segments,
+            window=window, segments=segments, softcap=self.softcap,
             q_spec=plan.act_spec(("batch", "seq", "heads", "head_dim"), shape=q.shape),
             kv_spec=plan.act_spec(("batch", "seq", "kv_heads", "head_dim"), shape=k.shape))
 
@@ -229,17 +238,19 @@ class Block(nnx.Module):
         self.mlp = moe_lib.MoE(cfg, rngs=rngs) if cfg.n_experts else MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
-                 segments: jax.Array | None = None
+                 segments: jax.Array | None = None, is_global: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         """The layer's output; with experts, also the router statistics of this layer.
         ``segments`` ``(batch, seq)``: document ids of packed rows (attention stays
-        inside each document)."""
+        inside each document). ``is_global``: whether this layer attends globally rather
+        than within the sliding window (``model.global_every``; None: the window)."""
         # Named so that a remat policy can keep the layer's input in host memory
         # (plan.remat=offload:layer_input): the backward pass reads it from there.
         x = checkpoint_name(x, "layer_input")
         # The sublayers see the whole sequence: under sequence parallelism this is where
         # the split residual is all-gathered (and their outputs reduce-scattered back).
-        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos, segments)
+        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos, segments,
+                          is_global)
         if isinstance(self.mlp, moe_lib.MoE):
             y, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
             return x + y, aux
@@ -268,6 +279,10 @@ class Transformer(nnx.Module):
                 raise JaxparError("model.n_experts > 0 with pipeline stages (mesh.stage > 1) "
                                   "is not supported yet: use expert, fsdp, tensor or "
                                   "context parallelism")
+            if pipeline is not None and cfg.global_every:
+                raise JaxparError(f"model.global_every={cfg.global_every} with pipeline stages "
+                                  "(mesh.stage > 1) is not supported yet: use fsdp, tensor or "
+                                  "context parallelism, or set model.global_every=0")
             if pipeline is not None and pipeline.layers != cfg.n_layers:
                 raise JaxparError(
                     f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats x "
@@ -318,10 +333,13 @@ class Transformer(nnx.Module):
                      ) -> jax.Array:
         """Run the stacked decoder layers over ``x`` with ``lax.scan``.
 
-        ``block_fn(block, x, sin, cos[, segments])`` may wrap the layer call (remat, for
-        instance). ``segments`` ``(batch, seq)``: document ids of packed rows; attention
-        and RoPE positions then start over at each document. A model built with a
-        pipeline schedule runs them with :func:`jaxpar.pipeline.pipeline`.
+        ``block_fn(block, x, sin, cos[, segments[, is_global]])`` may wrap the layer call
+        (remat, for instance); ``is_global`` (a traced boolean, the layer's place in the
+        ``model.global_every`` pattern) comes after ``segments`` (None when there are
+        none) only for a model with ``global_every``. ``segments`` ``(batch, seq)``:
+        document ids of packed rows; attention and RoPE positions then start over at each
+        document. A model built with a pipeline schedule runs them with
+        :func:`jaxpar.pipeline.pipeline`.
         """
         return self.apply_blocks_with_aux(x, block_fn, segments)[0]
 
@@ -349,18 +367,30 @@ class Transformer(nnx.Module):
                 microbatches=schedule.microbatches, act_names=RESIDUAL,
                 layers_per_stage=schedule.layers_per_stage), {}
         graphdef, stacked = nnx.split(self.blocks)
+        global_layers = self.global_layers()
 
-        def body(h, layer_state):
+        def body(h, xs):
+            layer_state, is_global = xs
             layer = nnx.merge(graphdef, layer_state)
-            out = call(layer, h, sin, cos, *extra)
+            args = (*extra,) if is_global is None else (segments, is_global)
+            out = call(layer, h, sin, cos, *args)
             h, aux = out if isinstance(out, tuple) else (out, {})
             # Non-parameter state a layer changed (adapter dropout counters) leaves the scan.
             return h, (nnx.state(layer, _CARRIED), aux)
 
-        x, (mutated, aux) = jax.lax.scan(body, x, stacked)
+        x, (mutated, aux) = jax.lax.scan(body, x, (stacked, global_layers))
         if jax.tree.leaves(mutated):
             nnx.update(self.blocks, mutated)
         return x, {name: jnp.sum(values) for name, values in aux.items()}
+
+    def global_layers(self) -> jax.Array | None:
+        """Whether each decoder layer attends globally rather than within the sliding
+        window, ``(n_layers,)`` booleans (``model.global_every``), or None when every layer
+        uses ``model.sliding_window``."""
+        cfg = self.config
+        if not (cfg.global_every and cfg.sliding_window):
+            return None
+        return jnp.asarray([cfg.layer_window(i) == 0 for i in range(cfg.n_layers)])
 
     def _block_call(self, block_fn):
         """How each layer runs: ``block_fn`` if given, else the active plan's remat policy.

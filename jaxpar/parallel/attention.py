@@ -19,6 +19,12 @@ sliding ``window`` (a query sees itself and the ``window - 1`` keys before it), 
 optional document ``segments`` ``(batch, seq)`` for packed sequences: a query sees only the
 keys of its own segment (same id), so documents packed into one row never attend to each
 other (``xla``, ``chunked`` and ``splash``; ``cudnn`` refuses them).
+
+``softcap`` > 0 caps the scaled scores smoothly, ``softcap * tanh(scores / softcap)``,
+before the mask and softmax (Gemma 2's attention logit soft-capping): ``xla`` then computes
+attention explicitly in plain JAX (``jax.nn.dot_product_attention`` has no cap), ``chunked``
+caps each block in its forward and backward passes, ``splash`` uses the kernel's own cap,
+and ``cudnn`` refuses it (``auto`` does not pick cuDNN for a capped model).
 """
 
 from __future__ import annotations
@@ -62,8 +68,9 @@ def target_platform() -> str:
     return jax.default_backend()
 
 
-def resolve(implementation: str, dtype: jnp.dtype) -> str:
-    """The concrete implementation ``auto`` stands for on this backend and dtype."""
+def resolve(implementation: str, dtype: jnp.dtype, softcap: float = 0.0) -> str:
+    """The concrete implementation ``auto`` stands for on this backend and dtype (never
+    ``cudnn`` with a ``softcap``, which cuDNN's kernel does not take)."""
     if implementation not in IMPLEMENTATIONS:
         raise JaxparError(f"model.attention={implementation!r}: choose one of "
                           f"{list(IMPLEMENTATIONS)}")
@@ -73,22 +80,32 @@ def resolve(implementation: str, dtype: jnp.dtype) -> str:
     if backend == "tpu":
         return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if backend == "gpu" and half else "xla"
+    return "cudnn" if backend == "gpu" and half and not softcap else "xla"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
               window: int = 0, block: int = DEFAULT_BLOCK,
-              segments: jax.Array | None = None) -> jax.Array:
+              segments: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
     """Causal attention ``softmax(q k^T / sqrt(head_dim)) v`` by the chosen implementation;
-    with ``segments`` ``(batch, seq)``, within each segment only."""
-    kind = resolve(implementation, q.dtype)
+    with ``segments`` ``(batch, seq)``, within each segment only; with ``softcap`` > 0, the
+    scaled scores capped to ``softcap * tanh(scores / softcap)`` before the softmax."""
+    softcap = _check_softcap(softcap)
+    kind = resolve(implementation, q.dtype, softcap)
     if kind == "chunked":
-        return chunked_attention(q, k, v, window=window, block=block, segments=segments)
+        return chunked_attention(q, k, v, window=window, block=block, segments=segments,
+                                 softcap=softcap)
     if kind == "splash":
-        return splash_attention(q, k, v, window=window, block=block, segments=segments)
+        return splash_attention(q, k, v, window=window, block=block, segments=segments,
+                                softcap=softcap)
     if kind == "cudnn" and segments is not None:
         raise JaxparError("model.attention='cudnn' does not take document masks (packed "
                           "sequences, data.eos_id): use model.attention=xla or chunked")
+    if kind == "cudnn" and softcap:
+        raise JaxparError(f"model.attention='cudnn' does not take model.attn_logit_softcap="
+                          f"{softcap} (cuDNN's kernel has no logit cap): use "
+                          "model.attention=xla, chunked or splash")
+    if softcap:
+        return explicit_attention(q, k, v, window=window, segments=segments, softcap=softcap)
     local = (window - 1, 0) if window else None
     mask = None if segments is None else (
         segments[:, None, :, None] == segments[:, None, None, :])  # (b, 1, q, k)
@@ -100,6 +117,39 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str =
         return out.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                         local_window_size=local, implementation=kind)
+
+
+def _check_softcap(softcap: float) -> float:
+    """``softcap`` as a float, refused when negative."""
+    softcap = float(softcap)
+    if softcap < 0:
+        raise JaxparError(f"attention softcap={softcap}: must be 0 (off) or positive")
+    return softcap
+
+
+def _cap(scores: jax.Array, softcap: float) -> jax.Array:
+    """``softcap * tanh(scores / softcap)``, or ``scores`` unchanged when ``softcap`` is 0."""
+    return softcap * jnp.tanh(scores / softcap) if softcap else scores
+
+
+def explicit_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
+                       segments: jax.Array | None = None, softcap: float = 0.0
+                       ) -> jax.Array:
+    """Causal attention written out in plain JAX: grouped scores ``(batch, kv_heads, group,
+    seq, seq)`` in float32, scaled by ``1 / sqrt(head_dim)``, capped by ``softcap`` (when
+    positive), masked (causal, ``window``, ``segments``), softmax, times the values. What
+    ``xla`` runs with a soft cap; it materialises every score, as XLA's lowering does."""
+    b, s, n, h = q.shape
+    kvh = k.shape[2]
+    if n % kvh:
+        raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
+    qg = q.reshape(b, s, kvh, n // kvh, h).astype(jnp.float32) * h ** -0.5
+    scores = _cap(jnp.einsum("bqkgh,bckh->bkgqc", qg, k.astype(jnp.float32)), softcap)
+    keep = _mask(0, s, s, window, segments, segments)  # (batch or 1, q, keys)
+    scores = jnp.where(keep[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqc,bckh->bqkgh", probs, v.astype(jnp.float32))
+    return out.reshape(b, s, n, h).astype(q.dtype)
 
 
 # --- chunked (blockwise, online softmax) --------------------------------------------------
@@ -128,9 +178,17 @@ def _mask(j: jax.Array, s: int, block: int, window: int, seg: jax.Array | None =
     return keep
 
 
-def _scores(qg: jax.Array, kj: jax.Array, keep: jax.Array) -> jax.Array:
+def _scores(qg: jax.Array, kj: jax.Array, keep: jax.Array, softcap: float = 0.0
+            ) -> tuple[jax.Array, jax.Array | None]:
+    """One key block's masked (and, with ``softcap``, capped) scores ``(b, s, kv, g,
+    block)``, and the cap's derivative ``1 - tanh(scores / softcap)^2`` with respect to
+    the uncapped scores (None without a cap)."""
     s = jnp.einsum("bskgh,bckh->bskgc", qg, kj.astype(jnp.float32))
-    return jnp.where(keep[:, :, None, None, :], s, -jnp.inf)
+    slope = None
+    if softcap:
+        t = jnp.tanh(s / softcap)
+        s, slope = softcap * t, 1.0 - t * t
+    return jnp.where(keep[:, :, None, None, :], s, -jnp.inf), slope
 
 
 def _segment_blocks(seg: jax.Array | None, block: int) -> jax.Array | None:
@@ -144,7 +202,7 @@ def _segment_blocks(seg: jax.Array | None, block: int) -> jax.Array | None:
     return seg.reshape(b, (s + pad) // block, block).swapaxes(0, 1)
 
 
-def _forward(q, k, v, seg, window, block):
+def _forward(q, k, v, seg, window, block, softcap):
     b, s, n, h = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, s, kvh, n // kvh, h).astype(jnp.float32) * h ** -0.5
@@ -152,7 +210,7 @@ def _forward(q, k, v, seg, window, block):
     def body(carry, xs):
         o, m, total = carry
         kj, vj, j, seg_j = xs
-        sc = _scores(qg, kj, _mask(j, s, block, window, seg, seg_j))
+        sc, _ = _scores(qg, kj, _mask(j, s, block, window, seg, seg_j), softcap)
         m_new = jnp.maximum(m, sc.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet
         p = jnp.exp(sc - shift[..., None])
@@ -172,17 +230,17 @@ def _forward(q, k, v, seg, window, block):
     return o.reshape(b, s, n, h).astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked(q, k, v, seg, window, block):
-    return _forward(q, k, v, seg, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked(q, k, v, seg, window, block, softcap):
+    return _forward(q, k, v, seg, window, block, softcap)[0]
 
 
-def _chunked_fwd(q, k, v, seg, window, block):
-    out, lse = _forward(q, k, v, seg, window, block)
+def _chunked_fwd(q, k, v, seg, window, block, softcap):
+    out, lse = _forward(q, k, v, seg, window, block, softcap)
     return out, (q, k, v, seg, out, lse)
 
 
-def _chunked_bwd(window, block, residuals, d_out):
+def _chunked_bwd(window, block, softcap, residuals, d_out):
     q, k, v, seg, out, lse = residuals
     b, s, n, h = q.shape
     kvh = k.shape[2]
@@ -194,10 +252,13 @@ def _chunked_bwd(window, block, residuals, d_out):
 
     def body(dq, xs):
         kj, vj, j, seg_j = xs
-        p = jnp.exp(_scores(qg, kj, _mask(j, s, block, window, seg, seg_j)) - lse[..., None])
+        sc, slope = _scores(qg, kj, _mask(j, s, block, window, seg, seg_j), softcap)
+        p = jnp.exp(sc - lse[..., None])
         dv = jnp.einsum("bskgc,bskgh->bckh", p, do)
         dp = jnp.einsum("bskgh,bckh->bskgc", do, vj.astype(jnp.float32))
         ds = p * (dp - delta[..., None])
+        if slope is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+            ds = ds * slope
         dq = dq + jnp.einsum("bskgc,bckh->bskgh", ds, kj.astype(jnp.float32))
         dk = jnp.einsum("bskgc,bskgh->bckh", ds, qg)
         return dq, (dk, dv)
@@ -219,20 +280,22 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
-                      block: int = DEFAULT_BLOCK, segments: jax.Array | None = None
-                      ) -> jax.Array:
+                      block: int = DEFAULT_BLOCK, segments: jax.Array | None = None,
+                      softcap: float = 0.0) -> jax.Array:
     """Causal attention computed ``block`` keys at a time with an online softmax; its
     gradient recomputes each block from the saved log-sum-exp (memory O(seq x block));
-    with ``segments`` ``(batch, seq)``, within each segment only."""
+    with ``segments`` ``(batch, seq)``, within each segment only; with ``softcap`` > 0,
+    scores capped to ``softcap * tanh(scores / softcap)`` (in both passes)."""
     if q.shape[2] % k.shape[2]:
         raise JaxparError(f"{q.shape[2]} query heads do not group over {k.shape[2]} kv heads")
-    return _chunked(q, k, v, segments, int(window), int(min(block, k.shape[1])))
+    return _chunked(q, k, v, segments, int(window), int(min(block, k.shape[1])),
+                    _check_softcap(softcap))
 
 
 # --- splash (Pallas TPU kernel, shard_map over batch and heads) ---------------------------
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
                      block: int = DEFAULT_BLOCK, interpret: bool | None = None,
-                     segments: jax.Array | None = None) -> jax.Array:
+                     segments: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
     """Causal attention by the Pallas splash-attention kernel.
 
     The sequence is zero-padded to a multiple of 128 (padded keys lie after every real
@@ -249,7 +312,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
 
     ``interpret``: run the kernel in Pallas interpret mode; default: when the program is
     not for a TPU (:func:`target_platform`). ``segments`` ``(batch, seq)``: the kernel's
-    own segment ids (a query sees the keys of its segment only).
+    own segment ids (a query sees the keys of its segment only). ``softcap`` > 0: the
+    kernel's own logit cap, ``softcap * tanh(scores / softcap)`` on the scaled scores.
     """
     n, kvh = q.shape[2], k.shape[2]
     if n % kvh:
@@ -257,7 +321,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
     if interpret is None:
         interpret = target_platform() != "tpu"
     local = functools.partial(_splash_local, window=int(window), block=int(block),
-                              interpret=bool(interpret))
+                              interpret=bool(interpret), softcap=_check_softcap(softcap))
     plan = current_plan()
     if segments is None:
         segments = jnp.zeros(q.shape[:2], jnp.int32)
@@ -310,7 +374,8 @@ def _splash_tile(padded: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: bool):
+def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: bool,
+                   softcap: float = 0.0):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     if window:
@@ -322,17 +387,20 @@ def _splash_kernel(heads: int, padded: int, window: int, tile: int, interpret: b
                           block_q_dq=tile, block_kv_dq=tile)
     with jax.ensure_compile_time_eval():  # the mask tables are constants, even mid-trace
         return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes,
-                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+                                  head_shards=1, q_seq_shards=1, interpret=interpret,
+                                  attn_logits_soft_cap=softcap or None)
 
 
-def _splash_local(q, k, v, segments, *, window: int, block: int, interpret: bool):
+def _splash_local(q, k, v, segments, *, window: int, block: int, interpret: bool,
+                  softcap: float = 0.0):
     """Splash attention on (this device's) ``(batch, seq, heads, head_dim)`` arrays and
     ``(batch, seq)`` segment ids."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     s, n, h = q.shape[1:]
     padded = -(-s // SPLASH_TILE) * SPLASH_TILE
-    kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret)
+    kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret,
+                            softcap)
 
     def heads_major(x):  # (b, s, k, h) -> (b, k, padded, h)
         return jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))).swapaxes(1, 2)

@@ -91,7 +91,7 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                       mesh: Mesh, q_spec: PartitionSpec, kv_spec: PartitionSpec,
                       kind: str = "allgather", window: int = 0, axis: str = "context",
-                      segments: jax.Array | None = None) -> jax.Array:
+                      segments: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
     """Causal attention with the sequence split over mesh axis ``axis``.
 
     Args:
@@ -111,6 +111,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
       axis: the mesh axis the sequence is split over.
       segments: int ``(batch, seq)``, each token's document in a packed row: a query sees
         only keys of its own document (gathered or passed round the ring with the keys).
+      softcap: if positive, the scaled scores are capped to ``softcap * tanh(scores /
+        softcap)`` before the mask and softmax (Gemma 2's logit soft-capping).
 
     Returns:
       ``(batch, seq, heads, head_dim)`` in ``q.dtype``, laid out as ``q_spec``. Scores
@@ -122,6 +124,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     """
     if kind not in KINDS:
         raise JaxparError(f"context attention kind={kind!r}: choose one of {list(KINDS)}")
+    if softcap < 0:
+        raise JaxparError(f"context attention softcap={softcap}: must be 0 (off) or positive")
     if axis not in mesh.shape:
         raise JaxparError(f"context axis {axis!r} is not in the mesh {dict(mesh.shape)}")
     b, s, n, h = q.shape
@@ -143,6 +147,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     seq_split = entry_axes(q_spec[1]) == (axis,) and mesh.shape[axis] > 1
     local = functools.partial(
         _allgather_local if kind == "allgather" else _ring_local, window=int(window),
+        softcap=float(softcap),
         axis=axis if seq_split else None, size=mesh.shape[axis] if seq_split else 1)
     pos_spec = PartitionSpec(q_spec[1])
     if segments is None:  # one document a row: every key is of the query's document
@@ -197,11 +202,15 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _partial(qg: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-             window: int, q_seg: jax.Array, k_seg: jax.Array) -> _Partial:
+             window: int, q_seg: jax.Array, k_seg: jax.Array, softcap: float = 0.0
+             ) -> _Partial:
     """One block's unnormalised softmax output, row max and row sum (all float32); keys
-    are visible to a query at or before it, within the window, in its document."""
+    are visible to a query at or before it, within the window, in its document; with
+    ``softcap`` > 0 the scaled scores are capped to ``softcap * tanh(scores / softcap)``."""
     scores = jnp.einsum("bqkgh,bckh->bqkgc", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (qg.shape[-1] ** -0.5)
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     keep = k_pos[None, :] <= q_pos[:, None]
     if window:
         keep &= k_pos[None, :] > q_pos[:, None] - window
@@ -241,15 +250,16 @@ def _finish(acc: _Partial, dtype) -> jax.Array:
 
 
 # --- per-device computations (inside shard_map) -------------------------------------------
-def _allgather_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int):
+def _allgather_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int,
+                     softcap: float = 0.0):
     """Local queries against the whole gathered sequence of keys and values."""
     k_pos, k_seg = pos, seg
     if axis is not None:
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
         k, v, k_pos = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
         k_seg = gather(seg, axis=1)
-    return _finish(_partial(_grouped(q, k.shape[2]), k, v, pos, k_pos, window, seg, k_seg),
-                   q.dtype)
+    return _finish(_partial(_grouped(q, k.shape[2]), k, v, pos, k_pos, window, seg, k_seg,
+                            softcap), q.dtype)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -260,10 +270,12 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
     return seen
 
 
-def _masked_partial(qg, k, v, q_pos, k_pos, window: int, q_seg, k_seg) -> _Partial:
+def _masked_partial(qg, k, v, q_pos, k_pos, window: int, q_seg, k_seg,
+                    softcap: float = 0.0) -> _Partial:
     """:func:`_partial`, or the neutral result without computing when nothing is visible."""
     return jax.lax.cond(_visible(q_pos, k_pos, window),
-                        lambda: _partial(qg, k, v, q_pos, k_pos, window, q_seg, k_seg),
+                        lambda: _partial(qg, k, v, q_pos, k_pos, window, q_seg, k_seg,
+                                         softcap),
                         lambda: _neutral(qg))
 
 
@@ -272,7 +284,8 @@ def _halves(x: jax.Array, axis: int) -> list[jax.Array]:
     return jnp.split(x, 2, axis=axis) if x.shape[axis] % 2 == 0 else [x]
 
 
-def _ring_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int):
+def _ring_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int,
+                softcap: float = 0.0):
     """Local queries against key/value blocks passed round the ring (with their positions
     and documents), merged online."""
     qg = _grouped(q, k.shape[2])
@@ -284,7 +297,7 @@ def _ring_local(q, k, v, pos, seg, *, window: int, axis: str | None, size: int):
         kv_parts = list(zip(_halves(k, 1), _halves(v, 1), _halves(k_pos, 0),
                             _halves(k_seg, 1), strict=True))
         return [functools.reduce(
-                    _merge, [_masked_partial(qh, kh, vh, qp, kp, window, qs, ks)
+                    _merge, [_masked_partial(qh, kh, vh, qp, kp, window, qs, ks, softcap)
                              for kh, vh, kp, ks in kv_parts], acc)
                 for acc, (qh, qp, qs) in zip(accs, q_parts, strict=True)]
 

@@ -104,6 +104,12 @@ def test_mlp_activations_match_their_formulas():
     ({"router_aux_loss": -1.0}, "model.expert_capacity, model.router_aux_loss and "
                                 "model.router_z_loss must not be negative"),
     ({"sliding_window": -2}, "model.sliding_window=-2: must be 0 (off)"),
+    ({"global_every": -1, "sliding_window": 4}, "model.global_every=-1: must be 0 (off)"),
+    ({"global_every": 2}, "model.global_every=2 needs model.sliding_window > 0"),
+    ({"attn_logit_softcap": -50.0}, "model.attn_logit_softcap=-50.0: must be 0 (off) or "
+                                    "positive"),
+    ({"attn_logit_softcap": 50.0, "attention": "cudnn"},
+     "model.attn_logit_softcap=50.0 with model.attention='cudnn'"),
     ({"head_dim": -4}, "model.head_dim=-4: must be positive"),
     ({"d_model": 18}, "model.d_model=18 is not divisible by model.n_heads=4; set "
                       "model.head_dim explicitly"),
@@ -124,3 +130,14 @@ def test_values_at_the_edges_are_accepted():
     assert cfg.n_experts == cfg.experts_per_token == 2
     # Without experts, experts_per_token is not checked.
     assert dataclasses.replace(BASE, experts_per_token=9).n_experts == 0
+
+
+@pytest.mark.parametrize("every,windows", [
+    (0, [4, 4, 4, 4, 4, 4]),
+    (2, [4, 0, 4, 0, 4, 0]),  # Gemma 2: layer 0 local, layer 1 global
+    (6, [4, 4, 4, 4, 4, 0]),  # Gemma 3: five local layers, then a global one
+])
+def test_layer_windows_of_the_local_global_pattern(every, windows):
+    cfg = dataclasses.replace(BASE, n_layers=6, sliding_window=4, global_every=every,
+                              attn_logit_softcap=50.0)
+    assert [cfg.layer_window(i) for i in range(cfg.n_layers)] == windows

@@ -1,7 +1,8 @@
 """The reference decoder held to a NumPy decoder written from the textbook definitions
 (RMSNorm, rotary embeddings with split halves, grouped-query causal attention, gated MLP),
 for the plain Llama layout and for the family variants (biases, q/k norms, tied and scaled
-embeddings, Gemma's norm offset, GeGLU, a sliding window)."""
+embeddings, Gemma's norm offset, GeGLU, a sliding window, Gemma 2's local/global layers and
+attention logit soft-capping)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ VARIANTS = {
     "families": dict(qkv_bias=True, qk_norm=True, tie_embeddings=True, embed_scale=True,
                      norm_offset=1.0, mlp_activation="gelu_tanh", head_dim=6,
                      rope_scaling="linear", rope_factor=2.0, sliding_window=3, n_kv_heads=1),
+    # Layers 0 and 2 see 3 tokens, 1 and 3 all; large weights so that the cap bites.
+    "gemma2": dict(n_layers=4, sliding_window=3, global_every=2, attn_logit_softcap=1.0,
+                   init_std=0.3),
 }
 
 
@@ -77,10 +81,13 @@ def np_decoder(cfg: TransformerConfig, params: dict[str, np.ndarray], tokens: np
     if cfg.embed_scale:
         x = x * math.sqrt(cfg.d_model)
     group = cfg.n_heads // cfg.n_kv_heads
-    allowed = np.tril(np.ones((s, s), bool))
-    if cfg.sliding_window:
-        allowed &= ~np.tril(np.ones((s, s), bool), -cfg.sliding_window)
     for layer in range(cfg.n_layers):
+        window = cfg.sliding_window
+        if cfg.global_every and (layer + 1) % cfg.global_every == 0:
+            window = 0  # a global layer: the whole causal prefix
+        allowed = np.tril(np.ones((s, s), bool))
+        if window:
+            allowed &= ~np.tril(np.ones((s, s), bool), -window)
         w = {k[len("blocks/"):]: v[layer] for k, v in p.items() if k.startswith("blocks/")}
         y = np_rms(x, w["attn_norm/scale"], eps, off)
         q = np.einsum("bse,enh->bsnh", y, w["attn/wq/kernel"])
@@ -96,6 +103,9 @@ def np_decoder(cfg: TransformerConfig, params: dict[str, np.ndarray], tokens: np
         for n in range(cfg.n_heads):
             kv = n // group
             scores = np.einsum("bqh,bkh->bqk", q[:, :, n], k[:, :, kv]) / math.sqrt(h)
+            if cfg.attn_logit_softcap:
+                cap = cfg.attn_logit_softcap
+                scores = cap * np.tanh(scores / cap)
             scores = np.where(allowed, scores, -np.inf)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
@@ -172,6 +182,38 @@ def test_the_numpy_decoder_can_tell_variants_apart():
     full = np_decoder(dataclasses.replace(cfg, sliding_window=0), params, tokens)
     np.testing.assert_allclose(windowed[:, :3], full[:, :3], rtol=1e-10)  # within the window
     assert not np.allclose(windowed[:, 3:], full[:, 3:], atol=1e-4)
+
+
+def test_global_layers_and_the_softcap_change_the_numpy_decoder():
+    tokens = np.random.default_rng(1).integers(0, TINY.vocab_size, (2, 7))
+    cfg = dataclasses.replace(TINY, **VARIANTS["gemma2"])
+    params = flat_params(model_of("gemma2"))
+    want = np_decoder(cfg, params, tokens)
+    for change in ({"global_every": 0}, {"attn_logit_softcap": 0.0}):
+        other = np_decoder(dataclasses.replace(cfg, **change), params, tokens)
+        assert not np.allclose(want[:, 3:], other[:, 3:], atol=1e-3), change
+
+
+@pytest.mark.parametrize("attention", ["chunked", "splash"])
+def test_gemma2_layers_under_other_implementations(attention):
+    """The local/global pattern and the cap through the chunked and splash (interpret mode)
+    implementations, with the plan's remat policy wrapping each layer, equal the NumPy
+    decoder; the model holds no state beyond a plain sliding-window model's."""
+    cfg = dataclasses.replace(TINY, **VARIANTS["gemma2"], attention=attention,
+                              attention_block=4)
+    model = model_of("gemma2")
+    model = nnx.merge(nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0))), nnx.state(model))
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 1},
+                                                    devices=jax.devices()[:1]), remat="full")
+    with plan.activate():
+        got = np.asarray(forward(model, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, np_decoder(cfg, flat_params(model), tokens),
+                               rtol=2e-4, atol=2e-4)
+    plain = Transformer(dataclasses.replace(cfg, global_every=0, attn_logit_softcap=0.0),
+                        rngs=nnx.Rngs(0))
+    assert (jax.tree.structure(nnx.state(plain))
+            == jax.tree.structure(nnx.state(model)))
 
 
 def test_every_position_sees_only_its_prefix():
@@ -341,6 +383,9 @@ def test_bad_shapes_and_pipelines_are_named():
     moe = dataclasses.replace(TINY, n_experts=2)
     with pytest.raises(jaxpar.JaxparError, match=r"model.n_experts > 0 with pipeline stages"):
         nnx.eval_shape(lambda: Transformer(moe, rngs=nnx.Rngs(0), pipeline=Schedule(2, 2)))
+    gemma2 = dataclasses.replace(TINY, sliding_window=3, global_every=2)
+    with pytest.raises(jaxpar.JaxparError, match=r"model.global_every=2 with pipeline stages"):
+        nnx.eval_shape(lambda: Transformer(gemma2, rngs=nnx.Rngs(0), pipeline=Schedule(2, 1)))
 
 
 @pytest.mark.parametrize("tied", [False, True])

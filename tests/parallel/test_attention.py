@@ -18,6 +18,7 @@ from jaxpar.models.transformer import Transformer, TransformerConfig
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel.attention import attention, chunked_attention, resolve, splash_attention
 from jaxpar.sharding.rules import Rules
+from jaxpar.training.objective import lm_loss
 
 
 def _qkv(b=2, s=37, n=4, kv=2, h=16, seed=0):
@@ -60,7 +61,7 @@ def _sharded_model_loss_and_grads(impl):
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(params):
-        return jaxpar.training.trainer.lm_loss(nnx.merge(graphdef, params), tokens)
+        return lm_loss(nnx.merge(graphdef, params), tokens)
 
     with plan.activate(mesh_context=True):
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -265,3 +266,72 @@ def test_cudnn_refuses_document_masks():
     q, k, v, _ = _qkv(1, 16, 2, 1, 8)
     with pytest.raises(JaxparError, match="'cudnn' does not take document masks"):
         attention(q, k, v, implementation="cudnn", segments=jnp.zeros((1, 16), jnp.int32))
+
+
+# --- attention logit soft-capping -----------------------------------------------------------
+def _capped_reference(q, k, v, *, softcap, window=0, segments=None):
+    """Causal attention written out: scores scaled by 1/sqrt(head_dim), capped to
+    ``softcap * tanh(scores / softcap)``, masked (causal, window, segments), softmax."""
+    b, s, n, h = q.shape
+    group = n // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(h)
+    scores = softcap * jnp.tanh(scores / softcap)
+    query, key = np.arange(s)[:, None], np.arange(s)[None, :]
+    keep = (key <= query) & ((key > query - window) if window else True)
+    keep = jnp.asarray(keep)[None, None]
+    if segments is not None:
+        keep = keep & (segments[:, None, :, None] == segments[:, None, None, :])
+    probs = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", probs, v)
+
+
+def _capped_and(run, q, k, v, ct, **kw):
+    """Outputs and (dq, dk, dv) of :func:`_capped_reference` and of ``run``, jitted."""
+    def grads(fn):
+        def f(q, k, v):
+            out = fn(q, k, v)
+            return jnp.sum(out * ct), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return grads(functools.partial(_capped_reference, **kw)), grads(run)
+
+
+def _two_documents(b, s):
+    return jnp.asarray(np.stack([np.repeat([1, 2], [s // 3, s - s // 3])] * b), jnp.int32)
+
+
+@pytest.mark.parametrize("impl,window,documents,block", [
+    ("xla", 0, False, 0), ("xla", 5, True, 0),
+    ("chunked", 0, False, 8), ("chunked", 5, False, 16), ("chunked", 7, True, 8)])
+def test_softcap_equals_the_written_out_reference(impl, window, documents, block):
+    """Scores near the cap (q, k ~ 2 N(0, 1), head_dim 16: scores ~ 4, cap 3): forward and
+    gradients (the chunked backward's own ``1 - tanh^2``) equal the plain-JAX reference."""
+    q, k, v, ct = _qkv()
+    segments = _two_documents(q.shape[0], q.shape[1]) if documents else None
+    kw = {"window": window, "segments": segments, "softcap": 3.0}
+    run = functools.partial(attention, implementation=impl, **kw,
+                            **({"block": block} if block else {}))
+    want, got = _capped_and(run, q, k, v, ct, **kw)
+    _assert_same(got, want)
+    uncapped = attention(q, k, v, implementation=impl, window=window, segments=segments)
+    assert not np.allclose(uncapped, want[0][1], atol=1e-2)  # the cap changes the output
+
+
+def test_splash_softcap_equals_the_written_out_reference():
+    """The kernel's own cap (interpret mode), with a window across tiles and documents."""
+    q, k, v, ct = _qkv(1, 256, 4, 2, 8)
+    kw = {"window": 50, "segments": _two_documents(1, 256), "softcap": 3.0}
+    run = functools.partial(splash_attention, block=128, **kw)
+    want, got = _capped_and(run, q, k, v, ct, **kw)
+    _assert_same(got, want)
+
+
+def test_softcap_refusals_and_auto_choice(monkeypatch):
+    q, k, v, _ = _qkv(1, 16, 2, 1, 8)
+    with pytest.raises(JaxparError, match="'cudnn' does not take model.attn_logit_softcap"):
+        attention(q, k, v, implementation="cudnn", softcap=50.0)
+    with pytest.raises(JaxparError, match="softcap=-1.0: must be 0"):
+        attention(q, k, v, implementation="chunked", softcap=-1.0)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve("auto", jnp.bfloat16, softcap=50.0) == "xla"
+    assert resolve("auto", jnp.bfloat16) == "cudnn"
