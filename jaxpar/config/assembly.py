@@ -179,10 +179,10 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
     check_config(config, devices=n_devices, processes=jax.process_count())
     mesh = build_mesh(config, devices)
     plan = build_plan(config, mesh)
-    if mesh.shape["context"] > 1 and config.model.attention in ("splash", "cudnn"):
+    if mesh.shape["context"] > 1 and config.model.attention == "cudnn":
         warnings.warn(
-            f"model.attention={config.model.attention!r} is not used under context "
-            f"parallelism (mesh.context={mesh.shape['context']}): attention runs as "
+            f"model.attention='cudnn' is not used under context parallelism "
+            f"(mesh.context={mesh.shape['context']}): attention runs as "
             f"plan.context_attention={config.plan.context_attention!r}, blockwise in XLA",
             JaxparWarning, stacklevel=2)
     schedule, stages = pipeline_schedule(config, mesh), mesh.shape["stage"]

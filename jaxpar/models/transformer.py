@@ -191,10 +191,17 @@ class Attention(nnx.Module):
                                            window=window, block=self.block,
                                            segments=segments, softcap=self.softcap)
         order = sequence_order(q.shape[1])
-        positions = jnp.arange(q.shape[1]) if order is None else jnp.asarray(order)
+        positions = np.arange(q.shape[1], dtype=np.int32) if order is None else order
+        # Splash runs per device (auto on a TPU) when each device's share of the sequence
+        # is whole 128-token tiles; otherwise, and for the other kernels, plain blocks.
+        kind = attention_lib.resolve(self.implementation, q.dtype)
+        tiles = attention_lib.SPLASH_TILE * plan.mesh.shape["context"]
+        if kind == "splash" and self.implementation == "auto" and q.shape[1] % tiles:
+            kind = "xla"
         return context_lib.context_attention(
             q, k, v, positions, mesh=plan.mesh, kind=plan.context_attention,
-            window=window, segments=segments, softcap=self.softcap,
+            window=window, segments=segments, softcap=self.softcap, implementation=kind,
+            block=self.block,
             q_spec=plan.act_spec(("batch", "seq", "heads", "head_dim"), shape=q.shape),
             kv_spec=plan.act_spec(("batch", "seq", "kv_heads", "head_dim"), shape=k.shape))
 

@@ -50,6 +50,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel.context_splash import splash_context_attention
 from jaxpar.sharding.plan import CONTEXT_ATTENTION
 from jaxpar.sharding.rules import entry_axes
 
@@ -91,7 +93,8 @@ def inverse_order(order: np.ndarray) -> np.ndarray:
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                       mesh: Mesh, q_spec: PartitionSpec, kv_spec: PartitionSpec,
                       kind: str = "allgather", window: int = 0, axis: str = "context",
-                      segments: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
+                      segments: jax.Array | None = None, softcap: float = 0.0,
+                      implementation: str = "xla", block: int = 512) -> jax.Array:
     """Causal attention with the sequence split over mesh axis ``axis``.
 
     Args:
@@ -106,6 +109,10 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         at all. If the kv heads are split differently from the query heads (too few to
         divide the tensor axis), they are repeated to ``heads`` first.
       kind: ``"allgather"`` or ``"ring"`` (see the module docstring).
+      implementation: ``"splash"``: each device's share by the Pallas TPU kernel
+        (:mod:`jaxpar.parallel.context_splash`; interpret mode when the program is not
+        for a TPU), in tiles of ``block`` rounded to 128; needs concrete ``positions`` and
+        the sequence split over ``axis``. Anything else: the plain-JAX blocks below.
       window: if positive, a query at position ``p`` sees only keys in
         ``(p - window, p]``; otherwise every key at or before ``p``.
       axis: the mesh axis the sequence is split over.
@@ -135,7 +142,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     kvh = k.shape[2]
     if n % kvh:
         raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
-    positions = jnp.asarray(positions)
+    given, positions = positions, jnp.asarray(positions)
     if positions.shape != (s,) or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise JaxparError(f"positions must be integers shaped ({s},), got "
                           f"{positions.dtype}{tuple(positions.shape)}")
@@ -145,6 +152,10 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         kv_spec = q_spec
     _check_specs(mesh, axis, q_spec, kv_spec, q.shape, k.shape)
     seq_split = entry_axes(q_spec[1]) == (axis,) and mesh.shape[axis] > 1
+    if implementation == "splash" and seq_split:
+        return _on_splash(q, k, v, given, segments, mesh=mesh, q_spec=q_spec,
+                          kv_spec=kv_spec, kind=kind, axis=axis, window=window,
+                          softcap=softcap, block=block)
     local = functools.partial(
         _allgather_local if kind == "allgather" else _ring_local, window=int(window),
         softcap=float(softcap),
@@ -159,6 +170,22 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
                           in_specs=(q_spec, kv_spec, kv_spec, pos_spec, seg_spec),
                           out_specs=q_spec, check_vma=False)
     return shard(q, k, v, positions.astype(jnp.int32), segments.astype(jnp.int32))
+
+
+def _on_splash(q, k, v, positions, segments, **kw) -> jax.Array:
+    """:func:`jaxpar.parallel.context_splash.splash_context_attention`, with the positions
+    made concrete and interpret mode off a TPU."""
+    try:
+        positions = np.asarray(positions)
+    except jax.errors.TracerArrayConversionError:
+        raise JaxparError("model.attention='splash' under context parallelism builds its "
+                          "masks from the token positions: pass them as a NumPy array, "
+                          "not a traced one") from None
+    if segments is None:
+        segments = jnp.zeros(q.shape[:2], jnp.int32)
+    return splash_context_attention(
+        q, k, v, positions, segments,
+        interpret=attention_lib.target_platform() != "tpu", **kw)
 
 
 # --- checks -------------------------------------------------------------------------------

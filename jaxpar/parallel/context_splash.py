@@ -80,9 +80,11 @@ def _mask_class():
             return len(self.q_pos), self.k_pos.shape[1]
 
         def __getitem__(self, idx) -> np.ndarray:
-            rows, cols = (np.arange(self.shape[d])[idx[d]] for d in (0, 1))
-            q = self.q_pos[rows][:, None]
-            k = self.k_pos[rows // self._rows][:, cols]
+            q = self.q_pos[idx[0]][:, None]
+            keys = self.k_pos[:, idx[1]]
+            shards = np.arange(self.shape[0])[idx[0]] // self._rows
+            # A tile of rows lies in one shard: one row of key positions serves it.
+            k = keys[shards[0]][None] if shards[0] == shards[-1] else keys[shards]
             keep = k <= q
             if self.window:
                 keep &= k > q - self.window
@@ -120,12 +122,16 @@ def _kernels(key: tuple, heads: int, window: int, tile: int, softcap: float,
             mask = masks.MultiHeadMask([mask_class(positions, k_pos, window)] * heads)
             options = dict(block_sizes=sizes, interpret=interpret,
                            save_residuals=kind == "ring", attn_logits_soft_cap=softcap or None)
+            kernel = None
             if all(_sees_something(q, k_pos[i], window)
                    for i, q in enumerate(positions.reshape(len(k_pos), -1))):
-                built.append(kernel_lib.make_splash_mha(
-                    mask, head_shards=1, q_seq_shards=shards, **options))
-            else:  # a shard sees nothing of this block: the kernel's grid shrinking fails
-                built.append(_unshrunk_kernel(mask, shards, **options))
+                try:
+                    kernel = kernel_lib.make_splash_mha(
+                        mask, head_shards=1, q_seq_shards=shards, **options)
+                except ValueError:  # no partially masked tile in any shard (jax 0.10)
+                    kernel = None
+            # A shard that sees nothing of this block fails the grid shrinking too.
+            built.append(kernel or _unshrunk_kernel(mask, shards, **options))
     return tuple(built)
 
 

@@ -100,10 +100,29 @@ def test_splash_compiles_for_a_tpu_under_tensor_parallelism():
     assert custom_calls(step.compiled.as_text()).get("tpu_custom_call", 0) >= 3
 
 
-def test_context_parallelism_says_splash_is_not_used_and_compiles_for_a_tpu():
-    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=2", "mesh.context=2",
-                                               "plan.context_attention=ring"])
-    with pytest.warns(UserWarning, match="model.attention='splash' is not used under context "
-                                         "parallelism"):
-        step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
-    assert step.compiled.as_text()
+@pytest.fixture(scope="module")
+def context_steps():
+    """The step with the sequence (1024) split over context=2 and heads over tensor=2,
+    splash under both context attentions, compiled for a v5e slice."""
+    def step(kind):
+        config = load_config("configs/tiny.yaml", [
+            *LIGHT, "train.seq_len=1024", "model.max_seq_len=1024", "mesh.data=1",
+            "mesh.context=2", "mesh.tensor=2", "model.n_heads=4", "model.n_kv_heads=2",
+            f"plan.context_attention={kind}"])
+        return compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+    return {kind: step(kind) for kind in ("allgather", "ring")}
+
+
+@pytest.mark.parametrize("kind,kernels", [("allgather", 3), ("ring", 6)])
+def test_splash_compiles_for_a_tpu_under_context_parallelism(context_steps, kind, kernels):
+    """The Mosaic kernels under a context axis: all-gather, one forward and two backward
+    (dq, dkv) per layer; ring, those for each of the two key blocks. No score-sized
+    temporary: plain blocks hold (4 rows x 2 heads a device) x 512 local queries x 1024
+    keys in f32, 16 MiB a buffer, several of them; the whole step's temporaries are less
+    than one."""
+    step = context_steps[kind]
+    text = step.compiled.as_text()
+    assert custom_calls(text).get("tpu_custom_call", 0) == kernels
+    assert ("all-gather" if kind == "allgather" else "collective-permute") in text
+    temp = step.compiled.memory_analysis().temp_size_in_bytes
+    assert 0 < temp < 4 * 2 * 512 * 1024 * 4

@@ -3,6 +3,7 @@ attention written out in this file (scores, soft cap, causal/window/document mas
 on the whole, naturally ordered sequence: all-gather and ring, natural and balanced layouts,
 with a sliding window, packed documents and soft-capping, outputs and gradients."""
 
+import dataclasses
 import functools
 import math
 
@@ -13,6 +14,7 @@ import pytest
 
 import jaxpar
 from jaxpar.errors import JaxparError
+from jaxpar.parallel import context as context_lib
 from jaxpar.parallel.attention import KV_NAMES, Q_NAMES
 from jaxpar.parallel.context import balanced_order, inverse_order
 from jaxpar.parallel.context_splash import splash_context_attention
@@ -116,3 +118,27 @@ def test_each_shard_a_multiple_of_the_tile():
     with pytest.raises(JaxparError, match="seq=512 over context=8 gives 64"):
         splash_context_attention(q, q, q, np.arange(512), jnp.zeros((1, 512)), mesh=mesh,
                                  q_spec=spec, kv_spec=spec, kind="ring", axis="context")
+
+
+def test_a_training_step_on_splash_under_context_equals_one_device(capfd, monkeypatch):
+    """The reference model with ``attention=splash`` trained on context=2 x tensor=2 (ring,
+    balanced layout; interpret mode here) gives one device's loss and gradient norm."""
+    from tests.helpers import SMALL, loader, make_trainer
+
+    cfg = dataclasses.replace(SMALL, max_seq_len=256, n_layers=1)
+    batch = loader(batch=2, seq=256).batch(0)
+    one = make_trainer({"data": 1}, devices=jax.devices()[:1],
+                       cfg=dataclasses.replace(cfg, attention="xla")).step(batch)
+    trainer = make_trainer({"context": 2, "tensor": 2}, devices=jax.devices()[:4],
+                           cfg=dataclasses.replace(cfg, attention="splash"))
+    trainer = jaxpar.Trainer(trainer.model, trainer.optimizer,
+                             trainer.plan.replace(context_attention="ring"))
+    calls = []
+    inner = context_lib.splash_context_attention
+    monkeypatch.setattr(context_lib, "splash_context_attention",
+                        lambda *a, **kw: calls.append(kw["kind"]) or inner(*a, **kw))
+    got = trainer.step(batch)
+    assert calls == ["ring"]
+    np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["grad_norm"], one["grad_norm"], rtol=1e-5)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
