@@ -282,6 +282,11 @@ def merge_model(hf_cfg: TransformerConfig, model: TransformerConfig, given: Any 
 def family_of(cfg: TransformerConfig) -> str:
     """The architecture a jaxpar decoder config is saved as: the one family whose options
     it uses (Llama when it uses none)."""
+    unsaved = [f"model.{name}" for name in ("attn_logit_softcap", "global_every")
+               if getattr(cfg, name, 0)]
+    if unsaved:  # Gemma 2 / 3 options: no family here saves them yet
+        raise JaxparError(f"no Hugging Face family jaxpar saves expresses "
+                          f"{' and '.join(unsaved)} (Gemma 2 and 3 are not supported yet)")
     if cfg.norm_offset or cfg.embed_scale:
         arch = "GemmaForCausalLM"
         if not (cfg.norm_offset == 1.0 and cfg.embed_scale):
@@ -319,7 +324,8 @@ def to_hf(cfg: TransformerConfig, architecture: str | None = None,
         raise JaxparError(f"model.n_experts={cfg.n_experts}: jaxpar writes only dense decoders "
                           f"as Hugging Face models ({', '.join(ARCHITECTURES)}); a "
                           "mixture-of-experts model has no layout there")
-    arch = architecture or family_of(cfg)
+    arch = family_of(cfg) if architecture is None or cfg.attn_logit_softcap or (
+        cfg.global_every) else architecture
     if arch not in ARCHITECTURES:
         raise JaxparError(f"architecture {arch!r} is not supported; choose one of "
                           f"{list(ARCHITECTURES)}")

@@ -258,3 +258,10 @@ def test_merge_model_keeps_how_to_compute_and_compatible_overrides():
                                           r"intermediate_size=128 in config.json"):
         merge_model(base, yaml_model, given=["d_ff"])
     assert set(RUNTIME_FIELDS) == {"init_std", "attention", "attention_block", "loss_chunk"}
+
+
+@pytest.mark.parametrize("options", [dict(attn_logit_softcap=50.0),
+                                     dict(sliding_window=16, global_every=2)])
+def test_gemma2_options_are_not_saved_as_another_family(options):
+    with pytest.raises(JaxparError, match="Gemma 2 and 3 are not supported yet"):
+        family_of(dataclasses.replace(SMALL, **options))
