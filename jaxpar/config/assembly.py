@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from jaxpar.adapters import lora as lora_lib
 from jaxpar.checkpoint.checkpointer import load_weights
 from jaxpar.config.schema import Config, hf_folder, with_hf_model
 from jaxpar.config.validate import check_config, pipeline_for
-from jaxpar.errors import JaxparError, JaxparWarning
+from jaxpar.errors import JaxparError
 from jaxpar.hf import load
 from jaxpar.models.transformer import Transformer
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -179,12 +178,6 @@ def assemble(config: Config, devices: Any = None, *, abstract: bool = False) -> 
     check_config(config, devices=n_devices, processes=jax.process_count())
     mesh = build_mesh(config, devices)
     plan = build_plan(config, mesh)
-    if mesh.shape["context"] > 1 and config.model.attention == "cudnn":
-        warnings.warn(
-            f"model.attention='cudnn' is not used under context parallelism "
-            f"(mesh.context={mesh.shape['context']}): attention runs as "
-            f"plan.context_attention={config.plan.context_attention!r}, blockwise in XLA",
-            JaxparWarning, stacklevel=2)
     schedule, stages = pipeline_schedule(config, mesh), mesh.shape["stage"]
     loss_fn = loss_function(config)
     hf = hf_folder(config.init_from)

@@ -194,9 +194,13 @@ class Attention(nnx.Module):
         positions = np.arange(q.shape[1], dtype=np.int32) if order is None else order
         # Splash runs per device (auto on a TPU) when each device's share of the sequence
         # is whole 128-token tiles; otherwise, and for the other kernels, plain blocks.
-        kind = attention_lib.resolve(self.implementation, q.dtype)
+        # cuDNN's (auto on a GPU in half precision) on chunk pairs, without windows or
+        # documents (the soft cap already rules it out).
+        kind = attention_lib.resolve(self.implementation, q.dtype, self.softcap)
         tiles = attention_lib.SPLASH_TILE * plan.mesh.shape["context"]
-        if kind == "splash" and self.implementation == "auto" and q.shape[1] % tiles:
+        if self.implementation == "auto" and (
+                (kind == "splash" and q.shape[1] % tiles)
+                or (kind == "cudnn" and (window or segments is not None))):
             kind = "xla"
         return context_lib.context_attention(
             q, k, v, positions, mesh=plan.mesh, kind=plan.context_attention,

@@ -51,6 +51,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel.context_blocks import block_context_attention
 from jaxpar.parallel.context_splash import splash_context_attention
 from jaxpar.sharding.plan import CONTEXT_ATTENTION
 from jaxpar.sharding.rules import entry_axes
@@ -112,7 +113,9 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
       implementation: ``"splash"``: each device's share by the Pallas TPU kernel
         (:mod:`jaxpar.parallel.context_splash`; interpret mode when the program is not
         for a TPU), in tiles of ``block`` rounded to 128; needs concrete ``positions`` and
-        the sequence split over ``axis``. Anything else: the plain-JAX blocks below.
+        the sequence split over ``axis``. ``"cudnn"``: cuDNN's fused kernel on each pair
+        of sequence chunks (:mod:`jaxpar.parallel.context_blocks`; no window, documents or
+        soft-capping). Anything else: the plain-JAX blocks below.
       window: if positive, a query at position ``p`` sees only keys in
         ``(p - window, p]``; otherwise every key at or before ``p``.
       axis: the mesh axis the sequence is split over.
@@ -156,6 +159,16 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         return _on_splash(q, k, v, given, segments, mesh=mesh, q_spec=q_spec,
                           kv_spec=kv_spec, kind=kind, axis=axis, window=window,
                           softcap=softcap, block=block)
+    if implementation == "cudnn" and seq_split:
+        unsupported = [what for what, on in (("a sliding window", window),
+                                             ("document masks", segments is not None),
+                                             ("soft-capping", softcap)) if on]
+        if unsupported:
+            raise JaxparError(f"model.attention='cudnn' under context parallelism does not "
+                              f"take {' or '.join(unsupported)}: use model.attention=xla "
+                              "(plain blocks)")
+        return block_context_attention(q, k, v, positions, mesh=mesh, q_spec=q_spec,
+                                       kv_spec=kv_spec, kind=kind, axis=axis)
     local = functools.partial(
         _allgather_local if kind == "allgather" else _ring_local, window=int(window),
         softcap=float(softcap),

@@ -333,10 +333,10 @@ def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Loc
 
 
 def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
-             runs_layer: int, wire: int, splash: bool = False) -> None:
-    """Keys and values across the context axis, per layer. The ring on the splash kernel
-    (``splash``) also sends each block's f32 key and value gradients along with it in the
-    backward pass, ``context`` times (the last send takes them home)."""
+             runs_layer: int, wire: int, fused: bool = False) -> None:
+    """Keys and values across the context axis, per layer. The ring on a fused kernel
+    (``fused``: splash, cuDNN) also sends each block's f32 key and value gradients along
+    with it in the backward pass, ``context`` times (the last send takes them home)."""
     remat = cand.remat != "none"
     kv_block = loc.tokens * loc.kv_heads * spec.head_dim * wire  # one of K or V, local
     if cand.context_attention == "ring":
@@ -346,7 +346,7 @@ def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Lo
                  2 * fwd * runs_layer, phase="forward")
         rows.add("collective-permute", lay.cp_axes, kv_block, 2, 2 * steps * runs_layer,
                  phase="backward")
-        if splash:
+        if fused:
             grads = loc.tokens * loc.kv_heads * spec.head_dim * 4
             rows.add("collective-permute", lay.cp_axes, grads, 2,
                      2 * loc.context * runs_layer, phase="backward")
@@ -409,7 +409,7 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)
     if lay.cp_axes:
         _context(rows, spec, lay, cand, loc, runs_layer, wire,
-                 splash=attention_kind(spec, cand, backend, seq) == "splash")
+                 fused=attention_kind(spec, cand, backend, seq) in ("splash", "cudnn"))
     if spec.is_moe:
         _experts(rows, spec, lay, cand, loc, runs_layer, wire)
     if stages > 1:

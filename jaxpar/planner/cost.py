@@ -142,11 +142,12 @@ mask, cuDNN's flash kernel, the ring's ``lax.cond`` over half-block pairs); XLA'
 def causal_fraction(spec: ModelSpec, seq: int, attention: str, context: int = 1) -> float:
     """Share of the full ``s x s`` attention work ``attention`` executes: with ``n`` blocks
     a side, the ``n (n + 1) / 2`` blocks on or below the diagonal, ``(1 + 1/n) / 2``.
-    Blocks: splash's (``attention_block`` rounded up to 128), cuDNN's (128), the ring's
-    half shards (``2 x context`` of them). 1 for kernels that skip nothing."""
+    Blocks: splash's (``attention_block`` rounded up to 128), cuDNN's (128; under context
+    parallelism the chunk pairs it is called on), the ring's half shards (``2 x context``
+    of them). 1 for kernels that skip nothing."""
     if attention not in CAUSAL_SKIPPING or seq < 1:
         return 1.0
-    if attention == "ring":
+    if attention == "ring" or (attention == "cudnn" and context > 1):
         n = 2 * context
     else:
         block = 128 if attention == "cudnn" else -(-max(spec.attention_block, 1) // 128) * 128

@@ -62,9 +62,11 @@ def attention_kind(spec: ModelSpec, cand: Candidate, backend: str, seq: int = 0)
     materialised) elsewhere (see :func:`jaxpar.parallel.attention.resolve`). With the
     sequence split over ``context``: splash, per device (:mod:`jaxpar.parallel.context_splash`),
     where it would run and each device's share of ``seq`` is a multiple of its 128-token
-    tiles; otherwise the candidate's context attention in plain blocks (``allgather``: the
-    local queries against all gathered keys in one go, scores materialised; ``ring``:
-    blockwise with an online softmax, see :mod:`jaxpar.parallel.context`)."""
+    tiles; cuDNN's kernel on chunk pairs (:mod:`jaxpar.parallel.context_blocks`) where it
+    would run (the planner does not model sliding windows, which keep it off); otherwise
+    the candidate's context attention in plain blocks (``allgather``: the local queries
+    against all gathered keys in one go, scores materialised; ``ring``: blockwise with an
+    online softmax, see :mod:`jaxpar.parallel.context`)."""
     if spec.attention != "auto":
         kind = spec.attention
     elif backend == "tpu":
@@ -72,8 +74,11 @@ def attention_kind(spec: ModelSpec, cand: Candidate, backend: str, seq: int = 0)
     else:
         kind = "cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2 else "xla"
     if cand.context > 1:
-        aligned = not seq or seq % (SPLASH_TILE * cand.context) == 0
-        return "splash" if kind == "splash" and aligned else cand.context_attention
+        if kind == "splash" and (not seq or seq % (SPLASH_TILE * cand.context) == 0):
+            return "splash"
+        if kind == "cudnn" and (not seq or seq % (2 * cand.context) == 0):
+            return "cudnn"
+        return cand.context_attention
     return kind
 
 
@@ -139,10 +144,10 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     # Per token: what attention keeps beyond q, k, v and its output (f32 scores, and
     # probabilities in the compute dtype; flash-style: one f32 log-sum-exp per head).
     if attention in FLASH_ATTENTION:
-        # Under context parallelism the all-gathered keys and values are the kernel's
-        # residuals too (the ring's kernel keeps only this device's own block).
+        # Under context parallelism the all-gathered keys and values are splash's
+        # residuals too (the rings, and cuDNN's chunk pairs, keep this device's own block).
         scores, probs = n * 4, 0
-        if loc.context_attention == "allgather":
+        if attention == "splash" and loc.context_attention == "allgather":
             scores += _context_splash_kv(loc, spec, act)
     elif attention == "ring":
         scores, probs = _ring_carry(loc, spec, act) if remat in _KEEPS_LAYER else 0, 0

@@ -185,15 +185,16 @@ def test_full_remat_keeps_only_each_block_input():
     # else the context attention in plain blocks.
     ("auto", "tpu", "bfloat16", 4, "splash"),
     ("xla", "tpu", "bfloat16", 4, "ring"),
-    ("auto", "gpu", "bfloat16", 4, "ring"),
+    ("auto", "gpu", "bfloat16", 4, "cudnn"),  # cuDNN on chunk pairs
+    ("auto", "gpu", "float32", 4, "ring"),
 ])
 def test_attention_kind(attention, backend, precision, context, kind):
     spec = dataclasses.replace(from_transformer(TINY), attention=attention)
     cand = Candidate.make({"data": 8 // context, "context": context}, precision=precision,
                           context_attention="ring")
     assert attention_kind(spec, cand, backend, seq=2048) == kind
-    if context > 1:  # shards of 2048 / 4 = 512 tokens; 1000 / 4 = 250 is not whole tiles
-        assert attention_kind(spec, cand, backend, seq=1000) == "ring"
+    if context > 1:  # shards of 2048 / 4 = 512 tokens; 1001 / 4 is not whole tiles or halves
+        assert attention_kind(spec, cand, backend, seq=1001) == "ring"
 
 
 def test_1f1b_activations_stay_flat_as_microbatches_grow_while_circular_grows():
