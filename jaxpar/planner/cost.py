@@ -140,8 +140,10 @@ mask, cuDNN's flash kernel, the ring's ``lax.cond`` over half-block pairs); XLA'
 
 
 def causal_fraction(spec: ModelSpec, seq: int, attention: str, context: int = 1) -> float:
-    """Share of the full ``s x s`` attention work ``attention`` executes: with ``n`` blocks
-    a side, the ``n (n + 1) / 2`` blocks on or below the diagonal, ``(1 + 1/n) / 2``.
+    """Share of the full ``s x s`` attention work ``attention`` executes, averaged over the
+    layers: with ``n`` blocks a side, a causal layer computes the ``n (n + 1) / 2`` blocks
+    on or below the diagonal, ``(1 + 1/n) / 2``; a layer with a sliding window of ``w``
+    keys (``spec.sliding_window``) the blocks its band touches, about ``(w + block) / s``.
     Blocks: splash's (``attention_block`` rounded up to 128), cuDNN's (128; under context
     parallelism the chunk pairs it is called on), the ring's half shards (``2 x context``
     of them). 1 for kernels that skip nothing."""
@@ -152,7 +154,12 @@ def causal_fraction(spec: ModelSpec, seq: int, attention: str, context: int = 1)
     else:
         block = 128 if attention == "cudnn" else -(-max(spec.attention_block, 1) // 128) * 128
         n = max(-(-seq // block), 1)
-    return (1 + 1 / n) / 2
+    causal = (1 + 1 / n) / 2
+    local = spec.windowed_layers / spec.n_layers if spec.n_layers else 0.0
+    if not local or spec.sliding_window >= seq:
+        return causal
+    band = min(causal, (spec.sliding_window + seq / n) / seq)
+    return (1 - local) * causal + local * band
 
 
 def flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,

@@ -47,7 +47,9 @@ class ModelSpec:
 
     ``attention``, ``attention_block`` and ``loss_chunk`` say how the transformer computes
     attention and the loss (the :class:`~jaxpar.models.TransformerConfig` fields of those
-    names), which sets how much of its memory grows with ``seq x seq`` and ``seq x vocab``.
+    names), which sets how much of its memory grows with ``seq x seq`` and ``seq x vocab``;
+    ``sliding_window`` and ``global_every`` which layers see only a window of keys (what
+    kernels that skip masked blocks then compute).
     """
 
     tensors: tuple[Tensor, ...]
@@ -63,6 +65,8 @@ class ModelSpec:
     attention: str = "auto"
     attention_block: int = 512
     loss_chunk: int = 0
+    sliding_window: int = 0
+    global_every: int = 0
     n_experts: int = 0
     experts_per_token: int = 0
     expert_d_ff: int = 0
@@ -73,6 +77,14 @@ class ModelSpec:
     :class:`jaxpar.planner.traced.StepTracer`, whose traced step gives the activation
     memory and model FLOPs the transformer fields give the reference model (None: not
     known)."""
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers that attend within ``sliding_window`` (all of them, or with
+        ``global_every = N`` all but every ``N``-th)."""
+        if not self.sliding_window:
+            return 0
+        return self.n_layers - (self.n_layers // self.global_every if self.global_every else 0)
 
     @property
     def is_moe(self) -> bool:
@@ -156,7 +168,8 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
     return ModelSpec(tuple(tensors), L, d, n, k, h, f, v, cfg.tie_embeddings,
                      name=f"transformer d{d} L{L}", attention=cfg.attention,
                      attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk,
-                     **_moe_fields(cfg))
+                     sliding_window=cfg.sliding_window,
+                     global_every=getattr(cfg, "global_every", 0), **_moe_fields(cfg))
 
 
 def _moe_tensors(cfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple]]:

@@ -110,10 +110,26 @@ def test_causal_kernels_skip_the_masked_blocks():
     ("cudnn", 512, 4096, 1, (1 + 1 / 32) / 2),  # cuDNN's blocks are 128
     ("ring", 512, 4096, 4, (1 + 1 / 8) / 2),  # 2 x context half shards
     ("splash", 512, 0, 1, 1.0),
+    ("cudnn", 512, 4096, 4, (1 + 1 / 8) / 2),  # under context: the chunk pairs
 ])
 def test_causal_fraction(attention, block, seq, context, fraction):
     spec = dataclasses.replace(from_transformer(TINY), attention_block=block)
     assert causal_fraction(spec, seq, attention, context) == pytest.approx(fraction)
+
+
+@pytest.mark.parametrize(("global_every", "local"), [(0, 1.0), (2, 0.5), (6, 5 / 6)])
+def test_windowed_layers_compute_their_band(global_every, local):
+    """Gemma-style layers with a 4096-token window at 32k tokens: a kernel that skips
+    masked blocks computes the band of blocks the window touches, (4096 + 512) / 32768 of
+    the square, on the local layers; the global ones the causal triangle."""
+    spec = dataclasses.replace(from_transformer(TINY), attention_block=512, n_layers=6,
+                               sliding_window=4096, global_every=global_every)
+    causal, band = (1 + 1 / 64) / 2, (4096 + 512) / 32768
+    assert spec.windowed_layers == round(6 * local)
+    assert causal_fraction(spec, 32768, "splash") == pytest.approx(
+        (1 - local) * causal + local * band)
+    assert causal_fraction(spec, 32768, "xla") == 1.0  # computes every score anyway
+    assert causal_fraction(spec, 4096, "splash") == pytest.approx((1 + 1 / 8) / 2)
 
 
 MOE = TransformerConfig(**{**vars(TINY), "n_experts": 4, "experts_per_token": 2,
