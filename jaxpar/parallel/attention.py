@@ -365,7 +365,7 @@ def _repeat_kv(k: jax.Array, v: jax.Array, n: int, shards: int):
     return jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
 
 
-def _splash_tile(padded: int, block: int) -> int:
+def splash_tile(padded: int, block: int) -> int:
     """The largest multiple of 128 that is at most ``max(block, 128)`` and divides
     ``padded`` (itself a multiple of 128)."""
     units = padded // SPLASH_TILE
@@ -399,7 +399,7 @@ def _splash_local(q, k, v, segments, *, window: int, block: int, interpret: bool
 
     s, n, h = q.shape[1:]
     padded = -(-s // SPLASH_TILE) * SPLASH_TILE
-    kernel = _splash_kernel(n, padded, window, _splash_tile(padded, block), interpret,
+    kernel = _splash_kernel(n, padded, window, splash_tile(padded, block), interpret,
                             softcap)
 
     def heads_major(x):  # (b, s, k, h) -> (b, k, padded, h)

@@ -41,8 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
-
-SPLASH_TILE = 128
+from jaxpar.parallel.attention import SPLASH_TILE, splash_tile
+from jaxpar.sharding.rules import entry_axes
 
 
 def _splash():
@@ -167,14 +167,6 @@ def _unshrunk_kernel(mask, shards: int, *, block_sizes, interpret: bool,
         residual_checkpoint_name=None, mask_function=function, interpret=interpret)
 
 
-def local_tile(local_len: int, block: int) -> int:
-    """The tile for ``local_len`` tokens a device: the largest multiple of 128, at most
-    ``max(block, 128)``, that divides it."""
-    units = local_len // SPLASH_TILE
-    most = max(block // SPLASH_TILE, 1)
-    return SPLASH_TILE * max(d for d in range(1, min(units, most) + 1) if units % d == 0)
-
-
 def splash_context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                              positions: np.ndarray, segments: jax.Array, *, mesh: Mesh,
                              q_spec: PartitionSpec, kv_spec: PartitionSpec, kind: str,
@@ -197,8 +189,8 @@ def splash_context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             f"of the sequence to be a multiple of {SPLASH_TILE}: seq={s} over {axis}={c} "
             f"gives {s / c:g}; use a sequence length divisible by {c * SPLASH_TILE}, or "
             "model.attention=xla (plain blocks)")
-    head_ways = int(np.prod([mesh.shape[a] for a in _axes(q_spec[2])]))
-    tile = local_tile(s // c, block)
+    head_ways = int(np.prod([mesh.shape[a] for a in entry_axes(q_spec[2])]))
+    tile = splash_tile(s // c, block)
     key = (np.asarray(positions, np.int64).tobytes(), s)
     kernels = _kernels(key, n // head_ways, int(window), tile, float(softcap),
                        bool(interpret), kind, c)
@@ -217,12 +209,6 @@ def splash_context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           in_specs=(q_spec, kv_spec, kv_spec, seg_spec, kernels_spec),
                           out_specs=q_spec, check_vma=False)
     return shard(q * scale, k, v, segments.astype(jnp.int32), kernels_arg)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _heads_major(x: jax.Array) -> jax.Array:

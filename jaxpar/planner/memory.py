@@ -28,6 +28,7 @@ offloaded optimizer state of the tensors being updated.
 
 from __future__ import annotations
 
+from jaxpar.parallel.attention import SPLASH_TILE
 from jaxpar.parallel.schedules import peak_in_flight
 from jaxpar.planner.candidate import (
     OPTIMIZER_MOMENTS,
@@ -45,8 +46,6 @@ from jaxpar.planner.offload import STAGING_LAYERS, STREAMED_LAYERS, state_offloa
 from jaxpar.sharding.remat import OFFLOAD, offloaded_names
 
 FLASH_ATTENTION = ("chunked", "cudnn", "splash")
-SPLASH_TILE = 128
-"""Splash attention's tile along the sequence (:data:`jaxpar.parallel.attention.SPLASH_TILE`)."""
 """Attention implementations that never hold a ``seq x seq`` score matrix: their backward
 pass recomputes scores from the saved output and log-sum-exp (see
 :mod:`jaxpar.parallel.attention`)."""

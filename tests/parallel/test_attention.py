@@ -186,7 +186,7 @@ def test_splash_refuses_a_split_sequence_or_head_dim(rule, message):
 
 
 def test_splash_tiles_and_interpret_default(monkeypatch):
-    tile = attention_lib._splash_tile
+    tile = attention_lib.splash_tile
     assert (tile(128, 512), tile(256, 512), tile(384, 512), tile(1024, 512)) == (
         128, 256, 384, 512)
     assert tile(640, 512) == 128 and tile(1024, 100) == 128  # 640 = 5 x 128
