@@ -139,6 +139,14 @@ class _Rows:
         if exposed:
             row["exposed_bytes_per_step"] += nbytes * runs
 
+    def copy(self) -> _Rows:
+        """An independent copy, to add more collectives to."""
+        out = _Rows(self.lay)
+        out._axes = self._axes  # the same layout names the same axes
+        out.combined = dict(self.combined)
+        out.rows = {key: {**row, "axes": list(row["axes"])} for key, row in self.rows.items()}
+        return out
+
     @property
     def transfers(self) -> list[Transfer]:
         """The step's transfers, combined (see :meth:`add`)."""
@@ -289,6 +297,26 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
 
 
+def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: str,
+                 tokens: _Tokens) -> _Rows:
+    """:func:`_weights` into new rows, remembered by what it reads (the search asks
+    again for candidates that differ in what it does not): a copy to add to."""
+    key = (id(lay), layers, wire, backend, cand.microbatches, cand.zero_stage,
+           cand.quantize_gather, cand.quantize_reduce, cand.hpz, tokens.loc.tokens,
+           tokens.d_model, tokens.pipe_micro, tokens.tied)
+    hit = _WEIGHT_ROWS.get(key)
+    if hit is None or hit[0] is not lay:
+        rows = _Rows(lay)
+        _weights(rows, lay, cand, layers, wire, backend, tokens=tokens)
+        if len(_WEIGHT_ROWS) >= _COLLECTED_MAX:
+            _WEIGHT_ROWS.clear()
+        hit = _WEIGHT_ROWS[key] = (lay, rows)  # holding lay keeps its id from reuse
+    return hit[1].copy()
+
+
+_WEIGHT_ROWS: dict[tuple, tuple[Layout, _Rows]] = {}
+
+
 def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
             runs_layer: int, runs_step: int, wire: int, backend: str) -> None:
     """Megatron tensor parallelism's activation all-reduces (or, with sequence
@@ -377,8 +405,33 @@ def transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, 
               backend: str = "tpu") -> tuple[list[dict[str, Any]], list[Transfer]]:
     """The step's collectives both ways: rows grouped by (kind, axes), as the HLO text
     groups them, and each :class:`Transfer` with its phase, for the time model."""
-    rows = _collect(spec, lay, cand, global_batch, seq, backend)
-    return rows.sorted(), rows.transfers
+    key = (id(spec), id(lay), global_batch, seq, backend, _collect_key(cand))
+    hit = _COLLECTED.get(key)
+    if hit is None or hit[0] is not spec or hit[1] is not lay:
+        rows = _collect(spec, lay, cand, global_batch, seq, backend)
+        if len(_COLLECTED) >= _COLLECTED_MAX:
+            _COLLECTED.clear()
+        # holding spec and lay keeps their ids from being reused
+        hit = _COLLECTED[key] = (spec, lay, rows.sorted(), rows.transfers)
+    return [{**row, "axes": list(row["axes"])} for row in hit[2]], list(hit[3])
+
+
+_COLLECTED_MAX = 4096
+_COLLECTED: dict[tuple, tuple[ModelSpec, Layout, list[dict[str, Any]], list[Transfer]]] = {}
+"""What :func:`transfers` found, by :func:`_collect_key` (the search asks again for
+candidates that differ only in ways the collectives do not see)."""
+_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "remat")
+
+
+def _collect_key(cand: Candidate) -> tuple:
+    """``cand``'s fields as :func:`_collect` sees them: of the remat policy, only whether
+    it reruns the forward pass's collectives (any policy but ``none`` does, see
+    :func:`_tensor`, :func:`_context` and :func:`_experts`), or its own
+    ``recompute=...`` list."""
+    remat = cand.remat
+    if remat != "none" and not remat.startswith("recompute="):
+        remat = "*"
+    return (remat, *[getattr(cand, name) for name in _FIELDS])
 
 
 def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
@@ -402,8 +455,8 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         return rows
     loc = local_sizes(spec, lay, cand, global_batch, seq)
     n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
-    _weights(rows, lay, cand, layers, wire, backend,
-             tokens=_Tokens(loc, spec.d_model, n_pipe, spec.tie_embeddings))
+    rows = _weight_rows(lay, cand, layers, wire, backend,
+                        _Tokens(loc, spec.d_model, n_pipe, spec.tie_embeddings))
     runs_layer = layers * micro * n_pipe
     if lay.tp_axes:
         _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)
@@ -439,28 +492,98 @@ def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
     an all-reduce, ``(n-1)/n`` for the others (the payload is the result for an
     all-gather, the input for a reduce-scatter, the buffer for an all-reduce or
     all-to-all), the block itself for a permute."""
+    return link_terms(tr.kind, tr.axes, cand, machine).time(tr)
+
+
+class Link(NamedTuple):
+    """What :func:`transfer_time` prices one kind of collective over some axes with,
+    besides its bytes: its name (``kind axes``, the key of
+    :attr:`jaxpar.planner.cost.Estimate.comm_s`), the devices it spans inside a slice
+    and across slices, the latency of its ring steps, the wire bytes per payload byte
+    and the bandwidth (after the chip's collective efficiency) at each level. For a
+    permute, ``ici_lat`` and ``ici_bw`` are its one hop's, over whichever network it
+    crosses."""
+
+    name: str
+    n_ici: int
+    n_dcn: int
+    ici_lat: float
+    ici_wire: float
+    ici_bw: float
+    dcn_lat: float
+    dcn_wire: float
+    dcn_bw: float
+
+    @property
+    def crosses_dcn(self) -> bool:
+        """Whether the axes span more than one slice."""
+        return self.n_dcn > 1
+
+    def time(self, tr: Transfer) -> float:
+        """:func:`transfer_time` of ``tr``, a transfer of this kind over these axes."""
+        if tr.kind == "collective-permute":
+            return tr.runs * (self.ici_lat + tr.nbytes / self.ici_bw)
+        n_ici, n_dcn = self.n_ici, self.n_dcn
+        payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
+        t = 0.0
+        if n_ici > 1:
+            t += self.ici_lat + self.ici_wire * payload / self.ici_bw
+        if n_dcn > 1:
+            wire = self.dcn_wire * _dcn_share(tr.kind, payload, n_ici)
+            t += self.dcn_lat + wire / self.dcn_bw
+        return tr.runs * t
+
+
+def link_terms(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -> Link:
+    """:class:`Link` for a ``kind`` collective over ``axes`` of ``cand``'s mesh on
+    ``machine``; computed once per mesh and machine (the search prices the same few
+    hundreds of thousands of times)."""
+    links = mesh_links(cand, machine)
+    link = links.get((kind, axes))
+    if link is None:
+        link = links[(kind, axes)] = _link(kind, axes, cand, machine)
+    return link
+
+
+def mesh_links(cand: Candidate, machine: Machine) -> dict[tuple[str, tuple[str, ...]], Link]:
+    """The :class:`Link` of each (kind, axes) known so far for ``cand``'s mesh on
+    ``machine``: look one up here, and :func:`link_terms` for one not yet known."""
+    key = (cand.ici, cand.dcn, id(machine))
+    hit = _LINKS.get(key)
+    if hit is None or hit[0] is not machine:
+        if len(_LINKS) >= _LINKS_MAX:
+            _LINKS.clear()
+        hit = _LINKS[key] = (machine, {})
+    return hit[1]
+
+
+_LINKS_MAX = 1024
+_LINKS: dict[tuple, tuple[Machine, dict[tuple[str, tuple[str, ...]], Link]]] = {}
+
+
+def _link(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -> Link:
     dcn, ici = dict(cand.dcn), dict(cand.ici)
-    n_ici = math.prod(ici[a] for a in tr.axes)
-    n_dcn = math.prod(dcn.get(a, 1) for a in tr.axes)
+    n_ici = math.prod(ici[a] for a in axes)
+    n_dcn = math.prod(dcn.get(a, 1) for a in axes)
     chip = machine.chip
     eff = chip.collective_efficiency
-    steps = _STEPS.get(tr.kind, lambda n: n - 1)
-    if tr.kind == "collective-permute":
+    steps = _STEPS.get(kind, lambda n: n - 1)
+    name = f"{kind} {'x'.join(axes)}"
+    if kind == "collective-permute":
         if n_dcn > 1:
             bw, lat = chip.dcn_bw, chip.dcn_latency_s
         else:
             bw = chip.axis_bandwidth(n_ici, machine.per_slice)
             bw, lat = (bw / 2 if chip.torus_dims else bw), chip.ici_latency_s
-        return tr.runs * (lat + tr.nbytes / (bw * eff))
-    payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
-    t = 0.0
+        return Link(name, n_ici, n_dcn, lat, 1.0, bw * eff, 0.0, 0.0, 0.0)
+    ici_lat = ici_wire = ici_bw = dcn_lat = dcn_wire = dcn_bw = 0.0
     if n_ici > 1:
-        bw = chip.axis_bandwidth(n_ici, machine.per_slice) * eff
-        t += steps(n_ici) * chip.ici_latency_s + _wire(tr.kind, n_ici) * payload / bw
+        ici_bw = chip.axis_bandwidth(n_ici, machine.per_slice) * eff
+        ici_lat, ici_wire = steps(n_ici) * chip.ici_latency_s, _wire(kind, n_ici)
     if n_dcn > 1:
-        wire = _wire(tr.kind, n_dcn) * _dcn_share(tr.kind, payload, n_ici)
-        t += steps(n_dcn) * chip.dcn_latency_s + wire / (chip.dcn_bw * eff)
-    return tr.runs * t
+        dcn_lat, dcn_wire = steps(n_dcn) * chip.dcn_latency_s, _wire(kind, n_dcn)
+        dcn_bw = chip.dcn_bw * eff
+    return Link(name, n_ici, n_dcn, ici_lat, ici_wire, ici_bw, dcn_lat, dcn_wire, dcn_bw)
 
 
 def _wire(kind: str, n: int) -> float:

@@ -19,6 +19,7 @@ ring attention skip (flash-style recomputation inside a kernel is not counted).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxpar.errors import JaxparError
@@ -35,7 +36,7 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner.comms import PHASES, collectives, transfer_time, transfers
+from jaxpar.planner.comms import PHASES, collectives, link_terms, mesh_links, transfers
 from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
@@ -107,6 +108,10 @@ def model_flops(spec: ModelSpec, global_batch: int, seq: int) -> float:
     (:meth:`jaxpar.planner.traced.StepTracer.model_flops`: the same convention)."""
     if spec.tracer is not None:
         return spec.tracer.model_flops(global_batch, seq)
+    return _memo(_model_flops, spec, global_batch, seq)
+
+
+def _model_flops(spec: ModelSpec, global_batch: int, seq: int) -> float:
     tokens = global_batch * seq
     attn = 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq if spec.is_transformer else 0
     return tokens * (6 * spec.n_active_dense + attn)
@@ -166,6 +171,13 @@ def flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,
                 attention: str = "xla", context: int = 1) -> tuple[float, float]:
     """Executed FLOPs of one step, globally: (everything but the routed experts, the
     routed experts). See :func:`hardware_flops`."""
+    if spec.tracer is not None:
+        return _flops_parts(spec, global_batch, seq, remat, attention, context)
+    return _memo(_flops_parts, spec, global_batch, seq, remat, attention, context)
+
+
+def _flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, attention: str,
+                 context: int) -> tuple[float, float]:
     tokens = global_batch * seq
     if not spec.is_transformer:
         return model_flops(spec, global_batch, seq) * (4 / 3 if remat == "full" else 1), 0.0
@@ -184,6 +196,24 @@ def flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, *,
     expert_hw = tokens * spec.n_layers * (3 * sum(ex.values()) + sum(
         ex[p] for p in redo if p in ex))
     return dense_hw, expert_hw
+
+
+def _memo(fn: Callable[..., Any], spec: ModelSpec, *args: Any) -> Any:
+    """``fn(spec, *args)``, remembered by the model's identity (hashing a ModelSpec walks
+    its tensors) and the other (hashable) arguments; for pure functions of them."""
+    key = (fn, id(spec), *args)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    out = fn(spec, *args)
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = (spec, out)  # holding spec keeps its id from being reused
+    return out
+
+
+_MEMO_MAX = 4096
+_MEMO: dict[tuple, tuple[ModelSpec, Any]] = {}
 
 
 def _active_layer_params(spec: ModelSpec) -> float:
@@ -330,14 +360,16 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     comm: dict[str, float] = {}
     by_phase = dict.fromkeys(PHASES, 0.0)
     timed = []
+    links = mesh_links(cand, machine)
     for tr in moves:
-        t = transfer_time(tr, cand, machine)
-        key = f"{tr.kind} {'x'.join(tr.axes)}"
+        link = links.get((tr.kind, tr.axes)) or link_terms(tr.kind, tr.axes, cand, machine)
+        t = link.time(tr)  # transfer_time(tr, cand, machine)
+        key = link.name
         comm[key] = comm.get(key, 0.0) + t
-        if tr.phase == "gradient" and any(dict(cand.dcn).get(a, 1) > 1 for a in tr.axes):
-            tr = dataclasses.replace(tr, phase="exposed")  # see the docstring: DCN
-        by_phase[tr.phase] += t
-        timed.append((tr, key, t))
+        dcn = link.crosses_dcn
+        phase = "exposed" if tr.phase == "gradient" and dcn else tr.phase  # the docstring: DCN
+        by_phase[phase] += t
+        timed.append((phase, dcn, key, t))
     for row in rows:
         key = f"{row['kind']} {'x'.join(row['axes'])}"
         row["time_s"] = comm.get(key, 0.0)
@@ -349,11 +381,10 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
                     "backward": x_b / (o_b + o_g) if o_b + o_g else 0.0,
                     "exposed": 1.0, "update": 1.0}
     exposed_frac["gradient"] = exposed_frac["backward"]
-    for tr, key, t in timed:
-        share = t * exposed_frac[tr.phase]
+    for phase, dcn, key, t in timed:
+        share = t * exposed_frac[phase]
         if share > 0:
-            where = "DCN" if any(dict(cand.dcn).get(a, 1) > 1 for a in tr.axes) else "ICI"
-            name = f"exposed {key} ({where})"
+            name = f"exposed {key} ({'DCN' if dcn else 'ICI'})"
             breakdown[name] = breakdown.get(name, 0.0) + share
     compute = c_f + c_b + c_h
     core = compute + by_phase["exposed"] + x_f + x_b + off.layers

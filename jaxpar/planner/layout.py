@@ -139,7 +139,22 @@ def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: in
     Raises:
       JaxparError: when a sharded dimension does not divide (the message names it).
     """
+    # The search asks for the same few layouts tens of thousands of times: look them up
+    # by the model's identity first (hashing a ModelSpec walks all its tensors).
+    key = (id(spec), tuple(sizes.items()), rules, zero_stage, vocab_over_fsdp)
+    hit = _RECENT.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
     full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
     if any(v < 1 for v in full.values()):
         raise JaxparError(f"mesh sizes must be positive, got {full}")
-    return _layout_cached(spec, tuple(full.items()), rules, zero_stage, vocab_over_fsdp)
+    lay = _layout_cached(spec, tuple(full.items()), rules, zero_stage, vocab_over_fsdp)
+    if len(_RECENT) >= _RECENT_MAX:
+        _RECENT.clear()
+    _RECENT[key] = (spec, lay)  # holding spec keeps its id from being reused
+    return lay
+
+
+_RECENT_MAX = 4096
+_RECENT: dict[tuple, tuple[ModelSpec, Layout]] = {}
+""":func:`layout`'s results by the model's identity (see there)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from jaxpar.errors import JaxparError
 from jaxpar.planner.candidate import OPTIMIZER_MOMENTS, Candidate, Local, dtype_bytes
@@ -232,7 +233,49 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
       local_state: parameter elements whose optimizer state this device updates.
       local_grads: gradient elements this device holds in the compute layout.
     """
-    act, q = dtype_bytes(cand.precision), cand.quantize
+    act = dtype_bytes(cand.precision)
+    layer = _layer_times(spec, loc, chip, act, cand.quantize, cand.expert, attention, causal)
+    parts, experts, elem = layer.parts, layer.experts, layer.elem
+    redo = sum(parts[p][0] for p in recomputed if p in parts and p != "attention")
+    if "attention" in recomputed:
+        redo += layer.attention_redo
+    # The elementwise work feeding and following the rerun matmuls reruns with them.
+    redo += memory_time(chip, _elementwise_bytes(spec, loc, act, recomputed))
+    if "down" in recomputed:  # the MLP reruns: the routed experts too
+        redo += experts[0]
+    summary = {name: f + b for name, (f, b) in parts.items()}
+    summary["experts"] = experts[0] + experts[1]
+    summary["elementwise"] = ELEMENTWISE_PASSES * elem
+    summary["recompute"] = redo
+    return ComputeTimes(layer.fwd, layer.bwd + redo, layer.head,
+                        update_time(chip, cand, local_state, local_grads), summary,
+                        experts[0] + experts[1])
+
+
+class _LayerTimes(NamedTuple):
+    """What :func:`compute_times` prices before the remat policy and the update: each
+    part's (forward, backward) seconds of one layer and microbatch, the routed experts',
+    attention's recomputed forward, the elementwise forward, the layer's forward and
+    backward (without recomputation), and the embedding, head and loss."""
+
+    parts: dict[str, tuple[float, float]]
+    experts: tuple[float, float]
+    attention_redo: float
+    elem: float
+    fwd: float
+    bwd: float
+    head: float
+
+
+def _layer_times(spec: ModelSpec, loc: Local, chip: Chip, act: int, q: str, expert: int,
+                 attention: str, causal: float) -> _LayerTimes:
+    """:class:`_LayerTimes`, once per model, chip and per-device shapes (the search
+    prices each under every ZeRO stage and remat policy; the result must not be
+    modified)."""
+    key = (id(spec), id(chip), loc, act, q, expert, attention, causal)
+    hit = _LAYER_TIMES.get(key)
+    if hit is not None and hit[0] is spec and hit[1] is chip:
+        return hit[2]
     t, d, h = loc.tokens, spec.d_model, spec.head_dim
     parts: dict[str, tuple[float, float]] = {
         "qkv": _train(chip, t, d, (loc.heads + 2 * loc.kv_heads) * h, act, quantize=q),
@@ -240,7 +283,7 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
     }
     experts = (0.0, 0.0)
     if spec.is_moe:
-        e_local = max(spec.n_experts // cand.expert, 1)
+        e_local = max(spec.n_experts // expert, 1)
         per_expert = loc.dispatched / e_local  # token slots each local expert computes
         router = _train(chip, t, d, spec.n_experts, act)
         gate_up = _train(chip, per_expert, d, 2 * loc.expert_ff, act, batch=e_local,
@@ -251,7 +294,7 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
         cap = loc.dispatched / max(loc.seqs, 1e-9)
         dispatch = _train(chip, cap, loc.seq, d, act, batch=loc.seqs)
         experts = tuple(2 * dispatch[i] + gate_up[i] + down[i] for i in (0, 1))
-        if cand.expert > 1:
+        if expert > 1:
             experts = tuple(x * (1 + MOE_IMBALANCE) for x in experts)
         parts["router"] = router
         if loc.shared_ff:
@@ -265,26 +308,21 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
     elem = memory_time(chip, _elementwise_bytes(spec, loc, act))
     fwd = sum(f for f, _ in parts.values()) + experts[0] + elem
     bwd = sum(b for _, b in parts.values()) + experts[1] + (ELEMENTWISE_PASSES - 1) * elem
-    redo = sum(parts[p][0] for p in recomputed if p in parts and p != "attention")
-    if "attention" in recomputed:
-        redo += a_redo
-    # The elementwise work feeding and following the rerun matmuls reruns with them.
-    redo += memory_time(chip, _elementwise_bytes(spec, loc, act, recomputed))
-    if "down" in recomputed:  # the MLP reruns: the routed experts too
-        redo += experts[0]
-    summary = {name: f + b for name, (f, b) in parts.items()}
-    summary["experts"] = experts[0] + experts[1]
-    summary["elementwise"] = ELEMENTWISE_PASSES * elem
-    summary["recompute"] = redo
     # Embedding gather and gradient scatter, output head, loss softmax.
     v = loc.vocab
     head_f, head_b = _train(chip, t, d, v, act)
     loss = memory_time(chip, LOSS_PASSES * t * v * 4)
     embed = memory_time(chip, 3 * t * d * act + v * d / max(loc.tp, 1) * 4)
     head = head_f + head_b + loss + embed
-    return ComputeTimes(fwd, bwd + redo, head, update_time(chip, cand, local_state,
-                                                          local_grads), summary,
-                        experts[0] + experts[1])
+    out = _LayerTimes(parts, experts, a_redo, elem, fwd, bwd, head)
+    if len(_LAYER_TIMES) >= _LAYER_TIMES_MAX:
+        _LAYER_TIMES.clear()
+    _LAYER_TIMES[key] = (spec, chip, out)  # holding both keeps their ids from reuse
+    return out
+
+
+_LAYER_TIMES_MAX = 8192
+_LAYER_TIMES: dict[tuple, tuple[ModelSpec, Chip, _LayerTimes]] = {}
 
 
 def update_bytes(cand: Candidate, local_state: float, local_grads: float) -> float:
