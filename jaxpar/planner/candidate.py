@@ -240,6 +240,26 @@ class Local:
 def local_sizes(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int
                 ) -> Local:
     """Per-device sizes of one microbatch of ``cand`` (see :class:`Local`)."""
+    # Asked for several times per candidate: remembered by the model's and layout's
+    # identity and the candidate's fields it reads.
+    key = (id(spec), id(lay), cand.microbatches, cand.pipeline_microbatches,
+           cand.sequence_parallel, cand.context_attention, global_batch, seq)
+    hit = _LOCAL.get(key)
+    if hit is not None and hit[0] is spec and hit[1] is lay:
+        return hit[2]
+    loc = _local_sizes(spec, lay, cand, global_batch, seq)
+    if len(_LOCAL) >= _LOCAL_MAX:
+        _LOCAL.clear()
+    _LOCAL[key] = (spec, lay, loc)  # holding both keeps their ids from being reused
+    return loc
+
+
+_LOCAL_MAX = 8192
+_LOCAL: dict[tuple, tuple[ModelSpec, Layout, Local]] = {}
+
+
+def _local_sizes(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int
+                 ) -> Local:
     tp = math.prod(lay.sizes[a] for a in lay.tp_axes)
     split = lambda n: n // tp if tp > 1 and n % tp == 0 else n
     stages = lay.sizes.get("stage", 1)

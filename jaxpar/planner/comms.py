@@ -150,10 +150,25 @@ class _Rows:
     @property
     def transfers(self) -> list[Transfer]:
         """The step's transfers, combined (see :meth:`add`)."""
-        return [Transfer(k, a, b, r, p) for (k, a, r, p), b in self.combined.items()]
+        out = []
+        for key, nbytes in self.combined.items():
+            tr = _TRANSFERS.get((key, nbytes))
+            if tr is None:
+                if len(_TRANSFERS) >= _TRANSFERS_MAX:
+                    _TRANSFERS.clear()
+                kind, axes, runs, phase = key
+                tr = _TRANSFERS[(key, nbytes)] = Transfer(kind, axes, nbytes, runs, phase)
+            out.append(tr)
+        return out
 
     def sorted(self) -> list[dict[str, Any]]:
         return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
+
+
+_TRANSFERS_MAX = 65536
+_TRANSFERS: dict[tuple, Transfer] = {}
+"""Transfers made so far, reused (building a frozen dataclass costs more than finding
+it: a search makes hundreds of thousands, mostly the same)."""
 
 
 class _Tokens(NamedTuple):

@@ -100,23 +100,10 @@ class Layout:
 @lru_cache(maxsize=4096)
 def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], rules: str,
                    zero_stage: int, vocab_over_fsdp: bool = False) -> Layout:
-    sizes = dict(sizes_items)
-    mesh = SimpleNamespace(shape=sizes)
-    param_rules, act_rules = rules_lib.split_vocab_over_fsdp(*rules_lib.preset(rules),
+    sizes, dp_axes, dp, tp_axes, cp_axes, specs = _resolved(spec, sizes_items, rules,
                                                              vocab_over_fsdp)
-    batch = act_rules.spec(("batch",), mesh)[0]
-    dp_axes = entry_axes(batch)
-    dp = math.prod(sizes[a] for a in dp_axes)
-    tp_axes = tuple(a for a in ("tensor",) if sizes.get(a, 1) > 1 and a not in dp_axes)
-    seq = act_rules.spec(("seq",), mesh)[0]
-    cp_axes = tuple(a for a in entry_axes(seq) if sizes[a] > 1 and a not in dp_axes)
     placed = []
-    for t in spec.tensors:
-        base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
-        entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
-        owned = tuple(a for name, e in zip(t.names, entries, strict=True)
-                      if name in OWNING_NAMES for a in entry_axes(e) if a in dp_axes)
-        zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
+    for t, (base_spec, zspec, owned) in zip(spec.tensors, specs, strict=True):
         store = zspec if zero_stage >= 3 else base_spec
         store_dp = tuple(a for e in store for a in entry_axes(e) if a in dp_axes and a not in owned)
         base_dp = tuple(a for e in base_spec for a in entry_axes(e)
@@ -128,7 +115,35 @@ def _layout_cached(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], ru
                              local_elems(t.shape, zspec, sizes),
                              local_elems(t.shape, compute, sizes), store_dp, zero_axes, base_dp,
                              owned))
-    return Layout(sizes, dp_axes, dp, tp_axes, tuple(placed), zero_stage, cp_axes)
+    return Layout(dict(sizes), dp_axes, dp, tp_axes, tuple(placed), zero_stage, cp_axes)
+
+
+@lru_cache(maxsize=1024)
+def _resolved(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], rules: str,
+              vocab_over_fsdp: bool) -> tuple:
+    """What :func:`_layout_cached` reads off the rules, the same at every ZeRO stage:
+    the mesh sizes, the data-parallel axes and their size, the tensor- and
+    context-parallel axes, and per tensor its base and ZeRO partition specs and the
+    data-parallel axes that split its expert or vocabulary dimension."""
+    sizes = dict(sizes_items)
+    mesh = SimpleNamespace(shape=sizes)
+    param_rules, act_rules = rules_lib.split_vocab_over_fsdp(*rules_lib.preset(rules),
+                                                             vocab_over_fsdp)
+    batch = act_rules.spec(("batch",), mesh)[0]
+    dp_axes = entry_axes(batch)
+    dp = math.prod(sizes[a] for a in dp_axes)
+    tp_axes = tuple(a for a in ("tensor",) if sizes.get(a, 1) > 1 and a not in dp_axes)
+    seq = act_rules.spec(("seq",), mesh)[0]
+    cp_axes = tuple(a for a in entry_axes(seq) if sizes[a] > 1 and a not in dp_axes)
+    specs = []
+    for t in spec.tensors:
+        base_spec = param_rules.spec(t.names, mesh, shape=t.shape, path=t.path)
+        entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
+        owned = tuple(a for name, e in zip(t.names, entries, strict=True)
+                      if name in OWNING_NAMES for a in entry_axes(e) if a in dp_axes)
+        zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
+        specs.append((base_spec, zspec, owned))
+    return sizes, dp_axes, dp, tp_axes, cp_axes, tuple(specs)
 
 
 def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: int,
