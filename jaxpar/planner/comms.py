@@ -107,6 +107,7 @@ class _Rows:
         self._axes: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.combined: dict[tuple[str, tuple[str, ...], int, str], float] = {}
         self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+        self._shared: set[tuple[str, tuple[str, ...]]] = set()  # rows of another's: see copy
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
             exposed: bool = False, phase: str = "") -> None:
@@ -132,6 +133,9 @@ class _Rows:
             row = self.rows[(kind, axes)] = {
                 "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
                 "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0}
+        elif (kind, axes) in self._shared:
+            row = self.rows[(kind, axes)] = {**row, "axes": list(row["axes"])}
+            self._shared.discard((kind, axes))
         row["count"] += static
         row["bytes_per_device"] += nbytes * static
         row["bytes_per_step"] += nbytes * runs
@@ -140,11 +144,13 @@ class _Rows:
             row["exposed_bytes_per_step"] += nbytes * runs
 
     def copy(self) -> _Rows:
-        """An independent copy, to add more collectives to."""
+        """A copy to add more collectives to, leaving this one as it is (it shares the
+        rows until :meth:`add` or :meth:`sorted` copies them)."""
         out = _Rows(self.lay)
         out._axes = self._axes  # the same layout names the same axes
         out.combined = dict(self.combined)
-        out.rows = {key: {**row, "axes": list(row["axes"])} for key, row in self.rows.items()}
+        out.rows = dict(self.rows)
+        out._shared = set(self.rows)
         return out
 
     @property
@@ -154,7 +160,7 @@ class _Rows:
         for key, nbytes in self.combined.items():
             tr = _TRANSFERS.get((key, nbytes))
             if tr is None:
-                if len(_TRANSFERS) >= _TRANSFERS_MAX:
+                if len(_TRANSFERS) >= 16 * _CACHE_MAX:
                     _TRANSFERS.clear()
                 kind, axes, runs, phase = key
                 tr = _TRANSFERS[(key, nbytes)] = Transfer(kind, axes, nbytes, runs, phase)
@@ -162,13 +168,15 @@ class _Rows:
         return out
 
     def sorted(self) -> list[dict[str, Any]]:
+        """The rows by kind and axes, none shared with another's (see :meth:`copy`)."""
+        for key in self._shared:
+            self.rows[key] = {**self.rows[key], "axes": list(self.rows[key]["axes"])}
+        self._shared.clear()
         return sorted(self.rows.values(), key=lambda r: (r["kind"], r["axes"]))
 
 
-_TRANSFERS_MAX = 65536
-_TRANSFERS: dict[tuple, Transfer] = {}
-"""Transfers made so far, reused (building a frozen dataclass costs more than finding
-it: a search makes hundreds of thousands, mostly the same)."""
+_CACHE_MAX = 4096  # entries a cache of this module holds before it starts again
+_TRANSFERS: dict[tuple, Transfer] = {}  # made so far: finding one costs less than making it
 
 
 class _Tokens(NamedTuple):
@@ -323,7 +331,7 @@ def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: 
     if hit is None or hit[0] is not lay:
         rows = _Rows(lay)
         _weights(rows, lay, cand, layers, wire, backend, tokens=tokens)
-        if len(_WEIGHT_ROWS) >= _COLLECTED_MAX:
+        if len(_WEIGHT_ROWS) >= _CACHE_MAX:
             _WEIGHT_ROWS.clear()
         hit = _WEIGHT_ROWS[key] = (lay, rows)  # holding lay keeps its id from reuse
     return hit[1].copy()
@@ -420,33 +428,8 @@ def transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, 
               backend: str = "tpu") -> tuple[list[dict[str, Any]], list[Transfer]]:
     """The step's collectives both ways: rows grouped by (kind, axes), as the HLO text
     groups them, and each :class:`Transfer` with its phase, for the time model."""
-    key = (id(spec), id(lay), global_batch, seq, backend, _collect_key(cand))
-    hit = _COLLECTED.get(key)
-    if hit is None or hit[0] is not spec or hit[1] is not lay:
-        rows = _collect(spec, lay, cand, global_batch, seq, backend)
-        if len(_COLLECTED) >= _COLLECTED_MAX:
-            _COLLECTED.clear()
-        # holding spec and lay keeps their ids from being reused
-        hit = _COLLECTED[key] = (spec, lay, rows.sorted(), rows.transfers)
-    return [{**row, "axes": list(row["axes"])} for row in hit[2]], list(hit[3])
-
-
-_COLLECTED_MAX = 4096
-_COLLECTED: dict[tuple, tuple[ModelSpec, Layout, list[dict[str, Any]], list[Transfer]]] = {}
-"""What :func:`transfers` found, by :func:`_collect_key` (the search asks again for
-candidates that differ only in ways the collectives do not see)."""
-_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "remat")
-
-
-def _collect_key(cand: Candidate) -> tuple:
-    """``cand``'s fields as :func:`_collect` sees them: of the remat policy, only whether
-    it reruns the forward pass's collectives (any policy but ``none`` does, see
-    :func:`_tensor`, :func:`_context` and :func:`_experts`), or its own
-    ``recompute=...`` list."""
-    remat = cand.remat
-    if remat != "none" and not remat.startswith("recompute="):
-        remat = "*"
-    return (remat, *[getattr(cand, name) for name in _FIELDS])
+    rows = _collect(spec, lay, cand, global_batch, seq, backend)
+    return rows.sorted(), rows.transfers
 
 
 def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
@@ -511,13 +494,10 @@ def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
 
 
 class Link(NamedTuple):
-    """What :func:`transfer_time` prices one kind of collective over some axes with,
-    besides its bytes: its name (``kind axes``, the key of
-    :attr:`jaxpar.planner.cost.Estimate.comm_s`), the devices it spans inside a slice
-    and across slices, the latency of its ring steps, the wire bytes per payload byte
-    and the bandwidth (after the chip's collective efficiency) at each level. For a
-    permute, ``ici_lat`` and ``ici_bw`` are its one hop's, over whichever network it
-    crosses."""
+    """One kind of collective over some axes of a mesh, as :func:`transfer_time` prices
+    it: its name (a key of :attr:`~jaxpar.planner.cost.Estimate.comm_s`), devices spanned
+    in and across slices, and per level ring-step latency, wire bytes per payload byte and
+    bandwidth (a permute: its one hop's, over whichever network it crosses, as ICI)."""
 
     name: str
     n_ici: int
@@ -528,11 +508,6 @@ class Link(NamedTuple):
     dcn_lat: float
     dcn_wire: float
     dcn_bw: float
-
-    @property
-    def crosses_dcn(self) -> bool:
-        """Whether the axes span more than one slice."""
-        return self.n_dcn > 1
 
     def time(self, tr: Transfer) -> float:
         """:func:`transfer_time` of ``tr``, a transfer of this kind over these axes."""
@@ -550,9 +525,8 @@ class Link(NamedTuple):
 
 
 def link_terms(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -> Link:
-    """:class:`Link` for a ``kind`` collective over ``axes`` of ``cand``'s mesh on
-    ``machine``; computed once per mesh and machine (the search prices the same few
-    hundreds of thousands of times)."""
+    """:class:`Link` for ``kind`` over ``axes`` of ``cand``'s mesh on ``machine``,
+    computed once per mesh and machine (a search prices hundreds of thousands)."""
     links = mesh_links(cand, machine)
     link = links.get((kind, axes))
     if link is None:
@@ -566,13 +540,12 @@ def mesh_links(cand: Candidate, machine: Machine) -> dict[tuple[str, tuple[str, 
     key = (cand.ici, cand.dcn, id(machine))
     hit = _LINKS.get(key)
     if hit is None or hit[0] is not machine:
-        if len(_LINKS) >= _LINKS_MAX:
+        if len(_LINKS) >= _CACHE_MAX:
             _LINKS.clear()
         hit = _LINKS[key] = (machine, {})
     return hit[1]
 
 
-_LINKS_MAX = 1024
 _LINKS: dict[tuple, tuple[Machine, dict[tuple[str, tuple[str, ...]], Link]]] = {}
 
 
@@ -615,17 +588,12 @@ def _dcn_share(kind: str, payload: float, n_ici: int) -> float:
 def dcn_traffic(tr: Transfer, cand: Candidate, machine: Machine) -> tuple[float, float]:
     """(bytes a device sends across slices in a step, seconds that takes) for one
     transfer: the DCN phase of :func:`transfer_time` alone; (0, 0) inside a slice."""
-    dcn, ici = dict(cand.dcn), dict(cand.ici)
-    n_dcn = math.prod(dcn.get(a, 1) for a in tr.axes)
-    if n_dcn == 1:
+    link = link_terms(tr.kind, tr.axes, cand, machine)
+    if link.n_dcn == 1:
         return 0.0, 0.0
-    n_ici = math.prod(ici[a] for a in tr.axes)
-    chip = machine.chip
-    if tr.kind == "collective-permute":
-        return tr.runs * tr.nbytes, tr.runs * (chip.dcn_latency_s + tr.nbytes / (
-            chip.dcn_bw * chip.collective_efficiency))
-    payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
-    wire = _wire(tr.kind, n_dcn) * _dcn_share(tr.kind, payload, n_ici)
-    steps = _STEPS.get(tr.kind, lambda n: n - 1)(n_dcn)
-    return tr.runs * wire, tr.runs * (steps * chip.dcn_latency_s + wire / (
-        chip.dcn_bw * chip.collective_efficiency))
+    if tr.kind == "collective-permute":  # the link's one hop is across slices
+        return tr.runs * tr.nbytes, tr.runs * (link.ici_lat + tr.nbytes / link.ici_bw)
+    n_ici = link.n_ici
+    payload = tr.nbytes * n_ici * link.n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
+    wire = link.dcn_wire * _dcn_share(tr.kind, payload, n_ici)
+    return tr.runs * wire, tr.runs * (link.dcn_lat + wire / link.dcn_bw)

@@ -36,8 +36,15 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner.comms import PHASES, collectives, link_terms, mesh_links, transfers
-from jaxpar.planner.layout import layout
+from jaxpar.planner.comms import (
+    PHASES,
+    Transfer,
+    collectives,
+    link_terms,
+    mesh_links,
+    transfers,
+)
+from jaxpar.planner.layout import Layout, layout
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
     attention_kind,
@@ -314,7 +321,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     backend = backend or chip_backend(machine.chip)
     lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
     mem = device_bytes or memory(spec, lay, cand, global_batch, seq, backend)
-    rows, moves = transfers(spec, lay, cand, global_batch, seq, backend)
+    rows, moves = _transfers(spec, lay, cand, global_batch, seq, backend)
     n = cand.n_devices
     chip = machine.chip
     mflops = model_flops(spec, global_batch, seq)
@@ -366,7 +373,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         t = link.time(tr)  # transfer_time(tr, cand, machine)
         key = link.name
         comm[key] = comm.get(key, 0.0) + t
-        dcn = link.crosses_dcn
+        dcn = link.n_dcn > 1
         phase = "exposed" if tr.phase == "gradient" and dcn else tr.phase  # the docstring: DCN
         by_phase[phase] += t
         timed.append((phase, dcn, key, t))
@@ -408,6 +415,30 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
                     mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
                     breakdown=breakdown, host_capacity_bytes=chip.host_pool_bytes)
+
+
+def _transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
+               backend: str) -> tuple[list[dict[str, Any]], list[Transfer]]:
+    """:func:`jaxpar.planner.comms.transfers`, remembered by what it reads: the search
+    asks again for candidates that differ only in what the collectives do not see (the
+    remat policy, beyond whether it reruns the forward pass's collectives)."""
+    remat = cand.remat
+    if remat != "none" and not remat.startswith("recompute="):
+        remat = "*"  # any policy but none reruns them alike (see comms._tensor)
+    key = (id(spec), id(lay), global_batch, seq, backend, remat,
+           *[getattr(cand, name) for name in _FIELDS])
+    hit = _COLLECTED.get(key)
+    if hit is None or hit[0] is not spec or hit[1] is not lay:
+        if len(_COLLECTED) >= _MEMO_MAX:
+            _COLLECTED.clear()
+        # holding spec and lay keeps their ids from being reused
+        hit = _COLLECTED[key] = (spec, lay, *transfers(spec, lay, cand, global_batch, seq,
+                                                       backend))
+    return [{**row, "axes": list(row["axes"])} for row in hit[2]], list(hit[3])
+
+
+_COLLECTED: dict[tuple, tuple[ModelSpec, Layout, list[dict[str, Any]], list[Transfer]]] = {}
+_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "remat")
 
 
 def _offload_times(spec: ModelSpec, lay: Any, cand: Candidate, chip: Chip, loc: Any, *,
