@@ -11,6 +11,8 @@ ring context attention in the balanced layout; the layers' inputs in host memory
 
     python benchmarks/long_context.py                       # every row, ~20 min
     python benchmarks/long_context.py --only 0,1 --save benchmarks/results/long_context.json
+    python benchmarks/long_context.py --replan benchmarks/results/long_context.json \\
+        --save benchmarks/results/long_context.json   # the planner's columns anew
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SLICES = ("tpu-v5p:2x4x4", "tpu-v6e:4x8")
 LENGTHS = ((32768, 2), (65536, 4), (131072, 8))
 """(tokens a sequence, context ways)."""
 ATTENTION = ("splash", "xla")
+COMMAND = "python benchmarks/long_context.py --save benchmarks/results/long_context.json"
+"""The command the saved results come from (the docs page names it)."""
 
 
 def rows() -> list[dict]:
@@ -35,32 +39,50 @@ def rows() -> list[dict]:
             for target in SLICES for seq, context in LENGTHS for attention in ATTENTION]
 
 
+def row_config(row: dict, devices: int):
+    """The row's run config: ``configs/llama-8b.yaml`` at the row's length and layout."""
+    from jaxpar.config.schema import load_config
+
+    fsdp = devices // row["context"]
+    return load_config("configs/llama-8b.yaml", [
+        f"train.seq_len={row['seq']}", f"model.max_seq_len={row['seq']}",
+        f"train.global_batch={fsdp}", f"mesh.fsdp={fsdp}", f"mesh.context={row['context']}",
+        "plan.context_attention=ring", f"model.attention={row['attention']}"])
+
+
+def planner(row: dict) -> dict:
+    """The planner's memory, step time and MFU for the row's config on its slice."""
+    from jaxpar.analysis.inspection import planner_prediction
+    from jaxpar.analysis.targets import tpu_target
+
+    target = tpu_target(row["target"])
+    pred, note = planner_prediction(row_config(row, len(target.devices)),
+                                    len(target.devices), target)
+    if pred is None:
+        raise RuntimeError(note)
+    return {"planner_bytes": pred["memory"]["total_bytes"],
+            "planner_step_s": pred.get("step_time_s"), "planner_mfu": pred.get("mfu")}
+
+
 def measure(row: dict) -> dict:
     """Compile the row's step for its slice; the compiler's figures beside the planner's."""
     from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
     from jaxpar.analysis.targets import tpu_target
-    from jaxpar.config.schema import load_config
 
     target = tpu_target(row["target"])
-    fsdp = len(target.devices) // row["context"]
-    config = load_config("configs/llama-8b.yaml", [
-        f"train.seq_len={row['seq']}", f"model.max_seq_len={row['seq']}",
-        f"train.global_batch={fsdp}", f"mesh.fsdp={fsdp}", f"mesh.context={row['context']}",
-        "plan.context_attention=ring", f"model.attention={row['attention']}"])
+    config = row_config(row, len(target.devices))
     start = time.perf_counter()
-    out = {**row, "hbm_bytes": target.hbm_bytes}
+    out = {**row, "hbm_bytes": target.hbm_bytes, **planner(row)}
     try:
         report = step_report(compile_step(config, target))
     except StepDoesNotFit as err:
         return {**out, "fits": False, "compiler_bytes": None,
                 "temp_at_least": err.temp_bytes, "kernels": None,
                 "compile_s": time.perf_counter() - start}
-    mem, pred = report["memory"], report["predicted"] or {}
+    mem = report["memory"]
     return {**out, "fits": mem["fits"], "compiler_bytes": mem["total_bytes"],
             "temp_bytes": mem["temp_bytes"],
             "kernels": report["kernels"].get("tpu_custom_call", 0),
-            "planner_bytes": pred.get("memory", {}).get("total_bytes"),
-            "planner_step_s": pred.get("step_time_s"), "planner_mfu": pred.get("mfu"),
             "compile_s": report["header"]["compile_s"]}
 
 
@@ -94,7 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="row indices, comma separated")
     parser.add_argument("--save", type=Path, help="write the rows as JSON here")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--replan", type=Path,
+                        help="saved rows: recompute the planner's columns only (seconds)")
     args = parser.parse_args(argv)
+    if args.replan:
+        results = [{**r, **planner(r)} for r in json.loads(args.replan.read_text())]
+        if args.save:
+            args.save.write_text(json.dumps(results, indent=1) + "\n")
+        print(markdown(results) if args.markdown else render(results))
+        return 0
     todo = rows()
     if args.only:
         todo = [todo[int(i)] for i in args.only.split(",")]
