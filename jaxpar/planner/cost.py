@@ -55,7 +55,7 @@ from jaxpar.planner.memory import (
     saved_activation_bytes,
     working_set_bytes,
 )
-from jaxpar.planner.model import ModelSpec
+from jaxpar.planner.model import IdentityMemo, ModelSpec
 from jaxpar.planner.roofline import MOE_IMBALANCE, recomputed_parts
 from jaxpar.sharding.remat import is_policy
 
@@ -206,21 +206,12 @@ def _flops_parts(spec: ModelSpec, global_batch: int, seq: int, remat: str, atten
 
 
 def _memo(fn: Callable[..., Any], spec: ModelSpec, *args: Any) -> Any:
-    """``fn(spec, *args)``, remembered by the model's identity (hashing a ModelSpec walks
-    its tensors) and the other (hashable) arguments; for pure functions of them."""
-    key = (fn, id(spec), *args)
-    hit = _MEMO.get(key)
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    out = fn(spec, *args)
-    if len(_MEMO) >= _MEMO_MAX:
-        _MEMO.clear()
-    _MEMO[key] = (spec, out)  # holding spec keeps its id from being reused
-    return out
+    """``fn(spec, *args)``, remembered by the model's identity and the other (hashable)
+    arguments; for pure functions of them."""
+    return _MEMO.get((spec,), (fn, *args), lambda: fn(spec, *args))
 
 
-_MEMO_MAX = 4096
-_MEMO: dict[tuple, tuple[ModelSpec, Any]] = {}
+_MEMO = IdentityMemo()
 
 
 def _active_layer_params(spec: ModelSpec) -> float:
@@ -425,19 +416,14 @@ def _transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int,
     remat = cand.remat
     if remat != "none" and not remat.startswith("recompute="):
         remat = "*"  # any policy but none reruns them alike (see comms._tensor)
-    key = (id(spec), id(lay), global_batch, seq, backend, remat,
-           *[getattr(cand, name) for name in _FIELDS])
-    hit = _COLLECTED.get(key)
-    if hit is None or hit[0] is not spec or hit[1] is not lay:
-        if len(_COLLECTED) >= _MEMO_MAX:
-            _COLLECTED.clear()
-        # holding spec and lay keeps their ids from being reused
-        hit = _COLLECTED[key] = (spec, lay, *transfers(spec, lay, cand, global_batch, seq,
-                                                       backend))
-    return [{**row, "axes": list(row["axes"])} for row in hit[2]], list(hit[3])
+    rows, moves = _COLLECTED.get(
+        (spec, lay), (global_batch, seq, backend, remat,
+                      *[getattr(cand, name) for name in _FIELDS]),
+        lambda: transfers(spec, lay, cand, global_batch, seq, backend))
+    return [{**row, "axes": list(row["axes"])} for row in rows], list(moves)
 
 
-_COLLECTED: dict[tuple, tuple[ModelSpec, Layout, list[dict[str, Any]], list[Transfer]]] = {}
+_COLLECTED = IdentityMemo()
 _FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "remat")
 
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.zero import zero_spec
-from jaxpar.planner.model import ModelSpec, Tensor
+from jaxpar.planner.model import IdentityMemo, ModelSpec, Tensor
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.mesh import MESH_AXES
 from jaxpar.sharding.rules import entry_axes
@@ -156,20 +156,15 @@ def layout(spec: ModelSpec, sizes: Mapping[str, int], rules: str, zero_stage: in
     """
     # The search asks for the same few layouts tens of thousands of times: look them up
     # by the model's identity first (hashing a ModelSpec walks all its tensors).
-    key = (id(spec), tuple(sizes.items()), rules, zero_stage, vocab_over_fsdp)
-    hit = _RECENT.get(key)
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
-    if any(v < 1 for v in full.values()):
-        raise JaxparError(f"mesh sizes must be positive, got {full}")
-    lay = _layout_cached(spec, tuple(full.items()), rules, zero_stage, vocab_over_fsdp)
-    if len(_RECENT) >= _RECENT_MAX:
-        _RECENT.clear()
-    _RECENT[key] = (spec, lay)  # holding spec keeps its id from being reused
-    return lay
+    def place() -> Layout:
+        full = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+        if any(v < 1 for v in full.values()):
+            raise JaxparError(f"mesh sizes must be positive, got {full}")
+        return _layout_cached(spec, tuple(full.items()), rules, zero_stage, vocab_over_fsdp)
+
+    return _RECENT.get((spec,), (tuple(sizes.items()), rules, zero_stage, vocab_over_fsdp),
+                       place)
 
 
-_RECENT_MAX = 4096
-_RECENT: dict[tuple, tuple[ModelSpec, Layout]] = {}
+_RECENT = IdentityMemo()
 """:func:`layout`'s results by the model's identity (see there)."""

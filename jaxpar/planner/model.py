@@ -41,6 +41,29 @@ class Tensor:
         return bool(self.names) and self.names[0] in ("layers", "repeat")
 
 
+class IdentityMemo:
+    """Results of pure functions looked up by the identity of the objects they read (a
+    :class:`ModelSpec`, a layout: hashing them walks all their tensors) and by hashable
+    arguments. Each entry holds the objects it was keyed by, so their ids cannot be reused
+    by others while it lives; the memo is emptied when it reaches ``size`` entries."""
+
+    def __init__(self, size: int = 4096):
+        self._entries: dict[tuple, tuple[tuple[Any, ...], Any]] = {}
+        self._size = size
+
+    def get(self, owners: tuple[Any, ...], args: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, remembered under ``owners`` (by identity) and ``args``."""
+        key = (*map(id, owners), *args)
+        hit = self._entries.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], owners, strict=True)):
+            return hit[1]
+        out = compute()
+        if len(self._entries) >= self._size:
+            self._entries.clear()
+        self._entries[key] = (owners, out)
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Parameters plus the transformer sizes (zero for a generic model).
