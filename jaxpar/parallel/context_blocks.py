@@ -168,7 +168,8 @@ def _slice(x, i: int, size: int, dim: int):
     return jax.lax.slice_in_dim(x, i * n, (i + 1) * n, axis=dim)
 
 
-def _send(xs, axis: str, size: int):
+def send_round(xs, axis: str, size: int) -> list[jax.Array]:
+    """Each of ``xs`` passed one device on round the ``axis`` ring (``i`` to ``i + 1``)."""
     ring = [(i, (i + 1) % size) for i in range(size)]
     return [jax.lax.ppermute(x, axis, ring) for x in xs]
 
@@ -217,7 +218,7 @@ def _forward(q, k, v, pos, kernel, axis, size, gathered):
             accs = [_merge(acc, _pair_forward(kernel, qh, kh, vh, _relation(qp, kp)))
                     for acc, qh, qp in zip(accs, q_halves, q_pos, strict=True)]
         if gathered_blocks is None and t < size - 1:
-            block = tuple(_send(block, axis, size))
+            block = tuple(send_round(block, axis, size))
     out = jnp.concatenate([acc[0] for acc in accs], axis=1).astype(q.dtype)
     return out, [acc[1] for acc in accs]
 
@@ -268,18 +269,12 @@ def _attend_bwd(kernel, axis, size, gathered, residuals, d_out):
             dk, dv = dk + gk, dv + gv
             # The block's gradients travel with it; one more send brings them home.
             if t < size - 1:
-                *block, dk, dv = _send([*block, dk, dv], axis, size)
+                *block, dk, dv = send_round([*block, dk, dv], axis, size)
             else:
-                dk, dv = _send([dk, dv], axis, size)
+                dk, dv = send_round([dk, dv], axis, size)
     dq = jnp.concatenate(dq, axis=1)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             np.zeros(pos.shape, jax.dtypes.float0))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def cudnn_ready(dtype) -> bool:
-    """Whether cuDNN's fused kernel takes ``dtype`` (bf16 or fp16)."""
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.attention import SPLASH_TILE, splash_tile
+from jaxpar.parallel.context_blocks import send_round
 from jaxpar.sharding.rules import entry_axes
 
 
@@ -235,11 +236,6 @@ def _ring_local(q, k, v, seg, kernels, *, axis: str, size: int):
     return _heads_major(out)
 
 
-def _send(xs, axis: str, size: int):
-    ring = [(i, (i + 1) % size) for i in range(size)]
-    return [jax.lax.ppermute(x, axis, ring) for x in xs]
-
-
 def _ring_forward(q, k, v, seg, kernels, axis, size):
     """Merged output ``(b, n, s, h)`` (q's dtype) and log-sum-exp ``(b, n, s)`` (f32)."""
     out = jnp.zeros(q.shape, jnp.float32)
@@ -258,7 +254,7 @@ def _ring_forward(q, k, v, seg, kernels, axis, size):
         out = out * keep_old[..., None] + block_out * take[..., None]
         lse = merged
         if t < size - 1:
-            kv = _send(kv, axis, size)
+            kv = send_round(kv, axis, size)
     return out.astype(q.dtype), lse
 
 
@@ -306,9 +302,9 @@ def _ring_bwd(axis, size, residuals, d_out):
         # The block's gradients travel with it; after the last step one more send brings
         # them home (device i then holds the block of device i + 1 - size = i + 1).
         if t < size - 1:
-            *kv, dk, dv = _send([*kv, dk, dv], axis, size)
+            *kv, dk, dv = send_round([*kv, dk, dv], axis, size)
         else:
-            dk, dv = _send([dk, dv], axis, size)
+            dk, dv = send_round([dk, dv], axis, size)
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), kernels)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             np.zeros(seg.shape, jax.dtypes.float0), zeros)

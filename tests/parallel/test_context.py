@@ -54,6 +54,19 @@ def _reference(window):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+def laid_out(mesh, arrays, balanced: bool):
+    """The fsdp_tp plan on ``mesh``, the query and key/value specs of ``arrays``' first
+    two (q, k), the sequence order (balanced over the context axis, or natural) and the
+    arrays (batch, seq, ...) put in that order."""
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
+    q_spec = plan.act_spec(Q_NAMES, shape=arrays[0].shape)
+    kv_spec = plan.act_spec(KV_NAMES, shape=arrays[1].shape)
+    seq = arrays[0].shape[1]
+    order = (balanced_order(seq, mesh.shape["context"]) if balanced
+             else np.arange(seq, dtype=np.int32))
+    return plan, q_spec, kv_spec, order, tuple(x[:, order] for x in arrays)
+
+
 def _mesh(name):
     axes = MESHES[name]
     return jaxpar.make_mesh(axes, devices=jax.devices()[:math.prod(axes.values())])
@@ -64,14 +77,8 @@ def _context(kind, mesh_name, window, balanced):
     """(output, grads, compiled HLO text, (q_spec, kv_spec)) of context attention, the
     arrays back in natural order. Always called with all four arguments (one cache key)."""
     mesh = _mesh(mesh_name)
-    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
-    q, k, v, ct = _data()
-    q_spec = plan.act_spec(Q_NAMES, shape=q.shape)
-    kv_spec = plan.act_spec(KV_NAMES, shape=k.shape)
-    c = mesh.shape["context"]
-    order = balanced_order(S, c) if balanced else np.arange(S, dtype=np.int32)
+    plan, q_spec, kv_spec, order, (q, k, v, ct) = laid_out(mesh, _data(), balanced)
     undo = inverse_order(order)
-    q, k, v, ct = (x[:, order] for x in (q, k, v, ct))
 
     def loss(q, k, v, positions, ct):
         out = context_attention(q, k, v, positions, mesh=mesh, q_spec=q_spec,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.parallel.attention import KV_NAMES, Q_NAMES
-from jaxpar.parallel.context import balanced_order, inverse_order
+from jaxpar.parallel.context import inverse_order
 from jaxpar.parallel.context_blocks import REFERENCE, block_context_attention
+from tests.parallel.test_context import laid_out
 from tests.parallel.test_context_splash import reference_attention
 
 B, S, N, KV, H = 2, 64, 4, 2, 8
@@ -46,13 +46,7 @@ def _reference():
 
 def _run(kind, axes, balanced, kernel=REFERENCE, lower_for=None):
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:math.prod(axes.values())])
-    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
-    q, k, v, ct = _data()
-    q_spec = plan.act_spec(Q_NAMES, shape=q.shape)
-    kv_spec = plan.act_spec(KV_NAMES, shape=k.shape)
-    c = mesh.shape["context"]
-    order = balanced_order(S, c) if balanced else np.arange(S, dtype=np.int32)
-    q, k, v, ct = (x[:, order] for x in (q, k, v, ct))
+    plan, q_spec, kv_spec, order, (q, k, v, ct) = laid_out(mesh, _data(), balanced)
     if lower_for:
         q, k, v, ct = (x.astype(jnp.bfloat16) for x in (q, k, v, ct))
 

@@ -15,9 +15,9 @@ import pytest
 import jaxpar
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import context as context_lib
-from jaxpar.parallel.attention import KV_NAMES, Q_NAMES
-from jaxpar.parallel.context import balanced_order, inverse_order
+from jaxpar.parallel.context import inverse_order
 from jaxpar.parallel.context_splash import splash_context_attention
+from tests.parallel.test_context import laid_out
 
 B, S, N, KV, H = 2, 512, 4, 2, 8
 
@@ -68,14 +68,10 @@ def _reference(window, softcap, packed):
 
 def _splash(kind, axes, window=0, softcap=0.0, balanced=False, packed=False, block=512):
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:math.prod(axes.values())])
-    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
     q, k, v, ct, seg = _data()
     seg = seg if packed else np.zeros_like(seg)
-    q_spec = plan.act_spec(Q_NAMES, shape=q.shape)
-    kv_spec = plan.act_spec(KV_NAMES, shape=k.shape)
-    c = mesh.shape["context"]
-    order = balanced_order(S, c) if balanced else np.arange(S, dtype=np.int32)
-    q, k, v, ct, seg = (x[:, order] for x in (q, k, v, ct, seg))
+    plan, q_spec, kv_spec, order, (q, k, v, ct, seg) = laid_out(mesh, (q, k, v, ct, seg),
+                                                                balanced)
 
     def loss(q, k, v):
         out = splash_context_attention(
