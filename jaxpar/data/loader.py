@@ -23,15 +23,39 @@ import numpy as np
 from jaxpar.data.tokenizer import tokenized
 from jaxpar.errors import JaxparError
 
+_NOT_STDLIB = frozenset({"site-packages", "dist-packages"})
+
+
+def _sorted_py_files(folder: Path):
+    """The ``.py`` paths under ``folder`` in the order of ``sorted(folder.rglob("*.py"))``
+    (paths compare part by part: a folder's entries by name, each subfolder's files at its
+    name's place), found as they are needed, not by walking the whole library first.
+    Symlinked folders are not entered (as ``rglob`` does not); installed packages'
+    folders are skipped."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        path = folder / entry.name
+        if entry.name.endswith(".py"):
+            yield path
+        try:
+            walk = entry.is_dir() and not entry.is_symlink()
+        except OSError:
+            walk = False
+        if walk and entry.name not in _NOT_STDLIB:
+            yield from _sorted_py_files(path)
+
 
 @functools.lru_cache(maxsize=4)
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
     """The first ``max_bytes`` bytes of the standard library's ``.py`` files, in sorted order
-    (read-only; kept for the next call: finding the files walks the whole library)."""
+    (read-only; kept for the next call)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if {"site-packages", "dist-packages"} & set(path.parts):
+    for path in _sorted_py_files(root):
+        if _NOT_STDLIB & set(path.parts):
             continue
         try:
             data = path.read_bytes()
