@@ -76,20 +76,27 @@ def _train(out: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, "-m", "jaxpar.cli", "train", "--config", "configs/tiny.yaml",
-         "--devices", "8", "--out", str(out), "train.steps=12", "train.eval_every=0",
-         "checkpoint.every=6", "data.max_bytes=200000", *extra],
+         "--devices", "8", "--out", str(out), "model.d_model=32", "model.n_layers=1",
+         "model.d_ff=64", "train.seq_len=16", "train.global_batch=8", "train.steps=12",
+         "train.eval_every=0", "checkpoint.every=6", "data.max_bytes=200000", *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_second_writer_is_refused_and_the_first_run_is_untouched(tmp_path):
+    """The first run is held (SIGSTOP) while the second tries the folder, so it is still
+    running then however fast its small model trains; it goes on after (SIGCONT)."""
     out = tmp_path / "run"
     first = _train(out)
     deadline = time.time() + 300
     while not (out / LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert (out / LOCK_NAME).exists(), first.stderr.read()
-    second = _train(out, "--resume")
-    _, err = second.communicate(timeout=300)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = _train(out, "--resume")
+        _, err = second.communicate(timeout=300)
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2, err
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and "is in use by jaxpar train" in lines[0], err
