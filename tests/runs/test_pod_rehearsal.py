@@ -54,11 +54,11 @@ def _overrides(fast: Path) -> list[str]:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    """The hosts' environment: a lost host is noticed after 20 s without heartbeats; an
+    """The hosts' environment: a lost host is noticed after 10 s without heartbeats; an
     XLA cache of their own, filled by all four alike (a process that alone finds its
     programs cached reaches the first collective long before the others, past gloo's
     30 s)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAXPAR_HEARTBEAT_TIMEOUT_S="20",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAXPAR_HEARTBEAT_TIMEOUT_S="10",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
                **{remote.CACHE_ENV: str(tmp_path / "cache")})
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
