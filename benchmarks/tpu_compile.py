@@ -4,8 +4,10 @@ For published runs of ``benchmarks/published_runs.yaml`` (model, layout, batch, 
 remat and the TPU slice they ran on), jaxpar's training step of the same model and layout
 is built from shapes alone and compiled for that slice by libtpu's compiler
 (``jaxpar.analysis.inspection.compile_step``; no TPU is needed), then set beside the
-planner's prediction: memory per device, whether it fits the chip's HBM, collective bytes,
-and the compile time.
+planner's prediction: memory per device, whether it fits the chip's HBM, the collectives
+of one step by kind (bytes a device receives, each instruction times its loops' trips, a
+collective matmul's permutes under the gather or reduce-scatter they make up:
+``jaxpar.analysis.hlo.collective_table``), and the compile time.
 
 Remat: MaxText's policies become jaxpar's closest (:func:`jaxpar_remat`): a custom list
 that offloads the decoder layer's input to the host becomes ``offload:layer_input`` (the
@@ -20,6 +22,8 @@ temporaries the compiler reported.
     python benchmarks/tpu_compile.py --save benchmarks/results/tpu_compile.json
     python benchmarks/tpu_compile.py --replan benchmarks/results/tpu_compile.json \\
         --save benchmarks/results/tpu_compile.json   # the planner's columns anew, ~5 s
+    python benchmarks/tpu_compile.py --hlo DIR ...  # keep each compiled program's HLO in
+        # DIR (gzipped); with --replan, the compiler's collectives are read from it anew
 """
 
 from __future__ import annotations
@@ -107,46 +111,83 @@ def run_config(run: dict, devices_per_chip: int = 1) -> Config:
     })
 
 
-def measure(run: dict) -> dict:
-    """Compile the run's jaxpar step for its slice; the compiler's figures beside the
-    planner's."""
-    from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
+def _target(run: dict):
     from jaxpar.analysis.targets import topology_for, tpu_target
 
     kind, count = run["chips"].split(":")
     slices = run.get("slices", 1)
-    name = f"{kind}:{topology_for(kind, int(count) // slices)}"
-    target = tpu_target(name, slices)
+    return tpu_target(f"{kind}:{topology_for(kind, int(count) // slices)}", slices)
+
+
+def _hlo_path(hlo_dir: Path, run: dict) -> Path:
+    slug = "".join(c if c.isalnum() else "-" for c in run["name"]).strip("-")
+    return hlo_dir / f"{slug}.hlo.gz"
+
+
+SIGNIFICANT = 0.02
+"""A collective kind counts towards a run's per-kind agreement when it carries at least
+this share of the step's bytes on the wire (on either side)."""
+
+
+def collective_figures(comparison: list[dict]) -> dict:
+    """Per-step wire bytes of a run's collectives on both sides, by kind (mesh axes
+    summed), and how many of the significant kinds agree within 15%."""
+    kinds: dict[str, list[float]] = {}
+    for c in comparison:
+        both = kinds.setdefault(c["kind"], [0.0, 0.0])
+        both[0] += c.get("predicted_wire_bytes_per_step") or 0.0
+        both[1] += c.get("wire_bytes_per_step") or 0.0
+    planner, compiler = (sum(v[i] for v in kinds.values()) for i in (0, 1))
+    significant = {k: v for k, v in kinds.items()
+                   if max(v[0] / planner if planner else 0, v[1] / compiler if compiler else 0)
+                   >= SIGNIFICANT}
+    agree = sum(1 for p, m in significant.values() if m and abs(p / m - 1) <= 0.15)
+    return {"planner_wire_bytes": planner, "compiler_wire_bytes": compiler,
+            "by_kind": {k: {"planner": v[0], "compiler": v[1]} for k, v in sorted(kinds.items())},
+            "kinds_within_15": agree, "kinds": len(significant)}
+
+
+def measure(run: dict, hlo_dir: Path | None = None) -> dict:
+    """Compile the run's jaxpar step for its slice; the compiler's figures beside the
+    planner's. With ``hlo_dir``, the optimized program is kept there."""
+    import gzip
+
+    from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
+
+    target = _target(run)
+    name, slices = target.name, target.slices
     start = time.perf_counter()
     config = run_config(run, len(target.devices) // target.chips)
     try:
-        report = step_report(compile_step(config, target), source=run["name"])
+        step = compile_step(config, target)
     except StepDoesNotFit as err:
         return {"name": run["name"], "target": name, "slices": slices, "mesh": "-",
                 "remat": config.plan.remat, "compiler_bytes": None,
                 "compiler_temp_at_least": err.temp_bytes, "hbm_bytes": err.hbm_bytes,
-                "fits": False, "compiler_collective_bytes": None, "splash_kernels": None,
+                "fits": False, "compiler_wire_bytes": None, "splash_kernels": None,
                 "compile_s": time.perf_counter() - start,
                 "wall_s": time.perf_counter() - start, **planner_figures(run, name, slices)}
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        _hlo_path(hlo_dir, run).write_bytes(gzip.compress(step.compiled.as_text().encode()))
+    report = step_report(step, source=run["name"])
     mem, pred = report["memory"], (report["predicted"] or {})
     pmem = pred.get("memory", {})
-    coll = sum(c["bytes_per_device"] or 0 for c in report["collectives"])
-    pcoll = sum(c.get("bytes_per_device", 0) for c in pred.get("collectives", []))
     return {"name": run["name"], "target": name, "slices": slices,
             "mesh": report["header"]["mesh"], "remat": run_config(run).plan.remat,
             "compiler_bytes": mem["total_bytes"], "planner_bytes": pmem.get("total_bytes"),
             "hbm_bytes": mem["hbm_bytes"], "fits": mem["fits"],
             "planner_fits": (pmem.get("total_bytes") or 0) <= mem["hbm_bytes"],
             "temp_bytes": mem["temp_bytes"], "argument_bytes": mem["argument_bytes"],
-            "compiler_collective_bytes": coll, "planner_collective_bytes": pcoll,
             "splash_kernels": report["kernels"].get("tpu_custom_call", 0),
             "collectives": report["comparison"]["collectives"],
+            **collective_figures(report["comparison"]["collectives"]),
             "compile_s": report["header"]["compile_s"],
             "wall_s": time.perf_counter() - start}
 
 
 def planner_figures(run: dict, target_name: str, slices: int) -> dict:
-    """The planner's memory and collective bytes per device for the run's jaxpar step."""
+    """The planner's memory and per-step collective bytes for the run's jaxpar step."""
     from jaxpar.analysis.inspection import for_slices, planner_prediction
     from jaxpar.analysis.targets import tpu_target
 
@@ -156,41 +197,87 @@ def planner_figures(run: dict, target_name: str, slices: int) -> dict:
     if pred is None:
         raise RuntimeError(note)
     return {"planner_bytes": pred["memory"]["total_bytes"], "catalog_hbm_bytes": target.hbm_bytes,
-            "planner_collective_bytes": sum(c.get("bytes_per_device", 0)
-                                            for c in pred["collectives"])}
+            "planner_wire_bytes": sum(c.get("wire_bytes_per_step", 0)
+                                      for c in pred["collectives"]),
+            "predicted_collectives": pred["collectives"]}
 
 
-def replan(row: dict, run: dict) -> dict:
-    """A saved row with the current planner's figures (and the catalog's HBM)."""
+def replan(row: dict, run: dict, hlo_dir: Path | None = None) -> dict:
+    """A saved row with the current planner's figures (and the catalog's HBM); with
+    ``hlo_dir`` holding the run's program, the compiler's collectives read anew from it."""
+    import gzip
+
+    from jaxpar.analysis.hlo import collective_table
+    from jaxpar.analysis.inspection import compare_collectives, for_slices
+    from jaxpar.config.assembly import assemble
+
     out = {**row, **planner_figures(run, row["target"], row["slices"])}
+    predicted = out.pop("predicted_collectives")
     if out["compiler_bytes"]:
         out["hbm_bytes"] = out["catalog_hbm_bytes"]
         out["fits"] = out["compiler_bytes"] <= out["hbm_bytes"]
         out["planner_fits"] = out["planner_bytes"] <= out["hbm_bytes"]
+        path = _hlo_path(hlo_dir, run) if hlo_dir is not None else None
+        if path is not None and path.exists():
+            target = _target(run)
+            config = for_slices(run_config(run, len(target.devices) // target.chips),
+                                target.slices)
+            mesh = assemble(config, target.devices, abstract=True,
+                            machine=target.machine).plan.mesh
+            measured = collective_table(gzip.decompress(path.read_bytes()).decode(), mesh)
+            out["collectives"] = compare_collectives(measured, predicted, mesh)
+        else:  # the compiler's rows as saved, the planner's anew
+            out["collectives"] = [
+                {**c, "predicted_wire_bytes_per_step": next(
+                    (p.get("wire_bytes_per_step", 0) for p in predicted
+                     if (p["kind"], sorted(p["axes"])) == (c["kind"], sorted(c["axes"]))), None)}
+                for c in out.get("collectives", [])]
+        out.update(collective_figures(out["collectives"]))
     return out
 
 
-def render(rows: list[dict]) -> str:
-    def ratio(a, b):
-        return f"{a / b:.2f}" if a and b else "-"
+def _kinds(r: dict) -> str:
+    """Each significant kind's planner/compiler ratio, e.g. ``AG 0.88 RS 0.79``."""
+    short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
+             "all-to-all": "A2A", "collective-permute": "CP"}
+    total = max(r.get("compiler_wire_bytes") or 0, r.get("planner_wire_bytes") or 0)
+    parts = []
+    for kind, v in (r.get("by_kind") or {}).items():
+        if total and max(v["planner"], v["compiler"]) >= SIGNIFICANT * total:
+            ratio = f"{v['planner'] / v['compiler']:.2f}" if v["compiler"] else "new"
+            parts.append(f"{short.get(kind, kind)} {ratio}")
+    return " ".join(parts) or "-"
 
+
+def _summary(rows: list[dict]) -> str:
+    within = sum(1 for r in rows if r["planner_bytes"] and r["compiler_bytes"]
+                 and abs(r["planner_bytes"] / r["compiler_bytes"] - 1) <= 0.10)
+    fits = sum(r["fits"] for r in rows)
+    compiled = [r for r in rows if r.get("kinds")]
+    coll = sum(1 for r in compiled if r["kinds_within_15"] == r["kinds"])
+    return (f"{within} of {len(rows)} within 10% on memory; {fits} of {len(rows)} fit their "
+            f"chips under jaxpar; collectives: every kind within 15% on {coll} of "
+            f"{len(compiled)} compiled runs")
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def render(rows: list[dict]) -> str:
     body = [(r["name"][:46], r["target"] + (f" x{r['slices']}" if r["slices"] > 1 else ""),
              fmt_bytes(r["planner_bytes"]),
              fmt_bytes(r["compiler_bytes"]) if r["compiler_bytes"] else
              f"> {fmt_bytes(r['compiler_temp_at_least'])}",
-             ratio(r["planner_bytes"], r["compiler_bytes"]),
+             _ratio(r["planner_bytes"], r["compiler_bytes"]),
              f"{'yes' if r['fits'] else 'NO'} ({fmt_bytes(r['hbm_bytes'])})",
-             fmt_bytes(r["planner_collective_bytes"]), fmt_bytes(r["compiler_collective_bytes"]),
-             ratio(r["planner_collective_bytes"], r["compiler_collective_bytes"]),
+             fmt_bytes(r.get("planner_wire_bytes")), fmt_bytes(r.get("compiler_wire_bytes")),
+             _ratio(r.get("planner_wire_bytes"), r.get("compiler_wire_bytes")), _kinds(r),
              f"{r['compile_s']:.0f}") for r in rows]
-    within = sum(1 for r in rows if r["planner_bytes"] and r["compiler_bytes"]
-                 and abs(r["planner_bytes"] / r["compiler_bytes"] - 1) <= 0.10)
-    fits = sum(r["fits"] for r in rows)
     return (table(["run", "target", "planner mem", "compiler mem", "ratio", "fits HBM",
-                   "planner coll", "compiler coll", "ratio", "compile s"], body,
-                  right=(2, 3, 4, 6, 7, 8, 9))
-            + f"\n\n{within} of {len(rows)} within 10% on memory; {fits} of {len(rows)} "
-              "fit their chips under jaxpar")
+                   "planner coll/step", "compiler coll/step", "ratio", "by kind",
+                   "compile s"], body, right=(2, 3, 4, 6, 7, 8, 10))
+            + "\n\n" + _summary(rows))
 
 
 # --- the site's table (docs/hooks/generated.py) ---------------------------------------------
@@ -202,37 +289,34 @@ refreshed since by ``--replan benchmarks/results/tpu_compile.json --save ...``).
 
 def markdown(rows: list[dict]) -> str:
     """:func:`render`'s table as markdown, from saved rows."""
-    def ratio(a, b):
-        return f"{a / b:.2f}" if a and b else "-"
-
     lines = ["| run | target | planner mem | compiler mem | ratio | fits HBM | planner coll "
-             "| compiler coll | ratio | compile s |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| compiler coll | ratio | by kind | compile s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in rows:
         compiler = (fmt_bytes(r["compiler_bytes"]) if r["compiler_bytes"]
                     else f"> {fmt_bytes(r['compiler_temp_at_least'])}")
         fits = f"{'yes' if r['fits'] else '**no**'} ({fmt_bytes(r['hbm_bytes'])})"
         target = r["target"] + (f" x {r['slices']}" if r["slices"] > 1 else "")
-        coll = (fmt_bytes(r["compiler_collective_bytes"]) if r["compiler_collective_bytes"]
-                else "-")
+        coll = fmt_bytes(r["compiler_wire_bytes"]) if r.get("compiler_wire_bytes") else "-"
         lines.append(f"| {r['name']} | `{target}` | {fmt_bytes(r['planner_bytes'])} | "
-                     f"{compiler} | {ratio(r['planner_bytes'], r['compiler_bytes'])} | {fits} | "
-                     f"{fmt_bytes(r['planner_collective_bytes'])} | {coll} | "
-                     f"{ratio(r['planner_collective_bytes'], r['compiler_collective_bytes'])} | "
-                     f"{r['compile_s']:.0f} |")
-    within = sum(1 for r in rows if r["planner_bytes"] and r["compiler_bytes"]
-                 and abs(r["planner_bytes"] / r["compiler_bytes"] - 1) <= 0.10)
-    fits = sum(r["fits"] for r in rows)
-    lines += ["", f"{within} of {len(rows)} within 10% on memory; {fits} of {len(rows)} fit "
-              "their chips under jaxpar.", "",
+                     f"{compiler} | {_ratio(r['planner_bytes'], r['compiler_bytes'])} | "
+                     f"{fits} | {fmt_bytes(r.get('planner_wire_bytes'))} | {coll} | "
+                     f"{_ratio(r.get('planner_wire_bytes'), r.get('compiler_wire_bytes'))} | "
+                     f"{_kinds(r)} | {r['compile_s']:.0f} |")
+    lines += ["", _summary(rows) + ".", "",
               "Memory and collective bytes are per device. \"compiler mem\" is what the TPU "
               "compiler lays out for the step (arguments and temporaries); \"> X\" marks a "
               "step it refused, X being the temporaries it reported; \"fits HBM\" sets the "
               "compiler's memory against the chip's HBM (for a refused step, against what "
-              "the compiler gave a program). Collective bytes sum each "
-              "collective instruction's bytes, a loop body once. The planner's columns are "
-              "its figures for the same config (`--replan` recomputes them without "
-              "compiling); \"compile s\" is the compile time on the 2-core host."]
+              "the compiler gave a program). Collectives are the bytes a device receives in "
+              "one step: each collective instruction of the compiled program times the trips "
+              "of the loops around it, a collective matmul's permutes counted under the "
+              "all-gather or reduce-scatter they make up; \"by kind\" gives planner / "
+              "compiler for each kind carrying at least 2% of them (AG all-gather, RS "
+              "reduce-scatter, AR all-reduce, A2A all-to-all, CP collective-permute). The "
+              "planner's columns are its figures for the same config (`--replan` recomputes "
+              "them without compiling); \"compile s\" is the compile time on the 2-core "
+              "host."]
     return "\n".join(lines) + "\n"
 
 
@@ -252,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="print a saved table with the planner's figures computed anew "
                              "(the compiler's as saved): no compiling; with --save, write "
                              "it")
+    parser.add_argument("--hlo", metavar="DIR", type=Path,
+                        help="keep each compiled program's HLO here (gzipped); with "
+                             "--replan, read the compiler's collectives anew from it")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler needs no TPU
     runs = _published().load_runs()
     if args.replan:
-        rows = [replan(row, {r["name"]: r for r in runs}[row["name"]])
+        rows = [replan(row, {r["name"]: r for r in runs}[row["name"]], args.hlo)
                 for row in json.loads(Path(args.replan).read_text())]
         print(render(rows))
         if args.save:
@@ -269,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [by_name[n] for n in DEFAULT]
     rows = []
     for run in chosen:
-        rows.append(measure(run))
+        rows.append(measure(run, args.hlo))
         r = rows[-1]
         got = r["compiler_bytes"] or r.get("compiler_temp_at_least")
         print(f"{r['name']}: compiler {fmt_bytes(got)}, planner "

@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar.analysis.loops import Instruction, Module, called, computation_runs, parse_module
+from jaxpar.planner.comms import wire_bytes
+
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                     "all-to-all")
 
@@ -36,12 +39,30 @@ _PAIRS = re.compile(r"source_target_pairs=\{(\{\d+,\d+\}(?:,\{\d+,\d+\})*)\}")
 
 @dataclass
 class Collective:
-    """One collective instruction of the optimized HLO."""
+    """One collective instruction of the optimized HLO: ``bytes`` of its result per
+    device, the computation holding it, ``runs`` (its executions per step: its loops' trip
+    counts multiplied, :func:`jaxpar.analysis.loops.computation_runs`) and ``implements``,
+    the collective it is part of: its own kind, or for a collective-permute of the
+    compiler's collective matmul (a windowed einsum: a weight gathered or a gradient
+    reduce-scattered shard by shard under the matmul), ``all-gather`` or
+    ``reduce-scatter``."""
 
     kind: str
     bytes: int
     groups: list[list[int]] = field(default_factory=list)
     line: str = ""
+    computation: str = ""
+    runs: int = 1
+    implements: str = ""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes a device receives for one execution (:func:`jaxpar.planner.comms.
+        wire_bytes`; the group size from the replica groups)."""
+        n = len(self.groups[0]) if self.groups else 1
+        if self.kind == "all-reduce" and self.implements == "reduce-scatter":
+            return wire_bytes("reduce-scatter", self.bytes / n, n)
+        return wire_bytes(self.kind, self.bytes, n)
 
 
 def _type_bytes(type_text: str) -> int:
@@ -83,19 +104,93 @@ def _groups(line: str) -> list[list[int]]:
     return []
 
 
+_WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)\b")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_INDEX_ATTR = re.compile(r"\bindex=(\d+)")
+_START = {f"{kind}-start": kind for kind in COLLECTIVE_KINDS}
+
+
+def _collective_matmul(module: Module, instr: Instruction) -> str:
+    """``all-gather`` or ``reduce-scatter`` when ``instr`` (a permute) is a step of the
+    compiler's collective matmul (a windowed einsum): inside its loop's body, or a step
+    the compiler peeled out of the loop (or pipelined into the previous trip of an outer
+    loop) whose result flows into that loop; else empty. Only permutes that a
+    ``dot_general`` brought are followed."""
+    if m := _WINDOWED.search(instr.computation):
+        return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+    name = _OP_NAME.search(instr.attrs)
+    if not name or "dot_general" not in name[1].rsplit("/", 1)[-1]:
+        return ""
+    # An epilogue: the permute sends on what a windowed loop left (a few ops up).
+    frontier, seen = list(instr.operands), set(instr.operands)
+    for _ in range(4):
+        nxt = []
+        for value in frontier:
+            source = module.by_name.get(value)
+            if source is None:
+                continue
+            if source.op == "while":
+                if m := _WINDOWED.search(dict(called(source)).get("body", "")):
+                    return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+                continue
+            nxt += [o for o in source.operands if o not in seen]
+            seen.update(source.operands)
+        frontier = nxt
+    # A prologue: what it sends flows into a windowed loop.
+    frontier, seen = [instr.name], {instr.name}
+    for _ in range(12):
+        nxt = []
+        for value in frontier:
+            for user in module.users(value):
+                if user.op == "while":
+                    body = dict(called(user)).get("body", "")
+                    if m := _WINDOWED.search(body):
+                        return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+                    continue
+                if user.root and user.op == "tuple":
+                    # A loop body's result: the value comes back as the next trip's
+                    # element of the loop's parameter.
+                    places = {i for i, o in enumerate(user.operands) if o == value}
+                    carried = [i.name for i in module.computations[user.computation]
+                               if i.op == "get-tuple-element"
+                               and (idx := _INDEX_ATTR.search(i.attrs))
+                               and int(idx[1]) in places
+                               and module.by_name[i.operands[0]].op == "parameter"]
+                    nxt += [c for c in carried if c not in seen]
+                    seen.update(carried)
+                elif user.name not in seen:
+                    seen.add(user.name)
+                    nxt.append(user.name)
+        frontier = nxt
+    return ""
+
+
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text (async ``-start`` ops counted once)."""
+    """Every collective in an HLO module's text (async ``-start`` ops counted once), each
+    with its executions per step and the collective it implements."""
+    module = parse_module(hlo_text)
+    runs = None
     out = []
-    for line in hlo_text.splitlines():
-        m = _OP.match(line)
-        if not m:
-            continue
-        type_text = m["type"]
-        if m["start"] and type_text.startswith("("):
-            # Async start ops return (operand, result, ...): count the result buffer only.
-            shapes = _SHAPE.findall(type_text)
-            type_text = "{}[{}]".format(*shapes[min(1, len(shapes) - 1)]) if shapes else ""
-        out.append(Collective(m["kind"], _type_bytes(type_text), _groups(line), line.strip()))
+    for comp, instrs in module.computations.items():
+        for instr in instrs:
+            kind = _START.get(instr.op, instr.op)
+            if kind not in COLLECTIVE_KINDS:
+                continue
+            type_text = instr.type
+            if instr.op != kind and type_text.startswith("("):
+                # Async start ops return (operand, result, ...): count the result only.
+                shapes = _SHAPE.findall(type_text)
+                type_text = "{}[{}]".format(*shapes[min(1, len(shapes) - 1)]) if shapes else ""
+            if runs is None:
+                runs = computation_runs(module).runs
+            implements = kind
+            if kind == "collective-permute":
+                implements = _collective_matmul(module, instr) or kind
+            elif kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+                implements = "reduce-scatter"  # the TPU compiler's fused reduce-scatter
+            out.append(Collective(kind, _type_bytes(type_text), _groups(instr.line),
+                                  instr.line, comp, runs.get(comp, 1) if comp else 1,
+                                  implements))
     return out
 
 
@@ -142,14 +237,28 @@ def group_axes(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
 
 
 def collective_table(hlo_text: str, mesh: Mesh) -> list[dict[str, Any]]:
-    """Collectives grouped by (kind, mesh axes): count and bytes per device of the results."""
+    """Collectives grouped by (kind, mesh axes), the kind being what each implements (a
+    collective matmul's permutes are under the all-gather or reduce-scatter they make up,
+    and counted in ``in_collective_matmuls``).
+
+    Per row: ``count`` (instructions in the text) and ``bytes_per_device`` (their result
+    bytes, each once), and as one step runs them: ``executions``, ``bytes_per_step``
+    (result bytes times runs) and ``wire_bytes_per_step`` (what a device receives,
+    :func:`jaxpar.planner.comms.wire_bytes`: the unit the planner is compared in)."""
     rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for c in parse_collectives(hlo_text):
         axes = group_axes(c.groups, mesh)
-        row = rows.setdefault((c.kind, axes), {"kind": c.kind, "axes": list(axes), "count": 0,
-                                               "bytes_per_device": 0})
+        row = rows.setdefault((c.implements, axes), {
+            "kind": c.implements, "axes": list(axes), "count": 0, "bytes_per_device": 0,
+            "executions": 0, "bytes_per_step": 0, "wire_bytes_per_step": 0.0,
+            "in_collective_matmuls": 0})
         row["count"] += 1
         row["bytes_per_device"] += c.bytes
+        row["executions"] += c.runs
+        row["bytes_per_step"] += c.bytes * c.runs
+        row["wire_bytes_per_step"] += c.wire_bytes * c.runs
+        row["in_collective_matmuls"] += (c.kind == "collective-permute"
+                                         and c.implements != c.kind)
     return sorted(rows.values(), key=lambda r: (r["kind"], r["axes"]))
 
 
@@ -231,17 +340,10 @@ def flops(compiled: Any) -> float:
 
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
                     r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
-_CALLED = re.compile(r"\b(calls|body|branch_computations|called_computations)="
-                     r"(\{[^}]*\}|%?[\w.\-]+)")
-_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"^\w+\[([\d,]*)\]")
 _NAME = re.compile(r"%?([\w.\-]+)")
-
-
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")
 _WINDOW = re.compile(r"window=\{size=([\dx]+)(?: pad=([\d_x]+))?")
 
@@ -265,82 +367,36 @@ def _conv_dot(rest: str) -> tuple[list[int], int]:
 
 
 def matmul_flops(hlo_text: str) -> dict[str, int]:
-    """FLOPs of every ``dot`` in an optimized HLO module, each loop body counted per trip.
+    """FLOPs of every ``dot`` in an optimized HLO module, each counted as often as it runs
+    in one step.
 
     XLA's own cost analysis (:func:`flops`) counts a ``while`` loop's body once, so a model
     whose layers run under ``lax.scan`` looks ``n_layers`` times cheaper than it is (the
     TPU compiler writes dots as ``convolution``s: those are counted too, see
-    :func:`_conv_dot`). Here
-    each computation is weighted by how often it runs: a ``while`` body by its
-    ``known_trip_count`` (once when XLA does not know it), fusions and calls by their
-    caller. A dot costs ``2 x output elements x contracted size``.
+    :func:`_conv_dot`). Here each computation is weighted by its executions per step
+    (:func:`jaxpar.analysis.loops.computation_runs`: loop bodies by their trip counts,
+    read from the loop's counter). A dot costs ``2 x output elements x contracted size``.
 
     Returns ``{"flops", "dots", "loops", "loops_without_trip_count"}``.
     """
-    shapes: dict[str, list[int]] = {}
-    dots: list[tuple[str, str, str, list[int]]] = []
-    callers: dict[str, list[tuple[str, int]]] = {}
-    bounds: dict[str, list[int]] = {}
-    comp = entry = None
-    loops = unknown = 0
-    for line in hlo_text.splitlines():
-        if m := _HEADER.match(line):
-            comp = m["name"]
-            entry = comp if m[1] else entry
-            continue
-        m = _INSTR.match(line)
-        if m is None or comp is None:
-            continue
-        if a := _ARRAY.match(m["type"]):
-            shapes[m["name"]] = _ints(a[1])
-        rest = m["rest"]
-        if m["op"] == "dot":
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-            dots.append((comp, m["name"], _NAME.match(rest.lstrip())[1],
-                         _ints(contracting[1]) if contracting else [], 1))
-        elif m["op"] == "convolution" and "dot_general" in rest:
-            dots.append((comp, m["name"], _NAME.match(rest.lstrip())[1], *_conv_dot(rest)))
-        if (m["op"] == "constant" and (c := re.match(r"(\d+)\)", rest))
-                and m["type"][:5] in ("s32[]", "u32[]")):
-            bounds.setdefault(comp, []).append(int(c[1]))
-        for kind, target in _CALLED.findall(rest):
-            factor: int | str = 1
-            if kind == "body":
-                loops += 1
-                trip = _TRIP.search(rest)
-                cond = _CONDITION.search(rest)
-                factor = int(trip[1]) if trip else (cond[1] if cond else 1)
-            for callee in _NAME.findall(target):
-                callers.setdefault(callee, []).append((comp, factor))
-
-    def trips(factor: int | str) -> int:
-        """A loop's trip count; without XLA's ``known_trip_count`` (the TPU compiler's
-        loops), the bound its condition compares the counter with (``i < n``)."""
-        nonlocal unknown
-        if isinstance(factor, int):
-            return factor
-        found = bounds.get(factor, [])
-        if len(found) == 1:
-            return found[0]
-        unknown += 1
-        return 1
-
-    callers = {k: [(c, trips(f)) for c, f in v] for k, v in callers.items()}
-
-    runs: dict[str, int] = {}
-
-    def times(name: str, seen: frozenset = frozenset()) -> int:
-        if name == entry:
-            return 1
-        if name not in runs:
-            runs[name] = sum(times(c, seen | {name}) * f
-                             for c, f in callers.get(name, []) if c not in seen)
-        return runs[name]
-
-    total = 0
-    for comp_name, out, lhs, contracting, window in dots:
-        k = window * (int(np.prod([shapes[lhs][d] for d in contracting]))
-                      if lhs in shapes else 1)
-        total += 2 * int(np.prod(shapes.get(out, [0]))) * k * times(comp_name)
-    return {"flops": total, "dots": len(dots), "loops": loops,
-            "loops_without_trip_count": unknown}
+    module = parse_module(hlo_text)
+    runs = computation_runs(module)
+    total = dots = 0
+    for comp, instrs in module.computations.items():
+        for instr in instrs:
+            if instr.op == "dot":
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+                dims, window = _ints(contracting[1]) if contracting else [], 1
+            elif instr.op == "convolution" and "dot_general" in instr.attrs:
+                dims, window = _conv_dot(instr.attrs)
+            else:
+                continue
+            dots += 1
+            lhs = module.by_name.get(instr.operands[0]) if instr.operands else None
+            lhs_shape = _ints(a[1]) if lhs is not None and (a := _ARRAY.match(lhs.type)) else None
+            out = _ARRAY.match(instr.type)
+            k = window * (int(np.prod([lhs_shape[d] for d in dims])) if lhs_shape else 1)
+            total += (2 * int(np.prod(_ints(out[1]) if out else [0])) * k
+                      * runs.runs.get(comp, 0))
+    return {"flops": total, "dots": dots, "loops": len(runs.loops),
+            "loops_without_trip_count": len(runs.unknown)}

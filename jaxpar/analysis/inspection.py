@@ -24,7 +24,7 @@ from jaxpar.analysis.hlo import (
     matmul_flops,
     memory_stats,
 )
-from jaxpar.analysis.report import fmt_bytes
+from jaxpar.analysis.report import fmt_bytes, is_tight
 from jaxpar.analysis.sources import explain_collectives
 from jaxpar.analysis.targets import Target, cpu_target
 from jaxpar.config.assembly import Assembly
@@ -98,23 +98,34 @@ def compare_collectives(measured: list[dict[str, Any]], predicted: list[dict[str
                         mesh: Mesh) -> list[dict[str, Any]]:
     """Measured collective rows joined with predicted ones on (kind, mesh axes).
 
-    Each row gets ``predicted_bytes_per_device`` and ``predicted_count`` (None when the
-    planner predicted none of that kind and axes); predicted rows that XLA did not emit
-    appear with ``count`` 0 and ``bytes_per_device`` None.
+    Each row gets the planner's figures in both units the two sides share:
+    ``predicted_count`` / ``predicted_bytes_per_device`` (instructions in the HLO text, a
+    loop body once) and ``predicted_executions`` / ``predicted_bytes_per_step`` (as the step
+    runs them, every layer and microbatch) and ``predicted_wire_bytes_per_step`` (bytes a
+    device receives), and ``step_ratio`` (predicted / measured bytes received per step). They are None when the planner predicted none of that kind and axes;
+    predicted rows that XLA did not emit appear with ``count`` 0 and measured bytes None.
     """
-    pred: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    keys = ("bytes_per_device", "count", "bytes_per_step", "executions", "wire_bytes_per_step")
+    pred: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
     for row in predicted or []:
         key = (row["kind"], _axes_key(row.get("axes"), mesh))
-        total = pred.setdefault(key, [0.0, 0])
-        total[0] += float(row.get("bytes_per_device", 0.0))
-        total[1] += int(row.get("count", 0))
+        total = pred.setdefault(key, dict.fromkeys(keys, 0))
+        for k in keys:
+            total[k] += row.get(k, 0)
     out = []
+
+    def joined(row: dict[str, Any], p: dict[str, float] | None) -> dict[str, Any]:
+        p = p or {}
+        ratio = (p["wire_bytes_per_step"] / row["wire_bytes_per_step"]
+                 if p and row.get("wire_bytes_per_step") else None)
+        return dict(row, **{f"predicted_{k}": p.get(k) for k in keys}, step_ratio=ratio)
+
     for row in measured:
-        nbytes, count = pred.pop((row["kind"], _axes_key(row["axes"], mesh)), (None, None))
-        out.append(dict(row, predicted_bytes_per_device=nbytes, predicted_count=count))
-    for (kind, axes), (nbytes, count) in pred.items():
-        out.append({"kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": None,
-                    "predicted_bytes_per_device": nbytes, "predicted_count": count})
+        out.append(joined(row, pred.pop((row["kind"], _axes_key(row["axes"], mesh)), None)))
+    for (kind, axes), p in pred.items():
+        out.append(joined({"kind": kind, "axes": list(axes), "count": 0, "executions": 0,
+                           "bytes_per_device": None, "bytes_per_step": None,
+                           "wire_bytes_per_step": None}, p))
     return out
 
 
@@ -233,6 +244,7 @@ def _memory(compiled: Any, target: Target) -> dict[str, Any]:
                                       - memory["host_alias_bytes"] + memory["host_temp_bytes"])
         memory["hbm_bytes"] = int(target.hbm_bytes)
         memory["fits"] = memory["total_bytes"] <= target.hbm_bytes
+        memory["tight"] = is_tight(memory["total_bytes"], target.hbm_bytes)
     return memory
 
 

@@ -72,11 +72,25 @@ def fmt_axes(axes: Sequence[Any] | None) -> str:
     return ", ".join("-" if a is None else str(a) for a in axes) or "-"
 
 
+TIGHT = 0.95
+"""A step the compiler lays out in more than this share of a device's HBM is *tight*: it
+fits on paper, but the runtime's own buffers and fragmentation may leave it short."""
+
+
+def is_tight(total_bytes: float, hbm_bytes: float) -> bool:
+    """Whether ``total_bytes`` fits ``hbm_bytes`` with less than ``1 - TIGHT`` to spare."""
+    return TIGHT * hbm_bytes < total_bytes <= hbm_bytes
+
+
 def fit_line(memory: dict[str, Any]) -> str:
-    """``fits: 71.30 GiB of 95.00 GiB per device (75%)``, or why it does not fit: the
-    compiler's own breakdown of the bytes a device needs."""
+    """``fits: 71.30 GiB of 95.00 GiB per device (75%)`` (``tight`` above :data:`TIGHT`),
+    or why it does not fit: the compiler's own breakdown of the bytes a device needs."""
     total, hbm = memory["total_bytes"], memory["hbm_bytes"]
     if memory.get("fits", total <= hbm):
+        if is_tight(total, hbm):
+            return (f"fits, tight: {fmt_bytes(total)} of {fmt_bytes(hbm)} per device "
+                    f"({100 * total / hbm:.0f}%, above {100 * TIGHT:.0f}%: the runtime's "
+                    "buffers and fragmentation may not leave room)")
         return (f"fits: {fmt_bytes(total)} of {fmt_bytes(hbm)} per device "
                 f"({100 * total / hbm:.0f}%)")
     return (f"does not fit: {fmt_bytes(total)} needed of {fmt_bytes(hbm)} per device "
@@ -143,21 +157,29 @@ def render_inspection(report: dict[str, Any]) -> str:
     if mem.get("hbm_bytes"):
         out.append("  " + fit_line(mem))
 
-    out.append("\nCollectives in the optimized HLO (per device, one step)")
+    out.append("\nCollectives per device and step (each HLO instruction times its loops' "
+               "trips; bytes a device receives)")
     rows_c = report["comparison"]["collectives"]
-    crows = [(c["kind"], fmt_axes(c["axes"]), c["count"], _or_dash(c.get("predicted_count")),
-              fmt_bytes(c["bytes_per_device"]), fmt_bytes(c.get("predicted_bytes_per_device")),
-              fmt_ratio(c.get("predicted_bytes_per_device"), c["bytes_per_device"]))
+    crows = [(c["kind"], fmt_axes(c["axes"]), c["count"], c.get("executions", c["count"]),
+              _or_dash(c.get("predicted_executions")),
+              fmt_bytes(c.get("wire_bytes_per_step")),
+              fmt_bytes(c.get("predicted_wire_bytes_per_step")),
+              fmt_ratio(c.get("predicted_wire_bytes_per_step"), c.get("wire_bytes_per_step")))
              for c in rows_c]
     if crows:
-        meas = sum(c["bytes_per_device"] or 0 for c in rows_c)
-        preds = [c["predicted_bytes_per_device"] for c in rows_c
-                 if c.get("predicted_bytes_per_device") is not None]
+        meas = sum(c.get("wire_bytes_per_step") or 0 for c in rows_c)
+        preds = [c["predicted_wire_bytes_per_step"] for c in rows_c
+                 if c.get("predicted_wire_bytes_per_step") is not None]
         p_total = sum(preds) if preds else None
-        crows.append(("total", "", sum(c["count"] for c in rows_c), "", fmt_bytes(meas),
-                      fmt_bytes(p_total), fmt_ratio(p_total, meas)))
-        out.append(table(["kind", "mesh axes", "count", "predicted", "bytes", "predicted",
-                          "pred/meas"], crows, right=(2, 3, 4, 5, 6)))
+        crows.append(("total", "", sum(c["count"] for c in rows_c),
+                      sum(c.get("executions", c["count"]) for c in rows_c), "",
+                      fmt_bytes(meas), fmt_bytes(p_total), fmt_ratio(p_total, meas)))
+        out.append(table(["kind", "mesh axes", "in HLO", "runs", "predicted", "received",
+                          "predicted", "pred/meas"], crows, right=(2, 3, 4, 5, 6, 7)))
+        matmuls = sum(c.get("in_collective_matmuls") or 0 for c in rows_c)
+        if matmuls:
+            out.append(f"  {matmuls} collective-permutes of the compiler's collective matmuls "
+                       "are counted under the gather or reduce-scatter they make up")
     else:
         out.append("  none (a single device, or nothing to communicate)")
 

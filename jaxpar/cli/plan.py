@@ -155,7 +155,9 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
     """``--verify K``: the first K plans compiled for the machine's TPU slices by the TPU
     compiler (:func:`jaxpar.analysis.inspection.compile_step`); a plan the compiler says
     does not fit is dropped, and each kept row gets ``compiler_bytes`` beside the
-    planner's ``memory_per_device_bytes``. Plans after the first K are kept unverified.
+    planner's ``memory_per_device_bytes``. A plan the compiler fits in more than 95% of
+    the chip's HBM (:data:`jaxpar.analysis.report.TIGHT`) is kept as ``tight``, ranked
+    after the verified plans with headroom. Plans after the first K are kept unverified.
     Its progress lines go to stderr, so ``--json`` prints JSON alone on stdout."""
     import os
 
@@ -169,9 +171,12 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
         raise JaxparError(f"--verify compiles with the TPU compiler: --chips {args.chips} is "
                           "not a TPU kind")
     target = tpu_target(f"{kind}:{topology_for(kind, machine.per_slice)}", machine.slices)
-    keep_plans, keep_rows = [], []
+    keep_plans, keep_rows, tight = [], [], []
     for i, (est, row) in enumerate(zip(plans, rows, strict=True), 1):
         if i > args.verify:
+            keep_plans += [e for e, _ in tight]
+            keep_rows += [r for _, r in tight]
+            tight = []
             keep_plans.append(est)
             keep_rows.append(row)
             continue
@@ -185,12 +190,23 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
                   file=sys.stderr)
             continue
         ratio = row["memory_per_device_bytes"] / memory["total_bytes"]
+        share = memory["total_bytes"] / memory["hbm_bytes"]
         print(f"verify #{i}: the TPU compiler needs {fmt_bytes(memory['total_bytes'])} a "
               f"device, the planner {fmt_bytes(row['memory_per_device_bytes'])} (x{ratio:.2f})"
-              + ("" if memory["fits"] else "; dropped: it does not fit"), file=sys.stderr)
+              + ("" if memory["fits"] else "; dropped: it does not fit")
+              + (f"; tight: {100 * share:.0f}% of {fmt_bytes(memory['hbm_bytes'])} of HBM, "
+                 "ranked after the plans with headroom" if memory.get("tight") else ""),
+              file=sys.stderr)
         if memory["fits"]:
-            keep_plans.append(est)
-            keep_rows.append(dict(row, compiler_bytes=memory["total_bytes"]))
+            checked = dict(row, compiler_bytes=memory["total_bytes"],
+                           tight=bool(memory.get("tight")))
+            if checked["tight"]:
+                tight.append((est, checked))
+            else:
+                keep_plans.append(est)
+                keep_rows.append(checked)
+    keep_plans += [e for e, _ in tight]
+    keep_rows += [r for _, r in tight]
     return keep_plans, keep_rows
 
 

@@ -140,6 +140,8 @@ class _Rows:
         row["bytes_per_device"] += nbytes * static
         row["bytes_per_step"] += nbytes * runs
         row["executions"] += runs
+        row["wire_bytes_per_step"] = row.get("wire_bytes_per_step", 0.0) + runs * wire_bytes(
+            kind, nbytes, math.prod(self.lay.sizes[a] for a in axes))
         if exposed:
             row["exposed_bytes_per_step"] += nbytes * runs
 
@@ -577,6 +579,23 @@ def _link(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -
 def _wire(kind: str, n: int) -> float:
     """Bytes on the wire per device per byte of payload over ``n`` devices."""
     return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+
+
+def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
+    """Bytes a device receives over the links for one collective of ``kind`` whose result
+    is ``result_bytes`` a device, over ``n`` devices, run as a ring: ``(n-1)/n`` of the
+    result for an all-gather or all-to-all, ``2 (n-1)/n`` of the buffer for an all-reduce,
+    ``n - 1`` results (the input less this device's share) for a reduce-scatter, the block
+    itself for a permute. The unit in which a compiled program's collectives, whatever
+    form the compiler gives them (a collective matmul's permutes), compare with the
+    planner's (:func:`jaxpar.analysis.hlo.collective_table`)."""
+    if kind == "collective-permute":
+        return float(result_bytes)
+    if n <= 1:
+        return 0.0
+    if kind == "reduce-scatter":
+        return float(result_bytes) * (n - 1)
+    return float(result_bytes) * _wire(kind, n)
 
 
 def _dcn_share(kind: str, payload: float, n_ici: int) -> float:

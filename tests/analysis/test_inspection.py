@@ -46,9 +46,9 @@ def test_planner_prediction_sits_beside_each_figure(report):
     assert 0.8 < pred["memory"]["total_bytes"] / mem["total_bytes"] < 1.25
     assert 0.9 < report["comparison"]["predicted_flops"] / report["flops"] < 1.1
     rows = report["comparison"]["collectives"]
-    measured = sum(r["bytes_per_device"] or 0 for r in rows)
-    predicted = sum(r["predicted_bytes_per_device"] or 0 for r in rows)
-    assert 0.8 < predicted / measured < 1.25
+    measured = sum(r["bytes_per_step"] or 0 for r in rows)
+    predicted = sum(r["predicted_bytes_per_step"] or 0 for r in rows)
+    assert 0.85 < predicted / measured < 1.15
 
 
 def test_matmul_flops_count_every_scanned_layer(report):
@@ -87,14 +87,22 @@ def test_fsdp_gathers_and_tensor_reduces(report):
 def test_compare_collectives_joins_on_kind_and_axes(devices):
     mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     measured = [{"kind": "all-reduce", "axes": ["data", "fsdp"], "count": 2,
-                 "bytes_per_device": 100}]
-    predicted = [{"kind": "all-reduce", "axes": ["fsdp", "data"], "bytes_per_device": 90},
-                 {"kind": "all-gather", "axes": ["fsdp"], "bytes_per_device": 10}]
+                 "bytes_per_device": 100, "executions": 8, "bytes_per_step": 400,
+                 "wire_bytes_per_step": 600}]
+    predicted = [{"kind": "all-reduce", "axes": ["fsdp", "data"], "bytes_per_device": 90,
+                  "count": 2, "executions": 8, "bytes_per_step": 360,
+                  "wire_bytes_per_step": 540},
+                 {"kind": "all-gather", "axes": ["fsdp"], "bytes_per_device": 10,
+                  "count": 1, "executions": 4, "bytes_per_step": 40, "wire_bytes_per_step": 20}]
     rows = compare_collectives(measured, predicted, mesh)
     assert rows[0]["predicted_bytes_per_device"] == 90
-    assert rows[1] == {"kind": "all-gather", "axes": ["fsdp"], "count": 0,
-                       "bytes_per_device": None, "predicted_bytes_per_device": 10.0,
-                       "predicted_count": 0}
+    assert rows[0]["predicted_bytes_per_step"] == 360 and rows[0]["step_ratio"] == 0.9
+    assert rows[1] == {"kind": "all-gather", "axes": ["fsdp"], "count": 0, "executions": 0,
+                       "bytes_per_device": None, "bytes_per_step": None,
+                       "wire_bytes_per_step": None,
+                       "predicted_bytes_per_device": 10, "predicted_count": 1,
+                       "predicted_bytes_per_step": 40, "predicted_executions": 4,
+                       "predicted_wire_bytes_per_step": 20, "step_ratio": None}
 
 
 def test_planner_failure_or_absence_leaves_a_note(monkeypatch):

@@ -2,6 +2,7 @@
 whole ``jaxpar inspect`` report rendered from a hand-made report, against expected text."""
 
 from jaxpar.analysis.report import (
+    fit_line,
     fmt_axes,
     fmt_bytes,
     fmt_count,
@@ -75,10 +76,13 @@ def _report() -> dict:
         "predicted": {"memory": {"argument_bytes": 3072}, "step_time_s": 0.0125},
         "comparison": {
             "collectives": [
+                # 4 gathers in a loop of 4 trips: 16 runs of 1 KiB a step
                 {"kind": "all-gather", "axes": ["fsdp"], "count": 4, "predicted_count": 4,
-                 "bytes_per_device": 4096, "predicted_bytes_per_device": 2048},
-                {"kind": "all-reduce", "axes": ["data"], "count": 1,
-                 "bytes_per_device": 1536},
+                 "bytes_per_device": 4096, "predicted_bytes_per_device": 2048,
+                 "executions": 16, "wire_bytes_per_step": 16384, "predicted_executions": 8,
+                 "predicted_wire_bytes_per_step": 8192, "in_collective_matmuls": 2},
+                {"kind": "all-reduce", "axes": ["data"], "count": 1, "executions": 1,
+                 "bytes_per_device": 1536, "wire_bytes_per_step": 1536},
             ],
             "predicted_flops": 2.5e9},
         "flops": 2e9,
@@ -110,13 +114,16 @@ def test_render_inspection_matches_the_expected_text():
         "  aliased (donated)                     1.00 KiB          -          -",
         "  total = args + outs - aliased + temp  3.00 MiB          -          -",
         "",
-        "Collectives in the optimized HLO (per device, one step)",
-        "  kind        mesh axes  count  predicted     bytes  predicted  pred/meas",
-        "  ----------  ---------  -----  ---------  --------  ---------  ---------",
-        "  all-gather  fsdp           4          4  4.00 KiB   2.00 KiB       0.50",
-        "  all-reduce  data           1          -  1.50 KiB          -          -",
-        # 2048 predicted of 4096 + 1536 = 5632 measured bytes: 0.36
-        "  total                      5             5.50 KiB   2.00 KiB       0.36",
+        "Collectives per device and step (each HLO instruction times its loops' trips; "
+        "bytes a device receives)",
+        "  kind        mesh axes  in HLO  runs  predicted   received  predicted  pred/meas",
+        "  ----------  ---------  ------  ----  ---------  ---------  ---------  ---------",
+        "  all-gather  fsdp            4    16          8  16.00 KiB   8.00 KiB       0.50",
+        "  all-reduce  data            1     1          -   1.50 KiB          -          -",
+        # 8192 predicted of 16384 + 1536 = 17920 measured bytes: 0.46
+        "  total                       5    17             17.50 KiB   8.00 KiB       0.46",
+        "  2 collective-permutes of the compiler's collective matmuls are counted under the "
+        "gather or reduce-scatter they make up",
         "",
         "Compute per device",
         "                                               measured  predicted  pred/meas",
@@ -148,7 +155,9 @@ def test_render_inspection_of_a_single_device_without_a_prediction():
     memory = lines.index("Memory per device (XLA)")
     assert lines[memory + 3] == "  arguments     100 B          -          -"
     assert lines[memory + 4] == ""
-    collectives = lines.index("Collectives in the optimized HLO (per device, one step)")
+    collectives = lines.index(
+        "Collectives per device and step (each HLO instruction times its loops' trips; "
+        "bytes a device receives)")
     assert lines[collectives + 1] == "  none (a single device, or nothing to communicate)"
     # The report ends with the compute table (no notes).
     assert lines[-3:] == [
@@ -156,3 +165,14 @@ def test_render_inspection_of_a_single_device_without_a_prediction():
         "  ------------------------------  --------  ---------  ---------",
         "  matmul FLOPs (every loop trip)       123          -          -",
     ]
+
+
+def test_the_fit_line_says_tight_above_95_percent():
+    gib = 2**30
+    assert fit_line({"total_bytes": 16 * gib, "hbm_bytes": 32 * gib}) == (
+        "fits: 16.00 GiB of 32.00 GiB per device (50%)")
+    assert fit_line({"total_bytes": 31.7 * gib, "hbm_bytes": 32 * gib}).startswith(
+        "fits, tight: 31.70 GiB of 32.00 GiB per device (99%, above 95%")
+    assert fit_line({"total_bytes": 33 * gib, "hbm_bytes": 32 * gib, "argument_bytes": gib,
+                     "output_bytes": 0, "alias_bytes": 0, "temp_bytes": 32 * gib}
+                    ).startswith("does not fit: 33.00 GiB needed")

@@ -15,7 +15,7 @@ def test_human_tables_print(devices, capsys):
     assert cli.main(["inspect", "--config", "configs/tiny.yaml", *tiny]) == 0
     out = capsys.readouterr().out
     assert "mesh data=2 x fsdp=2 x tensor=2 (8 devices)" in out
-    for heading in ("Parameters:", "Memory per device", "Collectives in the optimized HLO",
+    for heading in ("Parameters:", "Memory per device", "Collectives per device and step",
                     "matmul FLOPs (every loop trip)", "pred/meas", "blocks/mlp/w_up/kernel"):
         assert heading in out
     assert "all-reduce  tensor" in out

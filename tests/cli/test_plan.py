@@ -158,3 +158,38 @@ def test_plan_prints_a_factory_models_traced_activations(tmp_path, capsys):
     want = StepTracer(jaxpar.load_config(str(yaml))).activations(remat, "bfloat16", rows, 32)
     assert float(got[1]) == pytest.approx(want.temp_bytes / 2**20, abs=0.05)
     assert "not a prediction of its step" in out
+
+
+def test_verify_drops_what_the_compiler_refuses_and_ranks_tight_plans_last(monkeypatch):
+    """``--verify 3`` on four plans: the compiler (stood in for: its answers given) fits
+    the first at 99% of HBM (tight), the second at 60%, refuses the third; the fourth is
+    not compiled. Kept: the second, then the tight first, then the unverified fourth."""
+    import argparse
+    from types import SimpleNamespace
+
+    from jaxpar.analysis import inspection, targets
+    from jaxpar.cli import plan as plan_cli
+
+    hbm = 32 * GIB
+    answers = iter([0.99 * hbm, 0.60 * hbm, None])
+
+    def compile_step(config, target):
+        total = next(answers)
+        if total is None:
+            raise inspection.StepDoesNotFit("no", temp_bytes=40 * GIB, hbm_bytes=hbm)
+        return total
+
+    def step_report(total):
+        return {"memory": {"total_bytes": total, "hbm_bytes": hbm, "fits": total <= hbm,
+                           "tight": inspection.is_tight(total, hbm)}}
+
+    monkeypatch.setattr(inspection, "compile_step", compile_step)
+    monkeypatch.setattr(inspection, "step_report", step_report)
+    monkeypatch.setattr(targets, "tpu_target", lambda name, slices: name)
+    monkeypatch.setattr(plan_cli, "run_config", lambda *a: None)
+    machine = SimpleNamespace(chip=SimpleNamespace(name="tpu-v6e"), per_slice=4, slices=1)
+    rows = [{"memory_per_device_bytes": 26 * GIB, "n": i} for i in range(4)]
+    plans, kept = plan_cli.verified(list("abcd"), rows, None, machine, argparse.Namespace(
+        verify=3, chips="tpu-v6e:4", global_batch=8, seq=128))
+    assert plans == ["b", "a", "d"]
+    assert [(r["n"], r.get("tight")) for r in kept] == [(1, False), (0, True), (3, None)]
