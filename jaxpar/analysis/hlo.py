@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar.analysis.loops import Instruction, Module, called, computation_runs, parse_module
+from jaxpar.analysis.loops import (
+    Instruction,
+    Module,
+    called,
+    computation_runs,
+    loops,
+    parse_module,
+)
 from jaxpar.planner.comms import wire_bytes
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
@@ -366,37 +373,71 @@ def _conv_dot(rest: str) -> tuple[list[int], int]:
     return contracting, window
 
 
-def matmul_flops(hlo_text: str) -> dict[str, int]:
+def _dot_flops(module: Module, instr: Instruction) -> int | None:
+    """``2 x output elements x contracted size`` of a ``dot`` (or a TPU ``convolution``
+    that computes one); None for any other instruction."""
+    if instr.op == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+        dims, window = _ints(contracting[1]) if contracting else [], 1
+    elif instr.op == "convolution" and "dot_general" in instr.attrs:
+        dims, window = _conv_dot(instr.attrs)
+    else:
+        return None
+    lhs = module.by_name.get(instr.operands[0]) if instr.operands else None
+    lhs_shape = _ints(a[1]) if lhs is not None and (a := _ARRAY.match(lhs.type)) else None
+    out = _ARRAY.match(instr.type)
+    k = window * (int(np.prod([lhs_shape[d] for d in dims])) if lhs_shape else 1)
+    return 2 * int(np.prod(_ints(out[1]) if out else [0])) * k
+
+
+def matmul_flops(hlo_text: str, branch_share: float | None = None) -> dict[str, int]:
     """FLOPs of every ``dot`` in an optimized HLO module, each counted as often as it runs
     in one step.
 
     XLA's own cost analysis (:func:`flops`) counts a ``while`` loop's body once, so a model
     whose layers run under ``lax.scan`` looks ``n_layers`` times cheaper than it is (the
     TPU compiler writes dots as ``convolution``s: those are counted too, see
-    :func:`_conv_dot`). Here each computation is weighted by its executions per step
-    (:func:`jaxpar.analysis.loops.computation_runs`: loop bodies by their trip counts,
-    read from the loop's counter). A dot costs ``2 x output elements x contracted size``.
+    :func:`_conv_dot`). Here a loop body counts its trip count times (read from the loop's
+    counter: :func:`jaxpar.analysis.loops.loops`), fusions and calls once per call, and a
+    ``conditional`` runs one branch per execution: its costliest, times ``branch_share``
+    when given (the share of its executions that do work: a pipeline schedule's busy
+    ticks; otherwise every execution is taken to run the costliest branch, an upper
+    bound). A dot costs ``2 x output elements x contracted size``.
 
     Returns ``{"flops", "dots", "loops", "loops_without_trip_count"}``.
     """
     module = parse_module(hlo_text)
-    runs = computation_runs(module)
-    total = dots = 0
-    for comp, instrs in module.computations.items():
-        for instr in instrs:
-            if instr.op == "dot":
-                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
-                dims, window = _ints(contracting[1]) if contracting else [], 1
-            elif instr.op == "convolution" and "dot_general" in instr.attrs:
-                dims, window = _conv_dot(instr.attrs)
-            else:
-                continue
-            dots += 1
-            lhs = module.by_name.get(instr.operands[0]) if instr.operands else None
-            lhs_shape = _ints(a[1]) if lhs is not None and (a := _ARRAY.match(lhs.type)) else None
-            out = _ARRAY.match(instr.type)
-            k = window * (int(np.prod([lhs_shape[d] for d in dims])) if lhs_shape else 1)
-            total += (2 * int(np.prod(_ints(out[1]) if out else [0])) * k
-                      * runs.runs.get(comp, 0))
-    return {"flops": total, "dots": dots, "loops": len(runs.loops),
-            "loops_without_trip_count": len(runs.unknown)}
+    found = loops(module)
+    trips = {lp.name: lp.trips or 1 for lp in found}
+    memo: dict[str, int] = {}
+    dots = 0
+
+    def total(comp: str, seen: frozenset[str] = frozenset()) -> int:
+        nonlocal dots
+        if comp in memo:
+            return memo[comp]
+        out = 0
+        for instr in module.computations.get(comp, []):
+            own = _dot_flops(module, instr)
+            if own is not None:
+                dots += 1
+                out += own
+            branches = []
+            for how, callee in called(instr):
+                if callee in seen or how in ("condition", "to_apply"):
+                    continue
+                inner = total(callee, seen | {comp})
+                if how == "body":
+                    out += trips.get(instr.name, 1) * inner
+                elif how in ("branch_computations", "true_computation", "false_computation"):
+                    branches.append(inner)
+                else:
+                    out += inner
+            if branches:
+                out += round(max(branches) * (1.0 if branch_share is None else branch_share))
+        memo[comp] = out
+        return out
+
+    flops_total = total(module.entry)
+    return {"flops": flops_total, "dots": dots, "loops": len(found),
+            "loops_without_trip_count": sum(1 for lp in found if lp.trips is None)}

@@ -30,7 +30,7 @@ from jaxpar.analysis.targets import Target, cpu_target
 from jaxpar.config.assembly import Assembly
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
-from jaxpar.parallel.pipeline import Schedule
+from jaxpar.parallel.pipeline import STAGE, Schedule, manual_batch_axes
 from jaxpar.planner.auto import assemble
 from jaxpar.sharding.mesh import describe
 from jaxpar.sharding.partitioning import logical_names, mostly_replicated
@@ -98,11 +98,12 @@ def compare_collectives(measured: list[dict[str, Any]], predicted: list[dict[str
                         mesh: Mesh) -> list[dict[str, Any]]:
     """Measured collective rows joined with predicted ones on (kind, mesh axes).
 
-    Each row gets the planner's figures in both units the two sides share:
+    Each row gets the planner's figures in the units the two sides share:
     ``predicted_count`` / ``predicted_bytes_per_device`` (instructions in the HLO text, a
-    loop body once) and ``predicted_executions`` / ``predicted_bytes_per_step`` (as the step
+    loop body once), ``predicted_executions`` / ``predicted_bytes_per_step`` (as the step
     runs them, every layer and microbatch) and ``predicted_wire_bytes_per_step`` (bytes a
-    device receives), and ``step_ratio`` (predicted / measured bytes received per step). They are None when the planner predicted none of that kind and axes;
+    device receives in the step), and ``step_ratio`` (predicted / measured bytes received
+    per step). They are None when the planner predicted none of that kind and axes;
     predicted rows that XLA did not emit appear with ``count`` 0 and measured bytes None.
     """
     keys = ("bytes_per_device", "count", "bytes_per_step", "executions", "wire_bytes_per_step")
@@ -139,6 +140,23 @@ def _jsonable(x: Any) -> Any:
     if x is None or isinstance(x, bool | int | float | str):
         return x
     return str(x)
+
+
+def _busy_share(run: Assembly) -> float | None:
+    """A tick-by-tick schedule that picks each stage's work by ``lax.switch`` (not in
+    lockstep): the share of ticks in which each of its two switches (forward, backward)
+    runs a chunk; None otherwise."""
+    schedule = run.schedule
+    if schedule is None or not schedule.backward_in_schedule:
+        return None
+    plan = run.plan
+    batch = run.config.train.global_batch // max(plan.microbatches, 1)
+    manual = manual_batch_axes(plan, batch, schedule.microbatches)
+    if schedules.runs_lockstep(plan.mesh, STAGE, manual):
+        return None
+    tl = schedules.timeline(schedule.kind, schedule.stages, schedule.microbatches,
+                            schedule.repeats)
+    return schedule.microbatches * schedule.repeats / tl.ticks
 
 
 def _timeline_text(schedule: Schedule | None) -> str:
@@ -298,7 +316,7 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
     memory = _memory(compiled, target)
     hlo = compiled.as_text()
     collectives = collective_table(hlo, plan.mesh)
-    matmuls = matmul_flops(hlo)
+    matmuls = matmul_flops(hlo, branch_share=_busy_share(run))
     params = param_rows(trainer)
     predicted, note = planner_prediction(config, plan.mesh.size, target)
     predicted = _jsonable(predicted) if predicted is not None else None

@@ -439,13 +439,18 @@ class Transformer(nnx.Module):
                                            segment_ids=segment_ids)[0]
 
     def hidden_states_with_aux(self, tokens: jax.Array, *, dtype=None, block_fn=None,
-                               segment_ids: jax.Array | None = None
+                               segment_ids: jax.Array | None = None,
+                               layout_order: bool = False
                                ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """:meth:`hidden_states` and the router statistics of :meth:`apply_blocks_with_aux`.
 
         Under context parallelism with ``context_balance`` the tokens are laid out in the
         balanced order for the decoder layers (RoPE and the causal mask follow their true
-        positions) and put back in order at the end."""
+        positions) and put back in order at the end; with ``layout_order`` they are left in
+        the balanced order (:func:`sequence_order`), which a loss over every position can
+        use as it is (its targets taken in the same order): putting the hidden states back
+        would gather the whole sequence's activations over the context axis, and their
+        gradient would be all-reduced over it."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise JaxparError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
@@ -456,7 +461,7 @@ class Transformer(nnx.Module):
             tokens = jnp.take(tokens, jnp.asarray(order), axis=1)
         x = self.embed_tokens(tokens, dtype)
         x, aux = self.apply_blocks_with_aux(x, block_fn, segment_ids)
-        if order is not None:
+        if order is not None and not layout_order:
             x = constrain(jnp.take(x, jnp.asarray(np.argsort(order)), axis=1), RESIDUAL)
         return x, aux
 
@@ -507,17 +512,24 @@ class Transformer(nnx.Module):
             return self._scheduled_loss(tokens, schedule)
         chunk = self.config.loss_chunk
         head = self.unembedding() if chunk else None
-        if head is None and not self.config.n_experts and segment_ids is None:
+        if (head is None and not self.config.n_experts and segment_ids is None
+                and sequence_order(tokens.shape[1] - 1) is None):
             return None
         inputs_seg = None if segment_ids is None else segment_ids[:, :-1]
         mask = None if segment_ids is None else segment_ids[:, 1:] == segment_ids[:, :-1]
-        x, aux = self.hidden_states_with_aux(tokens[:, :-1], segment_ids=inputs_seg)
+        # Hidden states in the layout's order (balanced under context parallelism), the
+        # targets taken in the same order: the mean over positions does not mind.
+        x, aux = self.hidden_states_with_aux(tokens[:, :-1], segment_ids=inputs_seg,
+                                             layout_order=True)
+        targets, order = tokens[:, 1:], sequence_order(tokens.shape[1] - 1)
+        if order is not None:  # (packed documents are refused with the balanced order)
+            targets = jnp.take(targets, jnp.asarray(order), axis=1)
         if head is None:
-            loss = loss_lib.cross_entropy(self.logits(x), tokens[:, 1:], mask)
+            loss = loss_lib.cross_entropy(self.logits(x), targets, mask)
         else:
             plan = current_plan()
             out_dtype = plan.precision.output if plan is not None else jnp.float32
-            loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, tokens[:, 1:],
+            loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, targets,
                                                   chunk=chunk, dtype=out_dtype, mask=mask)
         if not aux:
             return loss
@@ -566,5 +578,6 @@ class Transformer(nnx.Module):
         loss = schedules_lib.pipelined_loss(
             layer, head_loss, mesh=plan.mesh, schedule=schedule.kind,
             microbatches=schedule.microbatches, virtual=schedule.repeats,
-            stage_axis=pipeline_lib.STAGE)
+            stage_axis=pipeline_lib.STAGE, batch_axes=pipeline_lib.manual_batch_axes(
+                plan, inputs.shape[0], schedule.microbatches))
         return loss(blocks, (norm, head), self.embed_tokens(inputs), targets)

@@ -53,6 +53,23 @@ DEFAULT_ACT_NAMES: tuple[str, ...] = ("batch", "seq", "embed")
 
 
 
+def manual_batch_axes(plan: Any, batch: int, microbatches: int) -> tuple[str, ...]:
+    """The data-parallel axes a tick-by-tick schedule can split its microbatches over by
+    hand (:func:`jaxpar.parallel.schedules.pipeline_value_and_grad`'s ``batch_axes``), so
+    that the weight gradients are summed over them once after the schedule, not in every
+    backward tick: ``data`` when the batch is split over it, no parameter rule shards a
+    weight over it (ZeRO-3 would), and it divides every microbatch. Empty otherwise (GSPMD
+    then reduces each tick's gradients over the axis)."""
+    mesh = plan.mesh
+    if mesh.shape.get("data", 1) <= 1 or "data" not in plan.data_parallel_axes:
+        return ()
+    if plan.zero_stage >= 3 or any("data" in axes for _, axes in plan.param_rules.rules):
+        return ()
+    if microbatches <= 0 or batch % microbatches or (batch // microbatches) % mesh.shape["data"]:
+        return ()
+    return ("data",)
+
+
 # --- Schedule and reporting ----------------------------------------------------------------
 KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: ``gpipe`` and ``circular`` run the forward pass here and let

@@ -413,6 +413,14 @@ def _lockstep_variants(tabs: dict[str, np.ndarray], embedded: bool
     return variants, np.array([variants.index(k) for k in keys], np.int32)
 
 
+def runs_lockstep(mesh: Mesh, stage_axis: str = "stage", batch_axes: tuple[str, ...] = ()
+                  ) -> bool:
+    """Whether :func:`pipeline_value_and_grad` runs its stages in lockstep by default: a
+    mesh axis other than ``stage_axis`` and ``batch_axes`` has more than one device."""
+    manual = (stage_axis, *batch_axes)
+    return any(n > 1 for a, n in mesh.shape.items() if a not in manual)
+
+
 def pipeline_value_and_grad(
     stage_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
@@ -506,7 +514,7 @@ def pipeline_value_and_grad(
     tabs = tl.tables()
     manual = (stage_axis, *batch_axes)
     if lockstep is None:
-        lockstep = any(n > 1 for a, n in mesh.shape.items() if a not in manual)
+        lockstep = runs_lockstep(mesh, stage_axis, batch_axes)
     if lockstep:
         variants, steps = _lockstep_variants(tabs, embed_fn is not None)
     # Only the backward variants that occur are compiled; b_kind becomes a branch index.

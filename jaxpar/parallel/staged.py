@@ -51,6 +51,7 @@ from jaxpar.parallel.pipeline import (
     REPEAT,
     STAGE,
     Schedule,
+    manual_batch_axes,
     pipeline_module,
 )
 from jaxpar.parallel.schedules import stack_layers, unstack_layers
@@ -259,7 +260,8 @@ class StagedModel(nnx.Module):
 
         loss = schedules_lib.pipelined_loss(
             layer, head_loss, mesh=plan.mesh, schedule=s.kind, microbatches=s.microbatches,
-            virtual=s.repeats, stage_axis=STAGE)
+            virtual=s.repeats, stage_axis=STAGE,
+            batch_axes=manual_batch_axes(plan, tokens.shape[0], s.microbatches))
         return loss(blocks, rest, self.split.embed(self.model, tokens[:, :-1]), tokens[:, 1:])
 
     def unstaged(self) -> nnx.Module:

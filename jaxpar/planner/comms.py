@@ -284,6 +284,15 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         # the tensor's experts; then over the context axis, on its own (as XLA emits it).
         reduce_axes = tuple(a for a in lay.dp_axes
                             if lay.sizes[a] > 1 and a not in p.owned_axes)
+        if tokens and p.tensor.path in _LAST_STAGE and _ticked(cand, lay):
+            # A tick-by-tick schedule's head and final norm: their gradients are summed
+            # over the stages (only the last has them) with the loss, once, and with the
+            # data axis the schedule splits by hand, in the same all-reduce.
+            full = compute * wire
+            if "data" in manual_data_axes(cand, lay):
+                rows.add("all-reduce", ("data", "stage"), full, 1, 1, phase="gradient")
+                continue
+            rows.add("all-reduce", ("stage",), full, 1, 1, phase="gradient")
         grad_split = p.store_dp_axes if cand.zero_stage < 2 else (p.base_dp_axes + p.zero_axes)
         grad_split = tuple(a for a in grad_split if a in reduce_axes)
         rest = tuple(a for a in reduce_axes if a not in grad_split)
@@ -322,13 +331,32 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
 
 
+_LAST_STAGE = ("final_norm/scale", "lm_head/kernel")
+"""The reference transformer's tensors a pipeline runs on its last stage, after the
+layers (the embedding runs before them, outside the schedule)."""
+
+
+def _ticked(cand: Candidate, lay: Layout) -> bool:
+    """Whether a pipeline runs forward and backward tick by tick (1F1B) on ``lay``."""
+    return lay.sizes.get("stage", 1) > 1 and scheduled_backward(cand)
+
+
+def manual_data_axes(cand: Candidate, lay: Layout) -> tuple[str, ...]:
+    """The data-parallel axes a tick-by-tick schedule splits its microbatches over by hand
+    (:func:`jaxpar.parallel.pipeline.manual_batch_axes`): ``data`` when it has more than
+    one device and ZeRO-3 does not shard the weights over it."""
+    if not _ticked(cand, lay) or lay.sizes.get("data", 1) <= 1 or cand.zero_stage >= 3:
+        return ()
+    return ("data",)
+
+
 def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: str,
                  tokens: _Tokens) -> _Rows:
     """:func:`_weights` into new rows, remembered by what it reads (the search asks
     again for candidates that differ in what it does not): a copy to add to."""
     key = (id(lay), layers, wire, backend, cand.microbatches, cand.zero_stage,
            cand.quantize_gather, cand.quantize_reduce, cand.hpz, tokens.loc.tokens,
-           tokens.d_model, tokens.pipe_micro, tokens.tied)
+           tokens.d_model, tokens.pipe_micro, tokens.tied, cand.pipeline_schedule)
     hit = _WEIGHT_ROWS.get(key)
     if hit is None or hit[0] is not lay:
         rows = _Rows(lay)
@@ -358,21 +386,25 @@ def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Loc
     # (q, k, v; gate, up); TPU and GPU XLA reassociate the sum of all-reduces into one
     # all-reduce of the sum, one per sublayer, as Megatron does by hand.
     attn_in, mlp_in = (3, 2) if backend == "cpu" else (1, 1)
-    # (bytes, forward count, backward count) per layer: attention, then the MLP.
+    again = 1 if remat else 0
+    # (bytes, reductions, gathers) per layer: attention, then the MLP. Reductions: the
+    # forward's one per sublayer, the backward's input gradients, remat's rerun. Under
+    # sequence parallelism the gathers are the forward's one before each sublayer, the
+    # backward's one (the transpose of the forward's reduce-scatter) and remat's rerun.
     if spec.is_moe:
         expert_b = loc.dispatched * spec.d_model * wire
-        parts = [(tokens_b, 1, attn_in + (1 if remat else 0)),
-                 (expert_b, 1, mlp_in + (1 if remat else 0))]
+        parts = [(tokens_b, 1 + attn_in + again, 2 + again),
+                 (expert_b, 1 + mlp_in + again, 2 + again)]
     else:
-        parts = [(tokens_b, 2, attn_in + mlp_in + (2 if remat else 0))]
+        parts = [(tokens_b, 2 + attn_in + mlp_in + 2 * again, 4 + 2 * again)]
     tp, sp = lay.tp_axes, loc.seq_parallel
     # On a TPU, XLA runs these asynchronously and decomposes the neighbouring matmuls
     # (collective matmul), so they overlap the layer's compute; elsewhere the matmul
     # waits for them.
     overlapped = backend == "tpu"
     # The vocab-parallel embedding's output and the head's input gradient.
-    for nbytes, n, runs in [*((b, f + w, runs_layer) for b, f, w in parts),
-                            (tokens_b, 2, runs_step)]:
+    for nbytes, n, gathers, runs in [*((b, r, g, runs_layer) for b, r, g in parts),
+                                     (tokens_b, 2, 2, runs_step)]:
         phase = "backward" if overlapped else "exposed"
         if not sp:
             rows.add("all-reduce", tp, nbytes, n, n * runs, exposed=True, phase=phase)
@@ -382,7 +414,8 @@ def _tensor(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Loc
         else:
             rows.add("reduce-scatter", tp, nbytes / loc.tp, n, n * runs, exposed=True,
                      phase=phase)
-        rows.add("all-gather", tp, nbytes, n, n * runs, exposed=True, phase=phase)
+        rows.add("all-gather", tp, nbytes, gathers, gathers * runs, exposed=True,
+                 phase=phase)
 
 
 def _context(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Local,
@@ -473,6 +506,11 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         # 1F1B at every one of its 2 x iterations ticks.
         sends = 4 * iters if scheduled_backward(cand) else 2 * iters
         rows.add("collective-permute", ("stage",), send, 2, sends * micro, exposed=True)
+        if scheduled_backward(cand):
+            # The layers' input gradient, made on stage 0, is summed over the stages once
+            # the schedule is done (every microbatch's rows at once).
+            rows.add("all-reduce", ("stage",), loc.tokens * m * spec.d_model * c, 1, micro,
+                     phase="exposed")
     return rows
 
 

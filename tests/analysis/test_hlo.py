@@ -318,3 +318,44 @@ def test_memory_stats_split_device_and_host_memory(devices):
     assert got["host_argument_bytes"] == 1024 and got["host_output_bytes"] == 1024
     assert got["host_alias_bytes"] == 1024  # the donated state is updated in place
     assert got["argument_bytes"] == 1024 + 64 and got["alias_bytes"] == 0
+
+
+# A conditional in a loop of 4 trips, its branches a cheap dot and a dear one: one branch
+# runs per execution.
+BRANCHES = """\
+%cheap (c: (f32[2,4], f32[4,4])) -> f32[2,4] {
+  %c = (f32[2,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %c0 = f32[2,4]{1,0} get-tuple-element(%c), index=0
+  %c1 = f32[4,4]{1,0} get-tuple-element(%c), index=1
+  ROOT %dot.c = f32[2,4]{1,0} dot(%c0, %c1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%dear (d: (f32[8,4], f32[4,16])) -> f32[8,16] {
+  %d = (f32[8,4]{1,0}, f32[4,16]{1,0}) parameter(0)
+  %d0 = f32[8,4]{1,0} get-tuple-element(%d), index=0
+  %d1 = f32[4,16]{1,0} get-tuple-element(%d), index=1
+  ROOT %dot.d = f32[8,16]{1,0} dot(%d0, %d1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (b: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %b = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %k = s32[] constant(1)
+  %cond.r = f32[2,4]{1,0} conditional(%i, %t0, %t1), branch_computations={%cheap, %dear}
+  %n = s32[] add(%i, %k)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%n, %x)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cnd, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %o = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""  # noqa: E501
+
+
+def test_a_conditional_runs_its_costliest_branch_once_per_execution():
+    dear = 2 * 8 * 16 * 4
+    assert matmul_flops(BRANCHES)["flops"] == 4 * dear  # not 4 x (cheap + dear)
+    # A pipeline schedule's switch does work in a share of its ticks only.
+    assert matmul_flops(BRANCHES, branch_share=0.25)["flops"] == dear

@@ -83,6 +83,16 @@ def test_a_1f1b_pipeline_reports_its_ticks_and_bubble(devices, capsys):
     assert ("timeline: 22 ticks, 6 idle on each stage (bubble 27.3% of stage-ticks, as "
             "counted; 37.5% of busy time, Megatron's measure), at most 8 stage inputs "
             "held") in out
+    # The microbatches are split over data by hand: the weight gradients are summed over
+    # it once a step (runs 1), not in each of the 22 ticks; every collective is the
+    # planner's, the input gradient's and the head's reductions over the stages included.
+    rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines()
+            if line.startswith("  all-reduce") or line.startswith("  collective-permute")}
+    assert rows[("all-reduce", "data")][2:4] == ["1", "1"]
+    assert rows[("all-reduce", "data,")][3:5] == ["1", "1"]  # over data and stage
+    assert rows[("collective-permute", "stage")][3] == "44"  # 2 a tick
+    total = next(line for line in out.splitlines() if line.startswith("  total  "))
+    assert total.split()[-1] == "1.00"
 
 
 def test_quantized_plans_are_named_in_the_header(devices, capsys):
