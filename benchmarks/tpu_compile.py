@@ -209,7 +209,7 @@ def replan(row: dict, run: dict, hlo_dir: Path | None = None) -> dict:
 
     from jaxpar.analysis.hlo import collective_table
     from jaxpar.analysis.inspection import compare_collectives, for_slices
-    from jaxpar.config.assembly import assemble
+    from jaxpar.planner.auto import assemble
 
     out = {**row, **planner_figures(run, row["target"], row["slices"])}
     predicted = out.pop("predicted_collectives")
@@ -237,14 +237,16 @@ def replan(row: dict, run: dict, hlo_dir: Path | None = None) -> dict:
 
 
 def _kinds(r: dict) -> str:
-    """Each significant kind's planner/compiler ratio, e.g. ``AG 0.88 RS 0.79``."""
+    """Each significant kind's planner/compiler ratio, e.g. ``AG 0.88 RS 0.79`` (``planner
+    only`` / ``compiler only`` where the other side has none of that kind)."""
     short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
              "all-to-all": "A2A", "collective-permute": "CP"}
     total = max(r.get("compiler_wire_bytes") or 0, r.get("planner_wire_bytes") or 0)
     parts = []
     for kind, v in (r.get("by_kind") or {}).items():
         if total and max(v["planner"], v["compiler"]) >= SIGNIFICANT * total:
-            ratio = f"{v['planner'] / v['compiler']:.2f}" if v["compiler"] else "new"
+            ratio = (f"{v['planner'] / v['compiler']:.2f}" if v["compiler"] and v["planner"]
+                     else "planner only" if v["planner"] else "compiler only")
             parts.append(f"{short.get(kind, kind)} {ratio}")
     return " ".join(parts) or "-"
 
