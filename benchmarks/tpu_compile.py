@@ -217,21 +217,18 @@ def replan(row: dict, run: dict, hlo_dir: Path | None = None) -> dict:
         out["hbm_bytes"] = out["catalog_hbm_bytes"]
         out["fits"] = out["compiler_bytes"] <= out["hbm_bytes"]
         out["planner_fits"] = out["planner_bytes"] <= out["hbm_bytes"]
+        target = _target(run)
+        config = for_slices(run_config(run, len(target.devices) // target.chips),
+                            target.slices)
+        mesh = assemble(config, target.devices, abstract=True, machine=target.machine).plan.mesh
         path = _hlo_path(hlo_dir, run) if hlo_dir is not None else None
         if path is not None and path.exists():
-            target = _target(run)
-            config = for_slices(run_config(run, len(target.devices) // target.chips),
-                                target.slices)
-            mesh = assemble(config, target.devices, abstract=True,
-                            machine=target.machine).plan.mesh
             measured = collective_table(gzip.decompress(path.read_bytes()).decode(), mesh)
-            out["collectives"] = compare_collectives(measured, predicted, mesh)
-        else:  # the compiler's rows as saved, the planner's anew
-            out["collectives"] = [
-                {**c, "predicted_wire_bytes_per_step": next(
-                    (p.get("wire_bytes_per_step", 0) for p in predicted
-                     if (p["kind"], sorted(p["axes"])) == (c["kind"], sorted(c["axes"]))), None)}
-                for c in out.get("collectives", [])]
+        else:  # the compiler's rows as saved, without the planner's columns
+            measured = [{k: v for k, v in c.items()
+                         if not k.startswith("predicted_") and k != "step_ratio"}
+                        for c in out.get("collectives", []) if c["count"]]
+        out["collectives"] = compare_collectives(measured, predicted, mesh)
         out.update(collective_figures(out["collectives"]))
     return out
 

@@ -19,7 +19,7 @@ from jaxpar.analysis.loops import (
     Module,
     called,
     computation_runs,
-    loops,
+    parameter_element,
     parse_module,
 )
 from jaxpar.planner.comms import wire_bytes
@@ -113,8 +113,14 @@ def _groups(line: str) -> list[list[int]]:
 
 _WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)\b")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_INDEX_ATTR = re.compile(r"\bindex=(\d+)")
 _START = {f"{kind}-start": kind for kind in COLLECTIVE_KINDS}
+
+
+def _windowed(computation: str) -> str:
+    """``all-gather`` or ``reduce-scatter`` when ``computation`` is the body of the TPU
+    compiler's windowed-einsum loop of that kind (a collective matmul), else empty."""
+    m = _WINDOWED.search(computation)
+    return ("all-gather" if m[1] == "ag" else "reduce-scatter") if m else ""
 
 
 def _collective_matmul(module: Module, instr: Instruction) -> str:
@@ -123,8 +129,8 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
     the compiler peeled out of the loop (or pipelined into the previous trip of an outer
     loop) whose result flows into that loop; else empty. Only permutes that a
     ``dot_general`` brought are followed."""
-    if m := _WINDOWED.search(instr.computation):
-        return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+    if kind := _windowed(instr.computation):
+        return kind
     name = _OP_NAME.search(instr.attrs)
     if not name or "dot_general" not in name[1].rsplit("/", 1)[-1]:
         return ""
@@ -137,8 +143,8 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
             if source is None:
                 continue
             if source.op == "while":
-                if m := _WINDOWED.search(dict(called(source)).get("body", "")):
-                    return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+                if kind := _windowed(dict(called(source)).get("body", "")):
+                    return kind
                 continue
             nxt += [o for o in source.operands if o not in seen]
             seen.update(source.operands)
@@ -150,9 +156,8 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
         for value in frontier:
             for user in module.users(value):
                 if user.op == "while":
-                    body = dict(called(user)).get("body", "")
-                    if m := _WINDOWED.search(body):
-                        return {"ag": "all-gather", "rs": "reduce-scatter"}[m[1]]
+                    if kind := _windowed(dict(called(user)).get("body", "")):
+                        return kind
                     continue
                 if user.root and user.op == "tuple":
                     # A loop body's result: the value comes back as the next trip's
@@ -160,9 +165,7 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
                     places = {i for i, o in enumerate(user.operands) if o == value}
                     carried = [i.name for i in module.computations[user.computation]
                                if i.op == "get-tuple-element"
-                               and (idx := _INDEX_ATTR.search(i.attrs))
-                               and int(idx[1]) in places
-                               and module.by_name[i.operands[0]].op == "parameter"]
+                               and parameter_element(module, i.name) in places]
                     nxt += [c for c in carried if c not in seen]
                     seen.update(carried)
                 elif user.name not in seen:
@@ -172,10 +175,11 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
     return ""
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective in an HLO module's text (async ``-start`` ops counted once), each
+def parse_collectives(hlo: str | Module) -> list[Collective]:
+    """Every collective in an HLO module (its text, or the text parsed by
+    :func:`jaxpar.analysis.loops.parse_module`; async ``-start`` ops counted once), each
     with its executions per step and the collective it implements."""
-    module = parse_module(hlo_text)
+    module = parse_module(hlo) if isinstance(hlo, str) else hlo
     runs = None
     out = []
     for comp, instrs in module.computations.items():
@@ -243,7 +247,7 @@ def group_axes(groups: list[list[int]], mesh: Mesh) -> tuple[str, ...]:
     return tuple(names[a] for a in sorted(varying))
 
 
-def collective_table(hlo_text: str, mesh: Mesh) -> list[dict[str, Any]]:
+def collective_table(hlo: str | Module, mesh: Mesh) -> list[dict[str, Any]]:
     """Collectives grouped by (kind, mesh axes), the kind being what each implements (a
     collective matmul's permutes are under the all-gather or reduce-scatter they make up,
     and counted in ``in_collective_matmuls``).
@@ -253,7 +257,7 @@ def collective_table(hlo_text: str, mesh: Mesh) -> list[dict[str, Any]]:
     (result bytes times runs) and ``wire_bytes_per_step`` (what a device receives,
     :func:`jaxpar.planner.comms.wire_bytes`: the unit the planner is compared in)."""
     rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
-    for c in parse_collectives(hlo_text):
+    for c in parse_collectives(hlo):
         axes = group_axes(c.groups, mesh)
         row = rows.setdefault((c.implements, axes), {
             "kind": c.implements, "axes": list(axes), "count": 0, "bytes_per_device": 0,
@@ -347,10 +351,7 @@ def flops(compiled: Any) -> float:
 
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
-                    r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"^\w+\[([\d,]*)\]")
-_NAME = re.compile(r"%?([\w.\-]+)")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")
 _WINDOW = re.compile(r"window=\{size=([\dx]+)(?: pad=([\d_x]+))?")
 
@@ -390,7 +391,7 @@ def _dot_flops(module: Module, instr: Instruction) -> int | None:
     return 2 * int(np.prod(_ints(out[1]) if out else [0])) * k
 
 
-def matmul_flops(hlo_text: str, branch_share: float | None = None) -> dict[str, int]:
+def matmul_flops(hlo: str | Module, branch_share: float | None = None) -> dict[str, int]:
     """FLOPs of every ``dot`` in an optimized HLO module, each counted as often as it runs
     in one step.
 
@@ -406,8 +407,8 @@ def matmul_flops(hlo_text: str, branch_share: float | None = None) -> dict[str, 
 
     Returns ``{"flops", "dots", "loops", "loops_without_trip_count"}``.
     """
-    module = parse_module(hlo_text)
-    found = loops(module)
+    module = parse_module(hlo) if isinstance(hlo, str) else hlo
+    found = computation_runs(module).loops
     trips = {lp.name: lp.trips or 1 for lp in found}
     memo: dict[str, int] = {}
     dots = 0

@@ -24,6 +24,7 @@ from jaxpar.analysis.hlo import (
     matmul_flops,
     memory_stats,
 )
+from jaxpar.analysis.loops import parse_module
 from jaxpar.analysis.report import fmt_bytes, is_tight
 from jaxpar.analysis.sources import explain_collectives
 from jaxpar.analysis.targets import Target, cpu_target
@@ -315,8 +316,9 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
     trainer, plan = run.trainer, run.plan
     memory = _memory(compiled, target)
     hlo = compiled.as_text()
-    collectives = collective_table(hlo, plan.mesh)
-    matmuls = matmul_flops(hlo, branch_share=_busy_share(run))
+    module = parse_module(hlo)  # read once for the collectives and the FLOPs
+    collectives = collective_table(module, plan.mesh)
+    matmuls = matmul_flops(module, branch_share=_busy_share(run))
     params = param_rows(trainer)
     predicted, note = planner_prediction(config, plan.mesh.size, target)
     predicted = _jsonable(predicted) if predicted is not None else None

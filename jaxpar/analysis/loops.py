@@ -60,6 +60,7 @@ class Module:
     by_name: dict[str, Instruction] = field(default_factory=dict)
     callers: dict[str, list[Instruction]] | None = None
     _users: dict[str, list[Instruction]] | None = None
+    _runs: Runs | None = None
 
     def users(self, name: str) -> list[Instruction]:
         """The instructions that take ``name`` as an operand."""
@@ -174,9 +175,11 @@ def _integer(module: Module, name: str, env: dict[str, str]) -> int | None:
     return None
 
 
-def _element(module: Module, name: str, env: dict[str, str]) -> int | None:
-    """Which element of a loop computation's tuple parameter ``name`` is, or None."""
-    instr = _source(module, name, env)
+def parameter_element(module: Module, name: str, env: dict[str, str] | None = None
+                      ) -> int | None:
+    """Which element of its computation's tuple parameter ``name`` is (through copies,
+    and fusion parameters bound in ``env``), or None when it is something else."""
+    instr = _source(module, name, env or {})
     if instr is not None and instr.op == "get-tuple-element" and instr.operands:
         source = module.by_name.get(instr.operands[0])
         index = _INDEX.search(instr.attrs)
@@ -249,9 +252,11 @@ def _induction(module: Module, loop: Instruction, body: str, condition: str
     if not direction:
         return None
     lhs, rhs = compare.operands
-    index, bound, way = _element(module, lhs, env), _integer(module, rhs, env), direction[1]
+    index, bound, way = (parameter_element(module, lhs, env), _integer(module, rhs, env),
+                         direction[1])
     if index is None or bound is None:
-        index, bound, way = _element(module, rhs, env), _integer(module, lhs, env), _FLIP[way]
+        index, bound, way = (parameter_element(module, rhs, env), _integer(module, lhs, env),
+                             _FLIP[way])
     if index is None or bound is None:
         return None
     update = module.root(body)
@@ -262,9 +267,9 @@ def _induction(module: Module, loop: Instruction, body: str, condition: str
         return None
     a, b = add.operands
     step = None
-    if _element(module, a, env) == index:
+    if parameter_element(module, a, env) == index:
         step = _integer(module, b, env)
-    elif add.op == "add" and _element(module, b, env) == index:
+    elif add.op == "add" and parameter_element(module, b, env) == index:
         step = _integer(module, a, env)
     if step is None:
         return None
@@ -310,9 +315,12 @@ class Runs:
 
 
 def computation_runs(module: Module | str) -> Runs:
-    """How many times each computation runs in one execution of the module's entry."""
+    """How many times each computation runs in one execution of the module's entry
+    (worked out once per :class:`Module`)."""
     if isinstance(module, str):
         module = parse_module(module)
+    if module._runs is not None:
+        return module._runs
     found = loops(module)
     trips = {lp.name: lp.trips for lp in found}
     callers: dict[str, list[tuple[str, int]]] = {}
@@ -339,4 +347,5 @@ def computation_runs(module: Module | str) -> Runs:
     for comp in module.computations:
         times(comp, frozenset())
     runs[module.entry] = 1
-    return Runs(runs, found)
+    module._runs = Runs(runs, found)
+    return module._runs

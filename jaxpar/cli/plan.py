@@ -171,14 +171,10 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
         raise JaxparError(f"--verify compiles with the TPU compiler: --chips {args.chips} is "
                           "not a TPU kind")
     target = tpu_target(f"{kind}:{topology_for(kind, machine.per_slice)}", machine.slices)
-    keep_plans, keep_rows, tight = [], [], []
+    roomy, tight, unverified = [], [], []  # (plan, row) pairs, ranked in this order
     for i, (est, row) in enumerate(zip(plans, rows, strict=True), 1):
         if i > args.verify:
-            keep_plans += [e for e, _ in tight]
-            keep_rows += [r for _, r in tight]
-            tight = []
-            keep_plans.append(est)
-            keep_rows.append(row)
+            unverified.append((est, row))
             continue
         config = run_config(est, base, None, args.global_batch, args.seq)
         try:
@@ -200,14 +196,9 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
         if memory["fits"]:
             checked = dict(row, compiler_bytes=memory["total_bytes"],
                            tight=bool(memory.get("tight")))
-            if checked["tight"]:
-                tight.append((est, checked))
-            else:
-                keep_plans.append(est)
-                keep_rows.append(checked)
-    keep_plans += [e for e, _ in tight]
-    keep_rows += [r for _, r in tight]
-    return keep_plans, keep_rows
+            (tight if checked["tight"] else roomy).append((est, checked))
+    ranked = roomy + tight + unverified
+    return [e for e, _ in ranked], [r for _, r in ranked]
 
 
 def command(args: argparse.Namespace) -> int:

@@ -132,7 +132,8 @@ class _Rows:
         if row is None:
             row = self.rows[(kind, axes)] = {
                 "kind": kind, "axes": list(axes), "count": 0, "bytes_per_device": 0.0,
-                "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0}
+                "bytes_per_step": 0.0, "executions": 0, "exposed_bytes_per_step": 0.0,
+                "wire_bytes_per_step": 0.0}
         elif (kind, axes) in self._shared:
             row = self.rows[(kind, axes)] = {**row, "axes": list(row["axes"])}
             self._shared.discard((kind, axes))
@@ -140,7 +141,7 @@ class _Rows:
         row["bytes_per_device"] += nbytes * static
         row["bytes_per_step"] += nbytes * runs
         row["executions"] += runs
-        row["wire_bytes_per_step"] = row.get("wire_bytes_per_step", 0.0) + runs * wire_bytes(
+        row["wire_bytes_per_step"] += runs * wire_bytes(
             kind, nbytes, math.prod(self.lay.sizes[a] for a in axes))
         if exposed:
             row["exposed_bytes_per_step"] += nbytes * runs
