@@ -62,3 +62,42 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests need 8 simulated CPU devices"
     return devs
+
+
+# The longest tests first (seconds on CI's 2 cores, roughly in this order), each file's
+# tests kept together (module fixtures are set up once) and otherwise in collection order.
+# `make test` distributes with ``--dist worksteal``: each worker starts on half the list
+# and an idle one takes tests from the end of the other's queue, so with these at the front
+# the run ends on short tests, not on one worker alone with a 60-90 s page or rehearsal.
+LONGEST_FIRST = (
+    "tests/runs/test_pod_rehearsal.py",  # 96: four-host then two-process pod
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/checkpoints.md]",  # 64
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/low-bit.md]",  # 60
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/planner.md]",  # 53
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/tpu-compile.md]",  # 50
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/long-context-moe.md]",  # 48
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/models.md]",  # 45
+    "tests/test_docs.py::test_page_runs_as_printed[docs/guides/huggingface.md]",  # 44
+    "tests/test_docs.py",  # every page a process, 10-35 s
+    "tests/parallel/test_streamed_update.py",  # 81: four steps compiled for a TPU
+    "tests/test_notebooks.py::test_notebook_runs[02_planning]",  # 70
+    "tests/test_notebooks.py",  # 30-42 each
+    "tests/cli/test_launch.py",  # 69: 4, 2 then 3 processes
+    "tests/checkpoint/test_structure.py",  # 37 + 32
+    "tests/sharding/test_scanned.py",  # 36
+    "tests/analysis/test_targets.py",  # 32 + 28: TPU compiles
+    "tests/cli/test_replicas.py",  # 30
+)
+
+
+def _rank(nodeid: str) -> int:
+    for i, prefix in enumerate(LONGEST_FIRST):
+        if nodeid == prefix or nodeid.startswith(prefix + "::") or (
+                prefix.endswith("]") and nodeid.startswith(prefix)):
+            return i
+    return len(LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put :data:`LONGEST_FIRST` first (a stable sort: the rest keeps its order)."""
+    items.sort(key=lambda item: _rank(item.nodeid))
