@@ -1,5 +1,7 @@
 """``jaxpar train`` (jaxpar.cli.train) as a user runs it: a fresh process, simulated devices,
-files on disk; and which config a run is checked and started with."""
+files on disk; and which config a run is checked and started with. Where a test is not
+about the process (a text corpus, DiLoCo's meetings and resume), its commands run in this
+one (``jaxpar.cli.main``): a subprocess each cost a JAX start and a compile cache read."""
 
 import argparse
 import json
@@ -11,6 +13,7 @@ import pytest
 import yaml
 
 import jaxpar
+from jaxpar.cli import main
 from jaxpar.cli.train import checked_train_config
 
 SMALL_RUN = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "train.seq_len=16",
@@ -58,13 +61,13 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_train_on_a_user_text_file(tmp_path):
+def test_train_on_a_user_text_file(devices, tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    proc = jaxpar_cli("train", "--devices", "8", f"data.source={text}", "mesh.data=8",
-                      *SMALL_RUN)
-    assert proc.returncode == 0, proc.stderr
-    assert "final loss" in proc.stdout
+    code = main(["train", "--devices", "8", f"data.source={text}", "mesh.data=8", *SMALL_RUN])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "final loss" in out
 
 
 def _train_args(**given) -> argparse.Namespace:
@@ -93,7 +96,7 @@ def test_a_resumed_run_without_config_continues_under_its_saved_config(tmp_path)
     (["diloco.overlap=true"], "staleness 0), outer SGD lr 0.7 momentum 0.9 nesterov, "
                               "meetings overlapped with the next step\n"),
 ])
-def test_train_with_diloco_meets_and_resumes(tmp_path, knobs, said):
+def test_train_with_diloco_meets_and_resumes(devices, tmp_path, capsys, knobs, said):
     """``diloco.sync_every=2`` on data 2 x fsdp 4, with outer gradients a meeting late or
     meetings overlapped with the next step: the run says what it runs, trains 4 steps
     with a checkpoint at step 2 (under overlap, with that meeting still in flight), and
@@ -102,12 +105,14 @@ def test_train_with_diloco_meets_and_resumes(tmp_path, knobs, said):
     run = ["train", "--config", "configs/tiny.yaml", "--devices", "8", "--out", str(out),
            *SMALL_RUN, "mesh.data=2", "mesh.fsdp=4", "diloco.sync_every=2", *knobs,
            "checkpoint.every=2"]
-    proc = jaxpar_cli(*run, "train.steps=4")
-    assert proc.returncode == 0, proc.stderr
+    code = main([*run, "train.steps=4"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
     assert ("diloco: 2 replicas over data, each fragment meets every 2 steps (1 fragment, "
-            + said) in proc.stdout
-    proc = jaxpar_cli(*run, "train.steps=6", "--resume")
-    assert proc.returncode == 0, proc.stderr
-    assert "resumed from" in proc.stdout + proc.stderr
+            + said) in printed
+    code = main([*run, "train.steps=6", "--resume"])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "resumed from" in printed + err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
