@@ -516,10 +516,16 @@ class Checkpointer:
 
     def _restore_step(self, trainer: Any, step: int) -> dict[str, Any]:
         target = flat_paths(trainer.state)
-        values, meta = self.read(step, _keys_as_data(target),
+        source = _weights_as_saved(target, self.saved_shapes(step))
+        read = {source[k]: v for k, v in target.items() if k in source}
+        values, meta = self.read(step, _keys_as_data(read),
                                  stages=trainer.plan.mesh.shape["stage"],
                                  layers_per_stage=_layers_per_stage(trainer.pipeline_schedule),
-                                 stacks=_stacks(trainer))
+                                 stacks=_stacks(trainer), partial=len(read) < len(target)
+                                 or any(k != v for k, v in source.items()))
+        values = {k: values[source[k]] if k in source else jax.device_put(
+            values[source[f"master/{k[7:]}"]].astype(target[k].dtype), target[k].sharding)
+            for k in target}  # (a copy the checkpoint lacks: cast from its master weights)
         for k, leaf in target.items():  # typed PRNG keys were stored as their key data
             if _is_key(leaf):
                 values[k] = jax.random.wrap_key_data(values[k], impl=jax.random.key_impl(leaf))
@@ -546,6 +552,23 @@ class Checkpointer:
 
 
 # --- weights only (init_from) -------------------------------------------------------------
+def _weights_as_saved(target: dict[str, Any], saved: Mapping[str, tuple]) -> dict[str, str]:
+    """The checkpoint path each of ``target``'s paths is read from. The same path, unless
+    the state and the checkpoint differ in keeping a compute-dtype copy of the weights
+    beside the master weights (``Plan.weight_copy``): a state without one reads its
+    ``params`` from the checkpoint's ``master``; a state with one reads its ``master``
+    from the checkpoint's ``params`` (its master weights), and its copy is left out (cast
+    from them)."""
+    has = lambda keys, group: any(k.startswith(f"{group}/") for k in keys)  # noqa: E731
+    source = {k: k for k in target}
+    if has(target, "master") == has(saved, "master") or not has(target, "params"):
+        return source
+    if has(saved, "master"):
+        return {k: f"master/{k[7:]}" if k.startswith("params/") else k for k in target}
+    return {k: f"params/{k[7:]}" if k.startswith("master/") else k for k in target
+            if not k.startswith("params/")}
+
+
 def read_only(source: str | Path, what: str = "checkpoint folder") -> Checkpointer:
     """A :class:`Checkpointer` that only reads the checkpoints of ``source`` (a
     ``RUN/checkpoints`` or ``RUN`` folder, local or ``gs://``): it creates and cleans up

@@ -18,6 +18,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.planner.layout import Layout
 from jaxpar.planner.model import ModelSpec
 from jaxpar.sharding.mesh import MESH_AXES
+from jaxpar.sharding.plan import stores_weight_copy
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 0}
 DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
@@ -61,7 +62,8 @@ class Candidate:
     host (``update_chunk``: the layers a streamed update brings down at a time);
     ``offload_params`` keeps the decoder layers' weights in host memory and streams
     each layer's shard in as the layer runs. ``remat`` may be ``offload:<names>``: those
-    activations are saved to host memory, the rest recomputed.
+    activations are saved to host memory, the rest recomputed. ``weight_copy``:
+    ``plan.weight_copy``.
     """
 
     ici: tuple[tuple[str, int], ...]
@@ -86,6 +88,16 @@ class Candidate:
     host_update: bool = False
     update_chunk: int = 1
     offload_params: bool = False
+    weight_copy: str = "auto"
+
+    @property
+    def stores_weight_copy(self) -> bool:
+        """Whether a bf16 (compute-dtype) copy of the weights is kept between steps beside
+        the f32 master weights (``plan.weight_copy``; see
+        :func:`jaxpar.sharding.plan.stores_weight_copy`)."""
+        return dtype_bytes(self.precision) != 4 and stores_weight_copy(
+            self.weight_copy, self.zero_stage,
+            offloaded=self.offloads_state or self.host_update)
 
     @staticmethod
     def make(ici: dict[str, int], dcn: dict[str, int] | None = None, **knobs: Any) -> Candidate:

@@ -66,7 +66,8 @@ def candidate_from_config(config: Config, n_devices: int) -> Candidate:
                           offload_optimizer=float(getattr(config.plan, "offload_optimizer", 0)),
                           host_update=bool(getattr(config.plan, "host_update", False)),
                           update_chunk=int(getattr(config.plan, "update_chunk", 1)),
-                          offload_params=bool(getattr(config.plan, "offload_params", False)))
+                          offload_params=bool(getattr(config.plan, "offload_params", False)),
+                          weight_copy=getattr(config.plan, "weight_copy", "auto"))
 
 
 def _repeats(config: Config, stages: int) -> int:

@@ -250,7 +250,7 @@ class ReplicaClient:
     # --- weights in and out of the trainer ----------------------------------------------------
     @staticmethod
     def _key(trainer: Any) -> str:
-        return "master" if trainer.policy.mixed else "params"
+        return trainer.master_key
 
     def weights(self, trainer: Any) -> dict[str, np.ndarray]:
         """The trainer's (master) weights as float32 arrays by path."""

@@ -70,6 +70,8 @@ class Knob:
 
 
 AUTO_KNOBS = ("vocab_over_fsdp",)
+WEIGHT_COPY = ("auto", "stored", "in_step")
+"""Whether a compute-dtype copy of the weights is kept between steps (``Plan.weight_copy``)."""
 """Knobs whose config default is ``auto``: resolved, when a run is assembled from its
 config, to what the planner picks for the model, mesh and batch (see
 :mod:`jaxpar.planner.auto`). A :class:`Plan` itself takes only a concrete value."""
@@ -149,10 +151,27 @@ def check_knob_pairs(knob_values: Any) -> None:
                           "supported: fp8's rescaled products come back in float32, which "
                           "float16 gradients cannot take; compute in bfloat16, or use "
                           "plan.quantize=int8")
+    if getattr(knob_values, "weight_copy", "auto") == "in_step" and (
+            knob_values.offload_params or knob_values.offload_optimizer
+            or knob_values.host_update):
+        raise JaxparError("plan.weight_copy=in_step does not combine with offloaded state "
+                          "(plan.offload_params, plan.offload_optimizer, "
+                          "plan.host_update): the streamed weights and the update in host "
+                          "memory work on the stored copy; use weight_copy: auto or stored")
     if knob_values.host_update and knob_values.offload_optimizer != 1:
         raise JaxparError("plan.host_update runs the optimizer update on the host and "
                           "needs all of its state there: set plan.offload_optimizer: 1 "
                           f"(it is {knob_values.offload_optimizer})")
+
+
+def stores_weight_copy(weight_copy: str, zero_stage: int, *, offloaded: bool) -> bool:
+    """Whether a compute-dtype copy of the weights is kept between steps under mixed
+    precision: as ``weight_copy`` says, and under ``auto`` when the copy would be split
+    differently from the master weights (ZeRO-1/2: whole copy, split master) or the state
+    lives in host memory (the streamed weights and the host update work on the copy)."""
+    if weight_copy != "auto":
+        return weight_copy == "stored"
+    return offloaded or zero_stage in (1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +251,15 @@ class Plan:
         :mod:`jaxpar.parallel.compression`).
       compress_warmup: the steps averaged exactly before ``compress_gradients`` starts
         compressing (0: from the first step).
+      weight_copy: under mixed precision, ``stored``: the state holds a compute-dtype copy
+        of the weights beside the float32 master weights, made once a step after the
+        update; ``in_step``: it holds the master weights only, and the step casts them
+        as it uses them (no copy between steps: its bytes, 2 a parameter over the
+        devices that share the weights, are saved). ``auto`` (the default): ``in_step``
+        when the copy would be stored split like the master weights (ZeRO 0 or 3, no
+        offloaded state), where casting in the step costs no collective; ``stored``
+        otherwise (under ZeRO-1/2 the copy is whole on each device and the master split:
+        casting in the step would gather the master's pieces at every use).
     """
 
     mesh: Mesh
@@ -268,6 +296,7 @@ class Plan:
     vocab_over_fsdp: bool | str = knob(False, choices=(False, True, "auto"))
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
+    weight_copy: str = knob("auto", choices=WEIGHT_COPY)
 
     def __post_init__(self) -> None:
         for f in knobs():
@@ -331,6 +360,13 @@ class Plan:
         if self.explicit:
             return jax.sharding.reshard(x, sharding)
         return jax.lax.with_sharding_constraint(x, sharding)
+
+    @property
+    def stores_weight_copy(self) -> bool:
+        """Whether a mixed-precision run keeps a compute-dtype copy of its weights between
+        steps (``weight_copy``, ``auto`` resolved; see :func:`stores_weight_copy`)."""
+        return stores_weight_copy(self.weight_copy, self.zero_stage, offloaded=bool(
+            self.offload_params or self.offload_optimizer or self.host_update))
 
     @property
     def replicated(self) -> NamedSharding:

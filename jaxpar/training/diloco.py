@@ -134,7 +134,7 @@ class DiLoCo:
                 f"pipeline.schedule={schedule.kind} runs the backward pass inside its own "
                 "shard_map, which DiLoCo's replicas (a shard_map over data) cannot nest: "
                 "use pipeline.schedule=circular or gpipe with diloco.sync_every")
-        self._key = "master" if trainer.policy.mixed else "params"
+        self._key = trainer.master_key
         self._parts = fragments_of(trainer.state["params"], fragments)
         self._compiled: dict[Any, Any] = {}
         inner_sh = trainer.state_shardings

@@ -60,14 +60,14 @@ def slab_update(trainer: Any, grads: Any, opt_state: Any, master: Any, scalars: 
     if finite is not None:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_m, new_s = keep(new_m, master), keep(new_s, opt_state)
-    return new_m, new_s, policy.cast_to_compute(new_m) if policy.mixed else new_m
+    return new_m, new_s, policy.cast_to_compute(new_m) if trainer.stores_copy else new_m
 
 
 def step_end(trainer: Any, state: dict[str, Any], loss: jax.Array, grads: Any, frozen: Any,
              extra: dict[str, jax.Array], errors: Any) -> tuple[dict[str, Any], dict]:
     """Inside ``trainer``'s traced step, after the gradients: the offloaded update and the
     new state, with the step's metrics."""
-    plan, mixed = trainer.plan, trainer.policy.mixed
+    plan, mixed = trainer.plan, trainer.stores_copy
     master = state["master"] if mixed else state["params"]
     loss_scale = trainer.loss_scale
     scale = state["loss_scale"]["scale"] if loss_scale is not None else None

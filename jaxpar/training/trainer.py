@@ -139,6 +139,10 @@ class Trainer:
     ):
         self.plan = plan
         self.policy = plan.precision
+        self.stores_copy = self.policy.mixed and plan.stores_weight_copy
+        """Whether the state holds a compute-dtype copy of the weights (``params``) beside
+        the master weights (``master``); without one, ``params`` are the master weights
+        and the step casts them as it uses them (see ``Plan.weight_copy``)."""
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.seed = seed
@@ -187,7 +191,9 @@ class Trainer:
                      "opt_state": self._opt_shardings(params, master),
                      "step": plan.replicated,
                      "params": zero if stage >= 3 else base}
-        if self.policy.mixed:
+        if not self.stores_copy:  # the master weights are the params
+            shardings["params"] = master
+        if self.stores_copy:
             shardings["master"] = master
         if self.loss_scale is not None:
             shardings["loss_scale"] = plan.replicated
@@ -224,7 +230,7 @@ class Trainer:
             out["frozen"] = offload.in_memory(out["frozen"], offload.streamed_mask(frozen))
         if plan.offload_optimizer:
             moved = {"opt_state": jax.eval_shape(self.optimizer.init, params)}
-            if self.policy.mixed:
+            if self.stores_copy:
                 moved["master"] = jax.eval_shape(self.policy.cast_to_params, params)
             mask = offload.largest_first(moved, plan.offload_optimizer)
             for key, part in mask.items():
@@ -250,7 +256,7 @@ class Trainer:
                  "opt_state": jax.jit(self.optimizer.init, out_shardings=sh["opt_state"])(
                      master),
                  "step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"])}
-        if self.policy.mixed:
+        if self.stores_copy:
             cast = jax.jit(lambda m: self.policy.cast_to_compute(offload.to_device(m)),
                            out_shardings=sh["params"])
             state.update(params=cast(master), master=master)
@@ -269,7 +275,7 @@ class Trainer:
             master = self.policy.cast_to_params(params)
             state = {"frozen": frozen, "opt_state": self.optimizer.init(master),
                      "step": jnp.zeros((), jnp.int32), "params": master}
-            if self.policy.mixed:
+            if self.stores_copy:
                 state.update(params=self.policy.cast_to_compute(master), master=master)
             if self.loss_scale is not None:
                 state["loss_scale"] = self.loss_scale.init()
@@ -480,7 +486,7 @@ class Trainer:
             loss, grads, frozen, extra = self._gradients(state, batch)
         if self.streams_update or self.plan.host_update:
             return offloaded_update.step_end(self, state, loss, grads, frozen, extra, errors)
-        master = offload.to_device(state["master"] if self.policy.mixed else state["params"])
+        master = offload.to_device(state[self.master_key])
         grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         metrics: dict[str, jax.Array] = {"loss": loss, **extra}
         if self.loss_scale is not None:
@@ -499,7 +505,7 @@ class Trainer:
         new_state["opt_state"] = opt_state
         if errors is not None:
             new_state["grad_error"] = errors
-        if self.policy.mixed:
+        if self.stores_copy:
             new_state.update(master=new_master,
                              params=self.policy.cast_to_compute(new_master))
         else:
@@ -704,6 +710,12 @@ class Trainer:
         state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
                              (self.state["params"], self.state["frozen"]))
         return nnx.merge(self._graphdef, *state)
+
+    @property
+    def master_key(self) -> str:
+        """The state's key of the weights the optimizer updates: ``master`` when the state
+        also holds a compute-dtype copy (:attr:`stores_copy`), else ``params``."""
+        return "master" if self.stores_copy else "params"
 
     @property
     def state(self) -> dict[str, Any]:

@@ -162,7 +162,7 @@ def test_one_trainer_step_equal_in_bf16():
         model = jaxpar.init_sharded(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
         trainer = jaxpar.Trainer(model, optax.sgd(0.1), plan)
         metrics = trainer.step(tokens)
-        out.append((metrics, trainer.state["master"]))
+        out.append((metrics, trainer.state[trainer.master_key]))
     (want, want_params), (got, got_params) = out
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2)

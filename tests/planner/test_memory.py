@@ -1,6 +1,7 @@
 """Per-device memory: model state by ZeRO stage, precision and optimizer (checked against
-the ZeRO paper's accounting: 2 bytes a parameter for the bf16 working copy, 4 for the f32
-master, 4 per Adam moment, each divided by the devices the stage shards it over), the batch
+the ZeRO paper's accounting: 2 bytes a parameter for the bf16 working copy when it is
+stored (``plan.weight_copy``), 4 for the f32 master, 4 per Adam moment, each divided by the
+devices the stage shards it over), the batch
 and gradient buffers, what attention, remat and the loss keep, and how context, sequence
 and expert parallelism split them."""
 
@@ -82,8 +83,8 @@ def test_expert_weights_per_device_fall_by_the_expert_degree():
         cand = Candidate.make({"data": 8 // e, "expert": e}, {"data": 8})
         est = estimate(MIXTRAL, cand, chips="h100:64", global_batch=256, seq=4096)
         states[e] = est.memory["expert_state_bytes"]
-        # f32 master and two Adam moments plus the bf16 working copy: 14 bytes each.
-        assert states[e] == pytest.approx(14 * expert_params / e)
+        # f32 master and two Adam moments (the bf16 copy is cast in the step): 12 bytes.
+        assert states[e] == pytest.approx(12 * expert_params / e)
         kinds = {r["kind"] for r in est.collectives if "expert" in r["axes"]}
         assert ("all-to-all" in kinds) == (e > 1)
         # Expert weights are never gathered over the axis that splits them.
@@ -101,17 +102,21 @@ def _memory(cand: Candidate, global_batch: int = 16, seq: int = 64, backend: str
 PHI = TINY_PARAMS
 
 
-# (ZeRO stage, param, master, optimizer bytes) per device with bf16 compute and AdamW on 8
-# devices: ZeRO-1 and 2 shard the master weights and moments, ZeRO-3 the parameters too.
-ZERO = [(0, 2 * PHI, 4 * PHI, 8 * PHI),
-        (1, 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
-        (2, 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
-        (3, 2 * PHI / 8, 4 * PHI / 8, 8 * PHI / 8)]
+# (ZeRO stage, weight copy, param, master, optimizer bytes) per device with bf16 compute
+# and AdamW on 8 devices: ZeRO-1 and 2 shard the master weights and moments, ZeRO-3 the
+# parameters too. Where the bf16 copy would be split like the master (ZeRO 0 and 3) it is
+# cast in the step by default: the params are the f32 master weights.
+ZERO = [(0, "auto", 4 * PHI, 0, 8 * PHI),
+        (0, "stored", 2 * PHI, 4 * PHI, 8 * PHI),
+        (1, "auto", 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
+        (2, "auto", 2 * PHI, 4 * PHI / 8, 8 * PHI / 8),
+        (3, "auto", 4 * PHI / 8, 0, 8 * PHI / 8),
+        (3, "stored", 2 * PHI / 8, 4 * PHI / 8, 8 * PHI / 8)]
 
 
-@pytest.mark.parametrize(("zero", "params", "master", "moments"), ZERO)
-def test_model_state_by_zero_stage(zero, params, master, moments):
-    mem = _memory(Candidate.make({"data": 8}, rules="dp", zero_stage=zero))
+@pytest.mark.parametrize(("zero", "copy", "params", "master", "moments"), ZERO)
+def test_model_state_by_zero_stage(zero, copy, params, master, moments):
+    mem = _memory(Candidate.make({"data": 8}, rules="dp", zero_stage=zero, weight_copy=copy))
     assert mem["param_bytes"] == params
     assert mem["master_bytes"] == master
     assert mem["opt_bytes"] == moments
@@ -125,8 +130,8 @@ def test_model_state_by_zero_stage(zero, params, master, moments):
 
 @pytest.mark.parametrize(("precision", "optimizer", "state"), [
     ("float32", "adamw", 4 + 2 * 4),  # f32 parameters are the master weights
-    ("bfloat16", "sgd", 2 + 4 + 4),  # one moment
-    ("bfloat16", "adafactor", 2 + 4),  # factored: no per-element moments counted
+    ("bfloat16", "sgd", 4 + 4),  # one moment (the bf16 copy cast in the step)
+    ("bfloat16", "adafactor", 4),  # factored: no per-element moments counted
 ])
 def test_model_state_by_precision_and_optimizer(precision, optimizer, state):
     cand = Candidate.make({"data": 8}, rules="dp", precision=precision, optimizer=optimizer)

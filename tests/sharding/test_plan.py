@@ -33,7 +33,7 @@ KNOB_NAMES = ["precision", "zero_stage", "remat", "remat_blocks", "scan_blocks",
               "context_balance", "offload_optimizer", "host_update", "update_chunk",
               "offload_params", "quantize", "quantize_target",
               "quantize_exclude", "quantize_gather", "quantize_reduce", "hpz", "vocab_over_fsdp",
-              "compress_gradients", "compress_warmup"]
+              "compress_gradients", "compress_warmup", "weight_copy"]
 ACT_RULES = Rules([("batch", "data"), ("seq", None), ("embed", "tensor")])
 PARAM_RULES = Rules([("embed", "tensor"), ("mlp", "data")])
 
@@ -300,3 +300,13 @@ def test_constrain_reshards_on_an_explicit_mesh(devices):
         assert jax.typeof(y).sharding.spec == P("data", "tensor")
     assert y.sharding == NamedSharding(mesh, P("data", "tensor"))
     np.testing.assert_array_equal(y, np.ones((8, 4)))
+
+
+def test_weight_copy_in_step_refuses_offloaded_state():
+    mesh = jaxpar.make_mesh({"data": 8})
+    with pytest.raises(jaxpar.JaxparError, match="weight_copy=in_step does not combine"):
+        Plan(mesh, PARAM_RULES, ACT_RULES, weight_copy="in_step", offload_params=True)
+    assert Plan(mesh, PARAM_RULES, ACT_RULES).stores_weight_copy is False  # ZeRO-0: cast
+    assert Plan(mesh, PARAM_RULES, ACT_RULES, zero_stage=1).stores_weight_copy
+    assert Plan(mesh, PARAM_RULES, ACT_RULES, zero_stage=3,
+                offload_optimizer=0.5).stores_weight_copy

@@ -1,5 +1,6 @@
 """Precision policies and dynamic loss scaling."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -7,6 +8,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.config.assembly import build_trainer
 from jaxpar.sharding.precision import DynamicLossScale, Policy
 from tests.helpers import loader, small_config
@@ -22,19 +24,73 @@ def test_policy_strings():
         Policy.parse("compute=fp8")
 
 
-def test_bf16_training_tracks_f32():
-    def run(policy):
-        t = build_trainer(small_config("mesh.data=8", f"plan.precision={policy}",
-                                                    "train.lr=1e-2"))
-        return t, [t.step(loader().batch(i))["loss"] for i in range(8)]
+def _run(policy: str, *overrides: str, steps: int = 8):
+    t = build_trainer(small_config("mesh.data=8", f"plan.precision={policy}", "train.lr=1e-2",
+                                   *overrides))
+    return t, [t.step(loader().batch(i))["loss"] for i in range(steps)]
 
-    t32, f32 = run("p=f32,c=f32,o=f32")
-    tbf, bf16 = run("p=f32,c=bf16,o=f32")
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    """f32, bf16 cast in the step (the default under ZeRO-0) and bf16 with a stored copy."""
+    return {"f32": _run("p=f32,c=f32,o=f32"), "in_step": _run("p=f32,c=bf16,o=f32"),
+            "stored": _run("p=f32,c=bf16,o=f32", "plan.weight_copy=stored")}
+
+
+def test_bf16_training_tracks_f32(bf16_runs):
+    (_, f32), (tin, bf16), (tst, stored) = (bf16_runs[k] for k in ("f32", "in_step", "stored"))
     np.testing.assert_allclose(bf16, f32, rtol=2e-2)
     assert bf16[-1] < bf16[0] - 0.2  # it learns
-    # f32 master weights, bf16 working copy.
-    assert tbf.state["master"]["embed"].get_value().dtype == jnp.float32
-    assert tbf.state["params"]["embed"].get_value().dtype == jnp.bfloat16
+    # Casting the master weights in the step rounds the same values at the same place as
+    # casting them after the update and storing the copy: the same run, bit for bit.
+    np.testing.assert_array_equal(bf16, stored)
+    assert not tin.stores_copy and tst.stores_copy and tin.master_key == "params"
+    # weight_copy=stored: f32 master weights and a bf16 working copy ...
+    assert tst.state["master"]["embed"].get_value().dtype == jnp.float32
+    assert tst.state["params"]["embed"].get_value().dtype == jnp.bfloat16
+    # ... in_step: the f32 master weights are the params, and nothing else is stored.
+    assert "master" not in tin.state
+    assert tin.state["params"]["embed"].get_value().dtype == jnp.float32
+    np.testing.assert_array_equal(tin.state["params"]["embed"].get_value(),
+                                  tst.state["master"]["embed"].get_value())
+
+
+def test_in_step_cast_saves_the_copy_and_adds_no_collective(bf16_runs):
+    """The compiled step's arguments shrink by the copy's bytes (2 a parameter here: every
+    device holds the weights whole under ZeRO-0) and its collectives stay as they were."""
+    from jaxpar.analysis.hlo import collective_table
+
+    batch = loader().batch(0)
+    n_params = sum(x.size for x in jax.tree.leaves(bf16_runs["in_step"][0].state["params"]))
+    compiled = {k: bf16_runs[k][0].lower(batch).compile() for k in ("in_step", "stored")}
+    mesh = bf16_runs["in_step"][0].plan.mesh
+    args = {k: c.memory_analysis().argument_size_in_bytes for k, c in compiled.items()}
+    assert args["stored"] - args["in_step"] == 2 * n_params
+    kinds = {k: sorted((r["kind"], r["bytes_per_step"])
+                       for r in collective_table(c.as_text(), mesh)) for k, c in compiled.items()}
+    assert kinds["in_step"] == kinds["stored"]
+
+
+@pytest.mark.parametrize("saved, restored", [("stored", "in_step"), ("in_step", "stored")])
+def test_a_checkpoint_resumes_across_weight_copy(tmp_path, saved, restored):
+    """A run that stored a bf16 copy resumes without one (its master weights become the
+    params) and the other way round (the copy cast from the saved master weights): the
+    resumed step's loss is the uninterrupted run's."""
+    def config(weight_copy):
+        return small_config("mesh.fsdp=8", "mesh.data=1", "plan.precision=p=f32,c=bf16",
+                            "train.lr=1e-2", f"plan.weight_copy={weight_copy}")
+
+    first = build_trainer(config(saved))
+    for i in range(2):
+        first.step(loader().batch(i))
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(first)
+        second = build_trainer(config(restored))
+        ckpt.restore(second)
+    assert second.stores_copy == (restored == "stored") and second.step_count == 2
+    np.testing.assert_array_equal(second.state[second.master_key]["embed"].get_value(),
+                                  first.state[first.master_key]["embed"].get_value())
+    assert second.step(loader().batch(2))["loss"] == first.step(loader().batch(2))["loss"]
 
 
 class Poisoned(nnx.Module):
@@ -63,11 +119,11 @@ def test_fp16_overflow_skips_exactly_that_step_and_recovers(devices):
     scale0 = float(trainer.state["loss_scale"]["scale"])
     history, masters = [], []
     for b in batches:
-        masters.append(np.asarray(trainer.state["master"]["layer"]["kernel"].get_value()))
+        masters.append(np.asarray(trainer.state[trainer.master_key]["layer"]["kernel"].get_value()))
         history.append(trainer.step(b))
     assert [m["skipped"] for m in history] == [0, 0, 1, 0, 0]
     assert [m["loss_scale"] for m in history] == [scale0, scale0, scale0, scale0 / 2, scale0 / 2]
-    after_skip = np.asarray(trainer.state["master"]["layer"]["kernel"].get_value())
+    after_skip = np.asarray(trainer.state[trainer.master_key]["layer"]["kernel"].get_value())
     np.testing.assert_array_equal(masters[3], masters[2])  # the skipped step changed nothing
     assert not np.array_equal(after_skip, masters[3])       # and training resumed
     assert trainer.step_count == 5
