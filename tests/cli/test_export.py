@@ -18,7 +18,6 @@ from tests.hf.test_convert import IDS, TOL
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 base = test_hf_commands.base
 """The tiny Hugging Face model of tests/cli/test_hf_commands.py (built again for this module)."""
@@ -53,6 +52,8 @@ def test_lora_on_a_hugging_face_model_exports_for_peft(base, lora_run, tmp_path,
     assert (adapters / "tokenizer.json").is_file()
     config = json.loads((adapters / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder) and config["r"] == 8
+    # peft (4 s to import) only here, not in every worker's collection
+    peft = pytest.importorskip("peft")
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with_peft = peft.PeftModel.from_pretrained(hf_base, adapters).eval()
     np.testing.assert_allclose(_hf_logits(with_peft), tuned, atol=TOL, rtol=0)
