@@ -1,6 +1,6 @@
 """The planner beside published training runs: each run's own layout, estimated.
 
-    python benchmarks/published.py [--fit] [--all] [--no-plan] [--json]
+    python benchmarks/published.py [--fit [--contention]] [--all] [--no-plan] [--json]
 
 ``benchmarks/published_runs.yaml`` holds LLM training runs published with their machine,
 model, global batch, sequence length, parallel layout, remat policy and measured throughput
@@ -15,7 +15,11 @@ within each chip kind (:func:`halves`). ``--fit`` fits each chip's ``matmul_effi
 and ``memory_efficiency`` on the ``fit`` half only (the grid pair minimising the median
 absolute log error of that chip's fit rows) and prints them, which the built-in catalog
 (:data:`jaxpar.planner.catalog.BUILTIN`) carries; the table reports the ``check`` half,
-which no fitted value has seen (``--all`` shows both halves, marked).
+which no fitted value has seen (``--all`` shows both halves, marked). ``--fit
+--contention`` also scans the one figure shared by every chip,
+:data:`jaxpar.planner.catalog.CONTENTION` (the share of an FSDP / data-parallel
+collective's time that hiding it beside compute does not save), refitting the rest at
+each value (:func:`scan_contention`; two minutes).
 
 How rows were normalised: MaxText's ``ici_fsdp_transpose`` counts as ``fsdp``; FSDP /
 ZeRO-3 (PyTorch FSDP, MaxText) is the ``fsdp`` axis, Megatron's distributed optimizer is
@@ -47,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxpar.models import TransformerConfig  # noqa: E402
 from jaxpar.planner import plan  # noqa: E402
-from jaxpar.planner.catalog import BUILTIN, parse_chips  # noqa: E402
+from jaxpar.planner.catalog import BUILTIN, CONTENTION, parse_chips  # noqa: E402
 from jaxpar.planner.cost import Candidate, estimate  # noqa: E402
 from jaxpar.planner.model import from_transformer  # noqa: E402
 
@@ -133,15 +137,16 @@ def _loss(rows: list[dict], chips: dict, software: dict[str, float]) -> float:
                                           / r["tokens_per_s_chip"])) for r in rows)
 
 
-def fit(rows: list[dict], rounds: int = 3) -> tuple[dict[str, tuple[float, float]],
-                                                     dict[str, float]]:
+def fit(rows: list[dict], rounds: int = 3, chips: dict | None = None
+        ) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     """On the ``fit`` rows only: per chip kind the (``matmul_efficiency``,
     ``memory_efficiency``) grid pair over its runs, then per implementation family but
     XLA (:data:`ANCHORS`, held at factor 1) its factor over that family's runs, each
     minimising the median absolute log error of its rows, alternately for ``rounds``
-    rounds. Returns (chip figures, family factors)."""
+    rounds, from ``chips`` (the built-in catalog by default). Returns (chip figures,
+    family factors)."""
     fit_rows = [r for r in rows if r["half"] == "fit"]
-    chips = dict(BUILTIN)
+    chips = dict(chips if chips is not None else BUILTIN)
     software = dict.fromkeys(SOFTWARE, 1.0)
     kinds = sorted({r["chips"].split(":")[0] for r in fit_rows})
     for _ in range(rounds):
@@ -166,6 +171,27 @@ def fit(rows: list[dict], rounds: int = 3) -> tuple[dict[str, tuple[float, float
             software)
 
 
+CONTENTION_GRID = tuple(x / 4 for x in range(5))
+
+
+def scan_contention(rows: list[dict]) -> dict[float, float]:
+    """On the ``fit`` rows only: for each shared ``contention`` in :data:`CONTENTION_GRID`
+    (every chip's; :data:`jaxpar.planner.catalog.CONTENTION`), the chips' efficiencies
+    and the families' factors fitted at it (:func:`fit`), then the median absolute log
+    error of all the fit rows (:data:`jaxpar.planner.catalog.CONTENTION` says what the
+    scan found and why the catalog keeps 0)."""
+    fit_rows = [r for r in rows if r["half"] == "fit"]
+    losses = {}
+    for c in CONTENTION_GRID:
+        chips = {k: dataclasses.replace(v, contention=c) for k, v in BUILTIN.items()}
+        fitted, software = fit(rows, chips=chips)
+        for kind, (m, h) in fitted.items():
+            chips[kind] = dataclasses.replace(chips[kind], matmul_efficiency=m,
+                                              memory_efficiency=h)
+        losses[c] = _loss(fit_rows, chips, software)
+    return losses
+
+
 def summary(errors: list[float]) -> str:
     """Share within +-15% and the median absolute error."""
     if not errors:
@@ -180,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true",
                         help="fit matmul_efficiency per chip on the fit half and print it")
+    parser.add_argument("--contention", action="store_true",
+                        help="with --fit: scan the shared contention too (slow)")
     parser.add_argument("--all", action="store_true", help="show the fit half too")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's own choice")
     parser.add_argument("--json", action="store_true")
@@ -196,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         print("implementation families' factors (SOFTWARE in brackets):")
         for family, f in software.items():
             print(f"  {family:10} {f:.2f}  [{SOFTWARE[family]:.2f}]")
+        if args.contention:
+            print("contention: median |log error| of the fit half, each refitted "
+                  f"(catalog: {CONTENTION})")
+            for c, loss in scan_contention(rows).items():
+                print(f"  {c:.2f}  {loss:.4f}")
         return 0
     shown = [r for r in rows if args.all or r["half"] == "check"]
     out = []

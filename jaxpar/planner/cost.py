@@ -249,6 +249,21 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
     return comm - overlap * min(comm, compute)
 
 
+DATA_PARALLEL = frozenset({"data", "fsdp"})
+"""Axes whose collectives in a layer pass are weight gathers and gradient reductions."""
+
+
+def _contended(tr: Transfer, phase: str, chip: Chip) -> float:
+    """The share of ``tr``'s time that stays on the step beside the compute it could
+    hide under: the chip's ``contention`` for an FSDP / data-parallel weight gather or
+    gradient reduction run inside the layer passes (see
+    :data:`jaxpar.planner.catalog.CONTENTION`), 0 for other transfers (exposed whole
+    already, or a TPU's collective matmul and the context ring, which hide whole)."""
+    if phase not in ("forward", "backward", "gradient") or not chip.overlap:
+        return 0.0
+    return chip.contention if DATA_PARALLEL.issuperset(tr.axes) else 0.0
+
+
 def device_memory(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int,
                   seq: int, *, backend: str | None = None, hbm_headroom: float = 0.9
                   ) -> tuple[dict[str, float], bool]:
@@ -286,8 +301,11 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     on v5e: 1153 tokens/s a chip on one slice, 1038 on 32), which a reduction hidden
     under the backward pass cannot produce; with this rule the efficiencies fitted on
     one half of ``benchmarks/published.py``'s runs predict the other half 80% within
-    +-15% (71% without). ZeRO 1-2's parameter gather ``O_u`` follows the update. With
-    ``x(O, C) = O - overlap x min(O, C)``::
+    +-15% (71% without). Of FSDP and data-parallel collectives (weight gathers, gradient
+    reductions) the chip's ``contention`` share of their time (0 built in:
+    :data:`jaxpar.planner.catalog.CONTENTION`) joins ``E``, only the rest counts in
+    ``O_f``, ``O_b`` and ``O_g``. ZeRO 1-2's parameter gather ``O_u`` follows the update.
+    With ``x(O, C) = O - overlap x min(O, C)``::
 
         core = C_f + C_b + C_h + E + x(O_f, C_f + C_h)
                + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches)) + H_l
@@ -366,8 +384,10 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
         comm[key] = comm.get(key, 0.0) + t
         dcn = link.n_dcn > 1
         phase = "exposed" if tr.phase == "gradient" and dcn else tr.phase  # the docstring: DCN
-        by_phase[phase] += t
-        timed.append((phase, dcn, key, t))
+        held = t * _contended(tr, phase, chip)
+        by_phase["exposed"] += held
+        by_phase[phase] += t - held
+        timed.append((phase, dcn, key, t - held, held))
     for row in rows:
         key = f"{row['kind']} {'x'.join(row['axes'])}"
         row["time_s"] = comm.get(key, 0.0)
@@ -379,8 +399,8 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
                     "backward": x_b / (o_b + o_g) if o_b + o_g else 0.0,
                     "exposed": 1.0, "update": 1.0}
     exposed_frac["gradient"] = exposed_frac["backward"]
-    for phase, dcn, key, t in timed:
-        share = t * exposed_frac[phase]
+    for phase, dcn, key, t, held in timed:
+        share = t * exposed_frac[phase] + held
         if share > 0:
             name = f"exposed {key} ({'DCN' if dcn else 'ICI'})"
             breakdown[name] = breakdown.get(name, 0.0) + share

@@ -178,7 +178,7 @@ def test_published_runs_held_out_half():
     check = [r for r in rows if r["half"] == "check"]
     errors = [published.error(r, published.predict_tokens(r)) for r in check]
     within = sum(abs(e) <= 0.15 for e in errors) / len(errors)
-    assert within >= 0.70
+    assert within >= 0.80
     assert sorted(abs(e) for e in errors)[len(errors) // 2] <= 0.11
 
 
@@ -201,3 +201,31 @@ def test_catalog_carries_the_fit_of_the_fit_half():
                for k in fitted}
     assert rounded(fitted) == rounded(catalog)
     assert software == pytest.approx(published.SOFTWARE)
+
+
+def test_contention_keeps_a_share_of_hidden_weight_collectives_on_the_step():
+    """A chip's ``contention`` puts that share of its FSDP gathers' and gradient
+    reductions' time on the step even where compute hides them; tensor parallelism's
+    collective matmuls on a TPU still hide whole, and the built-in default (0) changes
+    nothing."""
+    import dataclasses
+
+    from jaxpar.planner import BUILTIN, Candidate, estimate
+    from jaxpar.planner.catalog import CONTENTION
+
+    assert CONTENTION == 0.0 and BUILTIN["tpu-v5p"].contention == 0.0
+
+    def step(mesh: dict[str, int], contention: float):
+        chips = {"tpu-v5p": dataclasses.replace(BUILTIN["tpu-v5p"], contention=contention)}
+        return estimate("configs/llama-7b.yaml", Candidate.make(mesh), chips="tpu-v5p:64",
+                        catalog=chips, global_batch=64, seq=4096)
+
+    free, half = step({"fsdp": 64}, 0.0), step({"fsdp": 64}, 0.5)
+    weights = sum(t for k, t in free.comm_s.items() if k.endswith("fsdp"))
+    exposed = sum(t for k, t in free.breakdown.items() if k.startswith("exposed"))
+    assert weights > 10 * exposed  # all but the embedding's are hidden when contention is 0
+    assert half.step_time_s - free.step_time_s == pytest.approx(0.5 * (weights - exposed))
+    assert sum(half.breakdown.values()) == pytest.approx(half.step_time_s)
+    assert half.breakdown["exposed reduce-scatter fsdp (ICI)"] > 0
+    tensor = {"tensor": 64}
+    assert step(tensor, 0.5).step_time_s == pytest.approx(step(tensor, 0.0).step_time_s)
