@@ -63,9 +63,9 @@ def test_the_step_compiles_for_a_tpu_with_splash_as_the_mosaic_kernel(v5e_step):
 @pytest.mark.parametrize("topology", ["tpu-v5e:2x2", "tpu-v5p:2x2x1"])
 def test_compiled_memory_against_the_planner(topology, v5e_step):
     """The state (arguments) is the planner's to the byte's rounding; the compiler's whole
-    footprint stays within the planner's (which is conservative for small models: the
-    TPU compiler updates the optimizer state in place, and fuses most of a small layer's
-    working set); both say it fits."""
+    footprint stays within the planner's, and the planner's within twice the compiler's
+    (conservative for a 9M-parameter model: the TPU compiler updates the optimizer state
+    in place, and fuses most of a small layer's working set); both say it fits."""
     step = (v5e_step if topology == "tpu-v5e:2x2" else
             compile_step(load_config("configs/tiny.yaml", SMALL),
                          targets.tpu_target(topology)))
@@ -73,7 +73,7 @@ def test_compiled_memory_against_the_planner(topology, v5e_step):
     mem, pred = report["memory"], report["predicted"]["memory"]
     assert mem["fits"] and pred["total_bytes"] < mem["hbm_bytes"]
     assert pred["argument_bytes"] == pytest.approx(mem["argument_bytes"], rel=0.02)
-    assert mem["total_bytes"] <= pred["total_bytes"] <= 3 * mem["total_bytes"]
+    assert mem["total_bytes"] <= pred["total_bytes"] <= 2 * mem["total_bytes"]
     fsdp = [c for c in report["collectives"] if c["axes"] == ["fsdp"]]
     assert {c["kind"] for c in fsdp} >= {"all-gather"}
     assert report["flops"] == pytest.approx(report["comparison"]["predicted_flops"], rel=0.25)
