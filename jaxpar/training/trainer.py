@@ -191,7 +191,7 @@ class Trainer:
                      "opt_state": self._opt_shardings(params, master),
                      "step": plan.replicated,
                      "params": zero if stage >= 3 else base}
-        if not self.stores_copy:  # the master weights are the params
+        if self.policy.mixed and not self.stores_copy:  # the master weights are the params
             shardings["params"] = master
         if self.stores_copy:
             shardings["master"] = master
