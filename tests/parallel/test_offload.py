@@ -42,7 +42,7 @@ def run(t, steps=STEPS, start=0):
 
 
 def weights(t):
-    return [np.asarray(x) for x in jax.tree.leaves(t.state["params"])]
+    return [np.asarray(x) for x in jax.tree.leaves(t.state[t.master_key])]
 
 
 def assert_same(got, want, rtol=1e-6):

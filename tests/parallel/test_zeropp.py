@@ -30,12 +30,13 @@ LAYOUTS = {"fsdp8": ({"fsdp": 8}, "fsdp", 0),
 
 
 @functools.cache
-def _step(layout: str, gather: str, reduce: str):
+def _step(layout: str, gather: str, reduce: str, weight_copy: str = "auto"):
     """(bytes per device by (collective kind, axes), losses of three steps) of a
     bf16-compute step."""
     axes, rules, zero = LAYOUTS[layout]
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), rules, zero_stage=zero,
                                    quantize_gather=gather, quantize_reduce=reduce,
+                                   weight_copy=weight_copy,
                                    precision=Policy.parse("p=f32,c=bf16,o=f32"))
     step = jaxpar.Trainer(jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)),
                                               plan), optax.adam(1e-2), plan)
@@ -60,9 +61,12 @@ def test_int8_weight_gathers_move_a_quarter_of_the_bytes(devices, layout):
     the bytes fall to under 30% of that, under 60% of a bf16 gather;
     no other collective appears, the gradient reductions are unchanged, and three steps'
     losses stay within 5e-3 of the unquantized run's (measured 2.1e-3 and 2.8e-3: the tied
-    table is the head too, so its int8 rounding reaches the logits)."""
-    plain, plain_losses = _step(layout, "none", "none")
-    quant, quant_losses = _step(layout, "int8", "none")
+    table is the head too, so its int8 rounding reaches the logits). Both runs store the
+    bf16 copy (``plan.weight_copy``), as ZeRO++ does: with the cast in the step, XLA:CPU
+    gathers a compile-order-dependent share of the plain run's weights in bf16 instead
+    (the 30% bound is about the widened gathers)."""
+    plain, plain_losses = _step(layout, "none", "none", "stored")
+    quant, quant_losses = _step(layout, "int8", "none", "stored")
     gathered = lambda t: _bytes(t, ("all-gather",))  # noqa: E731
     assert gathered(quant) < 0.3 * gathered(plain)
     assert gathered(quant) < 0.6 * gathered(plain) / 2
