@@ -70,6 +70,8 @@ class Knob:
 
 
 AUTO_KNOBS = ("vocab_over_fsdp",)
+GRAD_DTYPES = ("compute", "float32")
+"""What the projection layers' weight gradients are summed in (``Plan.grad_dtype``)."""
 WEIGHT_COPY = ("auto", "stored", "in_step")
 """Whether a compute-dtype copy of the weights is kept between steps (``Plan.weight_copy``)."""
 """Knobs whose config default is ``auto``: resolved, when a run is assembled from its
@@ -158,6 +160,11 @@ def check_knob_pairs(knob_values: Any) -> None:
                           "(plan.offload_params, plan.offload_optimizer, "
                           "plan.host_update): the streamed weights and the update in host "
                           "memory work on the stored copy; use weight_copy: auto or stored")
+    if getattr(knob_values, "grad_dtype", "compute") == "float32" and (
+            knob_values.quantize != "none"):
+        raise JaxparError("plan.grad_dtype=float32 widens the gradients of plain bf16 "
+                          "matmuls; it does not combine with plan.quantize (the quantized "
+                          "matmuls have their own gradients)")
     if knob_values.host_update and knob_values.offload_optimizer != 1:
         raise JaxparError("plan.host_update runs the optimizer update on the host and "
                           "needs all of its state there: set plan.offload_optimizer: 1 "
@@ -260,6 +267,13 @@ class Plan:
         offloaded state), where casting in the step costs no collective; ``stored``
         otherwise (under ZeRO-1/2 the copy is whole on each device and the master split:
         casting in the step would gather the master's pieces at every use).
+      grad_dtype: what the weight gradients of the model's projection layers
+        (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``) are formed and summed over
+        devices in: ``compute`` (the default: the compute dtype, bf16 under mixed
+        precision) or ``float32`` (formed in float32 and summed over the devices that split
+        the batch in float32, twice the bytes of a bf16 reduction, then rounded to the
+        compute dtype once). Either way microbatches are accumulated and the update
+        applied in float32. See :func:`jaxpar.sharding.precision.widen_weight_gradients`.
     """
 
     mesh: Mesh
@@ -297,6 +311,7 @@ class Plan:
     compress_gradients: str = knob("none", choices=("none", "sign"))
     compress_warmup: int = knob(0, check=lambda v: v >= 0, valid="must be 0 or more")
     weight_copy: str = knob("auto", choices=WEIGHT_COPY)
+    grad_dtype: str = knob("compute", choices=GRAD_DTYPES)
 
     def __post_init__(self) -> None:
         for f in knobs():

@@ -13,11 +13,13 @@ skipped (parameters and optimizer state unchanged) and the scale halved; after
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpar.errors import JaxparError
 
@@ -85,6 +87,119 @@ class Policy:
     def cast_to_output(self, tree: Any) -> Any:
         """Cast floating-point leaves to the output dtype."""
         return _cast_floats(tree, self.output)
+
+
+def _kernel_gradient_in_f32(wrt_kernel: Any, kernel: jax.Array, g: jax.Array) -> jax.Array:
+    """The float32 gradient of ``wrt_kernel`` (a matmul of float32 operands holding the
+    compute dtype's values exactly) at the float32 ``kernel``: formed, and summed over the
+    devices that split the contraction, in float32. A TPU's default precision multiplies
+    such operands in one bf16 pass, accumulating in float32: the bf16 matmul's cost."""
+    _, pull = jax.vjp(wrt_kernel, kernel)
+    return pull(g.astype(jnp.float32))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _widened_dot(x: jax.Array, kernel: jax.Array, dims: Any, precision: Any,
+                 preferred: Any) -> jax.Array:
+    return jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision,
+                               preferred_element_type=preferred)
+
+
+def _widened_dot_fwd(x, kernel, dims, precision, preferred):
+    return _widened_dot(x, kernel, dims, precision, preferred), (x, kernel)
+
+
+def _widened_dot_bwd(dims, precision, preferred, residuals, g):
+    x, kernel = residuals
+    narrow = kernel.astype(x.dtype)
+    _, pull = jax.vjp(lambda v: jax.lax.dot_general(
+        v, narrow, dims, precision=precision, preferred_element_type=preferred), x)
+    wide = x.astype(jnp.float32)
+    return pull(g)[0], _kernel_gradient_in_f32(
+        lambda k: jax.lax.dot_general(wide, k, dims, precision=precision), kernel, g)
+
+
+_widened_dot.defvjp(_widened_dot_fwd, _widened_dot_bwd)
+
+
+def widened_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                        precision: Any = None, preferred_element_type: Any = None,
+                        out_sharding: Any = None) -> jax.Array:
+    """``lax.dot_general`` of an input and a float32 kernel cast to the input's dtype,
+    whose gradient for the kernel is formed and summed in float32 (see
+    :func:`widen_weight_gradients`)."""
+    del out_sharding  # (placed by the layouts around the layer)
+    return _widened_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _widened_einsum(equation: str, x: jax.Array, kernel: jax.Array, precision: Any,
+                    preferred: Any) -> jax.Array:
+    return jnp.einsum(equation, x, kernel.astype(x.dtype), precision=precision,
+                      preferred_element_type=preferred)
+
+
+def _widened_einsum_fwd(equation, x, kernel, precision, preferred):
+    return _widened_einsum(equation, x, kernel, precision, preferred), (x, kernel)
+
+
+def _widened_einsum_bwd(equation, precision, preferred, residuals, g):
+    x, kernel = residuals
+    narrow = kernel.astype(x.dtype)
+    _, pull = jax.vjp(lambda v: jnp.einsum(equation, v, narrow, precision=precision,
+                                           preferred_element_type=preferred), x)
+    wide = x.astype(jnp.float32)
+    return pull(g)[0], _kernel_gradient_in_f32(
+        lambda k: jnp.einsum(equation, wide, k, precision=precision), kernel, g)
+
+
+_widened_einsum.defvjp(_widened_einsum_fwd, _widened_einsum_bwd)
+
+
+def widened_einsum(equation: str, x: jax.Array, kernel: jax.Array, precision: Any = None,
+                   preferred_element_type: Any = None, out_sharding: Any = None
+                   ) -> jax.Array:
+    """``jnp.einsum`` of an input and a float32 kernel cast to the input's dtype, whose
+    gradient for the kernel is formed and summed in float32 (see
+    :func:`widen_weight_gradients`)."""
+    del out_sharding
+    return _widened_einsum(equation, x, kernel, precision, preferred_element_type)
+
+
+def _projections(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """The projection layers whose matmul is the default one (not quantized or adapted)."""
+    return [(path, m) for path, m in nnx.iter_modules(model)
+            if (isinstance(m, nnx.Einsum) and m.einsum_op is jnp.einsum)
+            or (isinstance(m, nnx.Linear | nnx.LinearGeneral)
+                and m.dot_general is jax.lax.dot_general)]
+
+
+def widened_kernel_paths(model: nnx.Module) -> set[tuple]:
+    """The state paths of the kernels :func:`widen_weight_gradients` keeps in float32."""
+    return {(*path, "kernel") for path, _ in _projections(model)}
+
+
+def widen_weight_gradients(model: nnx.Module, compute: Any) -> int:
+    """Make ``model``'s projection layers (``nnx.Linear``, ``nnx.LinearGeneral``,
+    ``nnx.Einsum``) take their kernels in float32 and cast them to ``compute`` inside the
+    matmul, so that each kernel's gradient is formed, and summed over the devices that
+    split the batch, in float32 (``plan.grad_dtype=float32``; a compiler cannot narrow
+    the sum, whose result stays float32). Inputs and biases are cast to ``compute``.
+    Returns how many layers were changed."""
+    def promote(arrays, dtype=None):
+        del dtype
+        x, kernel, *rest = arrays
+        return (x.astype(compute), kernel,
+                *(None if b is None else b.astype(compute) for b in rest))
+
+    layers = _projections(model)
+    for _, m in layers:
+        m.promote_dtype = promote
+        if isinstance(m, nnx.Einsum):
+            m.einsum_op = widened_einsum
+        else:
+            m.dot_general = widened_dot_general
+    return len(layers)
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:

@@ -32,6 +32,7 @@ from flax import nnx
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.parallel import compression, offload, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
+from jaxpar.sharding import precision as precision_lib
 from jaxpar.sharding import quantization
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.partitioning import (
@@ -159,6 +160,9 @@ class Trainer:
         self.pipeline_schedule = getattr(model, "pipeline_schedule", None)
         """The model's pipeline schedule, if it has one: how its layers are stacked."""
         self._graphdef, params, frozen = nnx.split(model, trainable, ...)
+        self._widened = (precision_lib.widened_kernel_paths(model)
+                         if plan.grad_dtype == "float32" and self.policy.mixed else set())
+        """The state paths of the kernels whose gradients are summed in float32."""
         self.abstract = is_abstract((params, frozen))
         """Whether the model holds shapes only (:func:`jaxpar.sharding.partitioning.
         abstract_sharded`): the state is then ``jax.ShapeDtypeStruct``s with their
@@ -355,7 +359,7 @@ class Trainer:
     def _merged(self, params: nnx.State, frozen: nnx.State) -> nnx.Module:
         """The model with these weights, in the compute dtype (gathered in int8 under
         ``plan.quantize_gather``)."""
-        parts = {"params": self.policy.cast_to_compute(params),
+        parts = {"params": self._compute_params(params),
                  "frozen": self.policy.narrow_to_compute(frozen)}
         manual = jax.sharding.get_abstract_mesh().manual_axes  # qgZ gathered them already
         if self.plan.quantize_gather == "int8" and not manual:
@@ -364,7 +368,22 @@ class Trainer:
         if self.plan.hpz and not manual:  # ZeRO++ hpZ: one gather across slices a step
             parts = {k: zeropp.slice_copy(v, self.state_shardings[k], self.plan.mesh)
                      for k, v in parts.items()}
-        return nnx.merge(self._graphdef, parts["params"], parts["frozen"])
+        model = nnx.merge(self._graphdef, parts["params"], parts["frozen"])
+        if self._widened:
+            precision_lib.widen_weight_gradients(model, self.policy.compute)
+        return model
+
+    def _compute_params(self, params: nnx.State) -> nnx.State:
+        """The weights cast to the compute dtype; under ``plan.grad_dtype=float32`` the
+        projection layers' kernels stay float32 (their matmuls cast them: see
+        :func:`jaxpar.sharding.precision.widen_weight_gradients`)."""
+        if not self._widened:
+            return self.policy.cast_to_compute(params)
+        flat = nnx.to_flat_state(params)
+        keep = self._widened
+        return nnx.from_flat_state([
+            (path, var if tuple(path) in keep else self.policy.cast_to_compute(var))
+            for path, var in flat])
 
     def _call_loss(self, model: nnx.Module, batch: Batch, key: jax.Array) -> Any:
         """The loss function on ``model``, its matmuls quantized as ``plan.quantize`` says."""

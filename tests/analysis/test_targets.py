@@ -126,3 +126,21 @@ def test_splash_compiles_for_a_tpu_under_context_parallelism(context_steps, kind
     assert ("all-gather" if kind == "allgather" else "collective-permute") in text
     temp = step.compiled.memory_analysis().temp_size_in_bytes
     assert 0 < temp < 4 * 2 * 512 * 1024 * 4
+
+
+@pytest.mark.parametrize("grad_dtype, summed", [("compute", "bf16"), ("float32", "f32")])
+def test_weight_gradients_are_summed_in_the_grad_dtype(grad_dtype, summed):
+    """The TPU compiler's data-parallel all-reduce of the layers' weight gradients carries
+    the plan's grad_dtype (XLA:CPU widens every all-reduce to f32, so only the TPU
+    program tells them apart)."""
+    import re
+
+    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=4", "plan.rules=dp",
+                                               "plan.precision=p=f32,c=bf16",
+                                               f"plan.grad_dtype={grad_dtype}"])
+    text = compile_step(config, targets.tpu_target("tpu-v5e:2x2")).compiled.as_text()
+    # The layer stack's kernels: rank 4 (layers, embed, heads, head_dim) arrays.
+    reduced = {dtype for line in text.splitlines() if " all-reduce(" in line
+               for dtype in re.findall(r"(bf16|f32)\[1,\d+,\d+,\d+\]", line.split(
+                   " all-reduce(")[0])}
+    assert reduced == {summed}

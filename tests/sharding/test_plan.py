@@ -33,7 +33,7 @@ KNOB_NAMES = ["precision", "zero_stage", "remat", "remat_blocks", "scan_blocks",
               "context_balance", "offload_optimizer", "host_update", "update_chunk",
               "offload_params", "quantize", "quantize_target",
               "quantize_exclude", "quantize_gather", "quantize_reduce", "hpz", "vocab_over_fsdp",
-              "compress_gradients", "compress_warmup", "weight_copy"]
+              "compress_gradients", "compress_warmup", "weight_copy", "grad_dtype"]
 ACT_RULES = Rules([("batch", "data"), ("seq", None), ("embed", "tensor")])
 PARAM_RULES = Rules([("embed", "tensor"), ("mlp", "data")])
 
