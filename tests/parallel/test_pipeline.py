@@ -291,7 +291,9 @@ def test_bf16_compute_through_trainer_tracks_f32():
     model = _pipelined_model(pl.Schedule(2, 4, 2), plan)
     trainer = jaxpar.Trainer(model, optax.adam(3e-3), plan,
                              loss_fn=_lm_loss(dtype=jnp.bfloat16))
-    assert trainer.state["params"]["blocks"]["mlp"]["w_up"]["kernel"].dtype == jnp.bfloat16
+    # f32 master weights, cast to bf16 in the step (plan.weight_copy: no copy stored).
+    assert not trainer.stores_copy and trainer.master_key == "params"
+    assert trainer.state["params"]["blocks"]["mlp"]["w_up"]["kernel"].dtype == jnp.float32
     batch = np.asarray(_tokens())
     first = trainer.step(batch)
     second = trainer.step(batch)
