@@ -98,28 +98,26 @@ def _kernel_gradient_in_f32(wrt_kernel: Any, kernel: jax.Array, g: jax.Array) ->
     return pull(g.astype(jnp.float32))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _widened_dot(x: jax.Array, kernel: jax.Array, dims: Any, precision: Any,
-                 preferred: Any) -> jax.Array:
-    return jax.lax.dot_general(x, kernel.astype(x.dtype), dims, precision=precision,
-                               preferred_element_type=preferred)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _widened(matmul: Any, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``matmul(x, kernel, preferred)`` with the float32 ``kernel`` cast to ``x``'s dtype;
+    its gradient for the kernel formed and summed in float32 (``matmul(a, b, None)``)."""
+    return matmul(x, kernel.astype(x.dtype), True)
 
 
-def _widened_dot_fwd(x, kernel, dims, precision, preferred):
-    return _widened_dot(x, kernel, dims, precision, preferred), (x, kernel)
+def _widened_fwd(matmul, x, kernel):
+    return _widened(matmul, x, kernel), (x, kernel)
 
 
-def _widened_dot_bwd(dims, precision, preferred, residuals, g):
+def _widened_bwd(matmul, residuals, g):
     x, kernel = residuals
     narrow = kernel.astype(x.dtype)
-    _, pull = jax.vjp(lambda v: jax.lax.dot_general(
-        v, narrow, dims, precision=precision, preferred_element_type=preferred), x)
+    _, pull = jax.vjp(lambda v: matmul(v, narrow, True), x)
     wide = x.astype(jnp.float32)
-    return pull(g)[0], _kernel_gradient_in_f32(
-        lambda k: jax.lax.dot_general(wide, k, dims, precision=precision), kernel, g)
+    return pull(g)[0], _kernel_gradient_in_f32(lambda k: matmul(wide, k, False), kernel, g)
 
 
-_widened_dot.defvjp(_widened_dot_fwd, _widened_dot_bwd)
+_widened.defvjp(_widened_fwd, _widened_bwd)
 
 
 def widened_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -129,31 +127,13 @@ def widened_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     whose gradient for the kernel is formed and summed in float32 (see
     :func:`widen_weight_gradients`)."""
     del out_sharding  # (placed by the layouts around the layer)
-    return _widened_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
+    def matmul(a, b, preferred):
+        return jax.lax.dot_general(a, b, dimension_numbers, precision=precision,
+                                   preferred_element_type=(preferred_element_type
+                                                           if preferred else None))
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def _widened_einsum(equation: str, x: jax.Array, kernel: jax.Array, precision: Any,
-                    preferred: Any) -> jax.Array:
-    return jnp.einsum(equation, x, kernel.astype(x.dtype), precision=precision,
-                      preferred_element_type=preferred)
-
-
-def _widened_einsum_fwd(equation, x, kernel, precision, preferred):
-    return _widened_einsum(equation, x, kernel, precision, preferred), (x, kernel)
-
-
-def _widened_einsum_bwd(equation, precision, preferred, residuals, g):
-    x, kernel = residuals
-    narrow = kernel.astype(x.dtype)
-    _, pull = jax.vjp(lambda v: jnp.einsum(equation, v, narrow, precision=precision,
-                                           preferred_element_type=preferred), x)
-    wide = x.astype(jnp.float32)
-    return pull(g)[0], _kernel_gradient_in_f32(
-        lambda k: jnp.einsum(equation, wide, k, precision=precision), kernel, g)
-
-
-_widened_einsum.defvjp(_widened_einsum_fwd, _widened_einsum_bwd)
+    return _widened(matmul, lhs, rhs)
 
 
 def widened_einsum(equation: str, x: jax.Array, kernel: jax.Array, precision: Any = None,
@@ -163,7 +143,12 @@ def widened_einsum(equation: str, x: jax.Array, kernel: jax.Array, precision: An
     gradient for the kernel is formed and summed in float32 (see
     :func:`widen_weight_gradients`)."""
     del out_sharding
-    return _widened_einsum(equation, x, kernel, precision, preferred_element_type)
+
+    def matmul(a, b, preferred):
+        return jnp.einsum(equation, a, b, precision=precision,
+                          preferred_element_type=preferred_element_type if preferred else None)
+
+    return _widened(matmul, x, kernel)
 
 
 def _projections(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
