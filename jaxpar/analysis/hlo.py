@@ -22,7 +22,7 @@ from jaxpar.analysis.loops import (
     parameter_element,
     parse_module,
 )
-from jaxpar.planner.comms import wire_bytes
+from jaxpar.planner.links import wire_bytes
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                     "all-to-all")
@@ -52,7 +52,9 @@ class Collective:
     the collective it is part of: its own kind, or for a collective-permute of the
     compiler's collective matmul (a windowed einsum: a weight gathered or a gradient
     reduce-scattered shard by shard under the matmul), ``all-gather`` or
-    ``reduce-scatter``."""
+    ``reduce-scatter``; for an all-reduce, ``all-gather`` when it sums a buffer of zeros
+    holding this device's shard (how the TPU compiler gathers on a 3D torus) and
+    ``reduce-scatter`` when each device keeps only its slice of the sum."""
 
     kind: str
     bytes: int
@@ -65,9 +67,12 @@ class Collective:
     @property
     def wire_bytes(self) -> float:
         """Bytes a device receives for one execution (:func:`jaxpar.planner.comms.
-        wire_bytes`; the group size from the replica groups)."""
+        wire_bytes`; the group size from the replica groups), as the instruction runs:
+        an all-reduce the compiler fused with its slicing into a reduce-scatter
+        (``all-reduce-scatter`` computations) moves a reduce-scatter's bytes; one that
+        merely implements a gather or a scatter moves an all-reduce's."""
         n = len(self.groups[0]) if self.groups else 1
-        if self.kind == "all-reduce" and self.implements == "reduce-scatter":
+        if self.kind == "all-reduce" and self.computation.startswith("all-reduce-scatter"):
             return wire_bytes("reduce-scatter", self.bytes / n, n)
         return wire_bytes(self.kind, self.bytes, n)
 
@@ -177,11 +182,17 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
 
 def parse_collectives(hlo: str | Module) -> list[Collective]:
     """Every collective in an HLO module (its text, or the text parsed by
-    :func:`jaxpar.analysis.loops.parse_module`; async ``-start`` ops counted once), each
-    with its executions per step and the collective it implements."""
+    :func:`jaxpar.analysis.loops.parse_module`; async ``-start`` ops counted once, and a
+    collective the TPU compiler splits over an async collective fusion's start,
+    continuations and done counted once, at its start), each with its executions per step
+    and the collective it implements."""
     module = parse_module(hlo) if isinstance(hlo, str) else hlo
     runs = None
     out = []
+    # The TPU compiler (its layouts are tiled) runs some gathers and reduce-scatters as
+    # all-reduces by choice; XLA:CPU runs every reduce-scatter so, and the planner lists
+    # it as the all-reduce it is there.
+    tiled = any(":T(" in i.type for i in module.by_name.values())
     for comp, instrs in module.computations.items():
         for instr in instrs:
             kind = _START.get(instr.op, instr.op)
@@ -199,10 +210,151 @@ def parse_collectives(hlo: str | Module) -> list[Collective]:
                 implements = _collective_matmul(module, instr) or kind
             elif kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
                 implements = "reduce-scatter"  # the TPU compiler's fused reduce-scatter
+            elif kind == "all-reduce" and tiled:
+                # Each element of a combined all-reduce on its own: what it is part of.
+                for part, size in _all_reduce_parts(module, instr):
+                    out.append(Collective(kind, size, _groups(instr.line), instr.line, comp,
+                                          runs.get(comp, 1) if comp else 1, part))
+                continue
             out.append(Collective(kind, _type_bytes(type_text), _groups(instr.line),
                                   instr.line, comp, runs.get(comp, 1) if comp else 1,
                                   implements))
+    return _once_per_async_fusion(module, out)
+
+
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
+def _once_per_async_fusion(module: Module, found: list[Collective]) -> list[Collective]:
+    """``found`` less the copies of a collective that the TPU compiler's async collective
+    fusion carries in its continuation and done computations (the same ``channel_id`` as
+    the one in the computation its ``async-collective-start`` runs)."""
+    started: set[str] = set()
+    for c in found:
+        channel = _CHANNEL.search(c.line)
+        if channel and any(i.name.startswith("async-collective-start")
+                           for i in module.runners(c.computation)):
+            started.add(channel[1])
+    if not started:
+        return found
+    out = []
+    for c in found:
+        channel = _CHANNEL.search(c.line)
+        if channel and channel[1] in started and not any(
+                i.name.startswith("async-collective-start")
+                for i in module.runners(c.computation)):
+            continue
+        out.append(c)
     return out
+
+
+_PASS = {"copy", "bitcast", "reshape", "copy-done", "copy-start", "get-tuple-element",
+         "all-reduce-done", "convert"}
+
+
+def _producer(module: Module, name: str) -> Instruction | None:
+    """What computes ``name``, through copies and bitcasts, and through a parameter to the
+    operand of the one instruction that runs its computation (a fusion, a call, an async
+    call); a fusion is seen as its root."""
+    for _ in range(32):
+        instr = module.by_name.get(name)
+        if instr is None:
+            return None
+        if instr.op in _PASS and instr.op != "get-tuple-element" and instr.operands:
+            name = instr.operands[0]
+            continue
+        if instr.op == "parameter":
+            number = re.match(r"(\d+)\)", instr.attrs)
+            runners = module.runners(instr.computation)
+            if not number or len(runners) != 1 or int(number[1]) >= len(runners[0].operands):
+                return instr
+            name = runners[0].operands[int(number[1])]
+            continue
+        if instr.op == "fusion":
+            callee = next((c for how, c in called(instr) if how == "calls"), None)
+            root = module.root(callee) if callee else None
+            if root is None:
+                return instr
+            name = root.name
+            continue
+        return instr
+    return None
+
+
+def _slices_only(module: Module, name: str, depth: int = 0) -> bool:
+    """Whether every use of ``name`` keeps a slice of it (``dynamic-slice``, ``slice``),
+    through copies, tuple elements and into the fusions that take it."""
+    users = module.users(name)
+    if not users or depth > 8:
+        return False
+    for user in users:
+        if user.op in ("dynamic-slice", "slice") and user.operands[0] == name:
+            continue
+        if user.op in _PASS or user.op.endswith("-done"):
+            if not _slices_only(module, user.name, depth + 1):
+                return False
+            continue
+        if user.op == "fusion":
+            callee = next((c for how, c in called(user) if how == "calls"), None)
+            params = [module.parameter(callee, i) for i, o in enumerate(user.operands)
+                      if o == name] if callee else []
+            if not params or not all(p is not None and _slices_only(module, p.name, depth + 1)
+                                     for p in params):
+                return False
+            continue
+        return False
+    return True
+
+
+def _element_uses(module: Module, instr: Instruction) -> list[list[str]]:
+    """For each element an all-reduce returns (one, or one per operand of a combined
+    all-reduce), the values that hold it: the result itself, or its tuple elements; seen
+    past an async ``-done`` and, for an all-reduce an async call runs (TPU7x's
+    SparseCore), from the call's side."""
+    holders = [instr.name]
+    if instr.root:
+        holders = [r.name for r in module.runners(instr.computation)]
+    holders = [d.name for h in holders for d in module.users(h)
+               if d.op.endswith("-done")] or holders
+    n = max(1, sum(1 for o in instr.operands
+                   if not module.by_name.get(o, instr).type.startswith("token")))
+    if n == 1:
+        return [holders]
+    parts: list[list[str]] = [[] for _ in range(n)]
+    for h in holders:
+        for user in module.users(h):
+            index = _INDEX.search(user.attrs) if user.op == "get-tuple-element" else None
+            if index and int(index[1]) < n:
+                parts[int(index[1])].append(user.name)
+    return parts
+
+
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _all_reduce_parts(module: Module, instr: Instruction) -> list[tuple[str, int]]:
+    """What an all-reduce is part of, element by element of a combined one, with each
+    element's bytes: ``all-gather`` when what it sums was made by a
+    ``dynamic-update-slice`` (each device's shard placed in a buffer of zeros),
+    ``reduce-scatter`` when every use of its sum keeps only a slice, else
+    ``all-reduce``."""
+    operands = [o for o in instr.operands
+                if not module.by_name.get(o, instr).type.startswith("token")]
+    shapes = _SHAPE.findall(instr.type)
+    if instr.op != "all-reduce" and len(shapes) > len(operands):
+        shapes = shapes[len(shapes) - len(operands):]
+    uses = _element_uses(module, instr)
+    parts = []
+    for i, operand in enumerate(operands):
+        size = _type_bytes("{}[{}]".format(*shapes[i])) if i < len(shapes) else 0
+        source = _producer(module, operand)
+        if source is not None and source.op == "dynamic-update-slice":
+            parts.append(("all-gather", size))
+        elif i < len(uses) and uses[i] and all(_slices_only(module, u) for u in uses[i]):
+            parts.append(("reduce-scatter", size))
+        else:
+            parts.append(("all-reduce", size))
+    return parts
 
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -255,7 +407,7 @@ def collective_table(hlo: str | Module, mesh: Mesh) -> list[dict[str, Any]]:
     Per row: ``count`` (instructions in the text) and ``bytes_per_device`` (their result
     bytes, each once), and as one step runs them: ``executions``, ``bytes_per_step``
     (result bytes times runs) and ``wire_bytes_per_step`` (what a device receives,
-    :func:`jaxpar.planner.comms.wire_bytes`: the unit the planner is compared in)."""
+    :func:`jaxpar.planner.links.wire_bytes`: the unit the planner is compared in)."""
     rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for c in parse_collectives(hlo):
         axes = group_axes(c.groups, mesh)

@@ -33,6 +33,9 @@ _KNOWN_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INDEX = re.compile(r"\bindex=(\d+)")
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
 _PASS_THROUGH = {"copy", "bitcast", "convert", "reshape", "copy-done", "opt-barrier"}
+_APPLIERS = {"all-reduce", "all-reduce-start", "reduce-scatter", "reduce", "reduce-window",
+             "scatter", "select-and-scatter", "sort", "map"}
+"""Ops whose ``to_apply`` computation combines elements (not run in their place)."""
 _FLIP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
@@ -60,6 +63,7 @@ class Module:
     by_name: dict[str, Instruction] = field(default_factory=dict)
     callers: dict[str, list[Instruction]] | None = None
     _users: dict[str, list[Instruction]] | None = None
+    _runners: dict[str, list[Instruction]] | None = None
     _runs: Runs | None = None
 
     def users(self, name: str) -> list[Instruction]:
@@ -71,6 +75,20 @@ class Module:
                     for operand in instr.operands:
                         self._users.setdefault(operand, []).append(instr)
         return self._users.get(name, [])
+
+    def runners(self, computation: str) -> list[Instruction]:
+        """The instructions that run ``computation`` in their place: fusions, calls and
+        async starts (not the collectives and reductions that apply it to elements)."""
+        if self._runners is None:
+            self._runners = {}
+            for instrs in self.computations.values():
+                for instr in instrs:
+                    if instr.op in _APPLIERS:
+                        continue
+                    for how, callee in called(instr):
+                        if how in ("calls", "to_apply"):
+                            self._runners.setdefault(callee, []).append(instr)
+        return self._runners.get(computation, [])
 
     def root(self, computation: str) -> Instruction | None:
         """The ROOT instruction of ``computation``."""

@@ -27,7 +27,7 @@ cores, that is the host's rate split among them.
 * collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute)
   at several sizes over a 1-D mesh of all devices and over both axes of a 2-D one:
   ``ici_latency_s`` and ``ici_bw`` are the least-squares fit (on relative error) of
-  :func:`jaxpar.planner.comms.transfer_time`'s formula, ``latency x ring steps + wire
+  :func:`jaxpar.planner.links.transfer_time`'s formula, ``latency x ring steps + wire
   bytes / bandwidth`` (``torus_dims`` 0, ``collective_efficiency`` 1).
 
 Every timed operation runs ``R`` times inside one compiled loop (each iteration depends
@@ -300,7 +300,7 @@ def measure_collectives(devices: Sequence[Any], sizes_bytes: Sequence[int], targ
 
 def _steps_and_wire(kind: str, n: int, payload: float) -> tuple[float, float]:
     """(ring steps paying latency, bytes on the wire per device) of one execution, as
-    :func:`jaxpar.planner.comms.transfer_time` counts them."""
+    :func:`jaxpar.planner.links.transfer_time` counts them."""
     if kind == "collective-permute":
         return 1.0, payload
     if kind == "all-reduce":

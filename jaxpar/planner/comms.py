@@ -70,50 +70,36 @@ from jaxpar.planner.candidate import (
     pipe_repeats,
     scheduled_backward,
 )
-from jaxpar.planner.catalog import Machine
 from jaxpar.planner.layout import Layout, Placed
+from jaxpar.planner.links import Transfer, wire_bytes
+from jaxpar.planner.lowering import RING, Lowering
 from jaxpar.planner.memory import attention_kind
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
 from jaxpar.sharding.mesh import MESH_AXES
 
-PHASES = ("forward", "backward", "gradient", "exposed", "update")
-"""When a transfer runs, which sets what it can overlap: ``forward`` and ``backward``:
-inside the layers' forward or backward pass, prefetched or issued asynchronously beside
-their compute (FSDP weight gathers, the context ring); ``gradient``: a gradient reduction,
-issued as each layer's backward finishes (it hides under the backward of the step's last
-microbatch only); ``exposed``: the compute waits for it (tensor- and sequence-parallel
-activations, the context all-gather, expert all-to-alls, pipeline sends); ``update``:
-after the optimizer step (ZeRO 1-2's parameter gather)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """One collective as it runs: ``nbytes`` per execution (result bytes), ``runs``
-    executions per step, over ``axes``, in ``phase`` (:data:`PHASES`)."""
-
-    kind: str
-    axes: tuple[str, ...]
-    nbytes: float
-    runs: int
-    phase: str
-
 
 class _Rows:
     """Collective rows grouped by (kind, axes), as the HLO text groups them."""
 
-    def __init__(self, lay: Layout):
+    def __init__(self, lay: Layout, lowering: Lowering = RING):
         self.lay = lay
+        self.lowering = lowering
         self._axes: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.combined: dict[tuple[str, tuple[str, ...], int, str], float] = {}
         self.rows: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
         self._shared: set[tuple[str, tuple[str, ...]]] = set()  # rows of another's: see copy
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
-            exposed: bool = False, phase: str = "") -> None:
+            exposed: bool = False, phase: str = "", weight: bool | None = None) -> None:
         """One collective: ``nbytes`` result bytes, ``static`` instructions in the HLO
         text, ``runs`` executions per step; ``phase`` is what compute it can hide under
-        (:data:`PHASES`; default ``exposed`` when ``exposed`` else ``forward``)."""
+        (:data:`~jaxpar.planner.links.PHASES`; default ``exposed`` when ``exposed``, else
+        ``forward``).
+        ``weight``: a weight's gather or its gradient's reduction (True for a layer's
+        weight, False for one outside the layers), run as the compiler's
+        :class:`~jaxpar.planner.lowering.Lowering` says; None: an activation's, as a
+        ring."""
         if nbytes <= 0:
             return
         named = self._axes.get(axes)
@@ -124,9 +110,12 @@ class _Rows:
         if not axes:
             return
         phase = phase or ("exposed" if exposed else "forward")
+        n = math.prod(self.lay.sizes[a] for a in axes)
+        scale = (1.0 if weight is None
+                 else self.lowering.wire_factor(kind, n, phase, per_layer=weight))
         # Collectives of one kind, axes and phase that run as often are combined into one
         # (XLA's combiners do the same for the per-tensor gathers and reductions).
-        key = (kind, axes, runs, phase)
+        key = (kind, axes, runs, phase, scale)
         self.combined[key] = self.combined.get(key, 0.0) + nbytes
         row = self.rows.get((kind, axes))
         if row is None:
@@ -141,15 +130,14 @@ class _Rows:
         row["bytes_per_device"] += nbytes * static
         row["bytes_per_step"] += nbytes * runs
         row["executions"] += runs
-        row["wire_bytes_per_step"] += runs * wire_bytes(
-            kind, nbytes, math.prod(self.lay.sizes[a] for a in axes))
+        row["wire_bytes_per_step"] += runs * scale * wire_bytes(kind, nbytes, n)
         if exposed:
             row["exposed_bytes_per_step"] += nbytes * runs
 
     def copy(self) -> _Rows:
         """A copy to add more collectives to, leaving this one as it is (it shares the
         rows until :meth:`add` or :meth:`sorted` copies them)."""
-        out = _Rows(self.lay)
+        out = _Rows(self.lay, self.lowering)
         out._axes = self._axes  # the same layout names the same axes
         out.combined = dict(self.combined)
         out.rows = dict(self.rows)
@@ -165,8 +153,7 @@ class _Rows:
             if tr is None:
                 if len(_TRANSFERS) >= 16 * _CACHE_MAX:
                     _TRANSFERS.clear()
-                kind, axes, runs, phase = key
-                tr = _TRANSFERS[(key, nbytes)] = Transfer(kind, axes, nbytes, runs, phase)
+                tr = _TRANSFERS[(key, nbytes)] = Transfer(*key[:2], nbytes, *key[2:])
             out.append(tr)
         return out
 
@@ -275,12 +262,15 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
                 rows.add("all-gather", ("data",), compute * per * wire / inner, 1, 1,
                          phase="exposed")
             nbytes = compute * wire
-            rows.add("all-gather", axes, nbytes, 1, per * micro, phase="forward")
-            rows.add("all-gather", axes, nbytes, 1 if p.tensor.per_layer else 0,
-                     per * micro, phase="backward")
+            layer = p.tensor.per_layer
+            rows.add("all-gather", axes, nbytes, 1, per * micro, phase="forward",
+                     weight=layer)
+            rows.add("all-gather", axes, nbytes, 1 if layer else 0, per * micro,
+                     phase="backward", weight=layer)
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
-            rows.add("all-gather", p.zero_axes, base * per * wire, 1, 1, phase="update")
+            rows.add("all-gather", p.zero_axes, base * per * wire, 1, 1, phase="update",
+                     weight=False)
         # Gradient reduction over every data-parallel axis, except the axes that split
         # the tensor's experts; then over the context axis, on its own (as XLA emits it).
         reduce_axes = tuple(a for a in lay.dp_axes
@@ -327,7 +317,8 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             if backend == "cpu":
                 rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")
             else:
-                rows.add("reduce-scatter", grad_split, full / n, 1, per, phase="gradient")
+                rows.add("reduce-scatter", grad_split, full / n, 1, per, phase="gradient",
+                         weight=p.tensor.per_layer)
         rows.add("all-reduce", rest, full / n, 1, per, phase="gradient")
         rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
 
@@ -352,15 +343,15 @@ def manual_data_axes(cand: Candidate, lay: Layout) -> tuple[str, ...]:
 
 
 def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: str,
-                 tokens: _Tokens) -> _Rows:
+                 tokens: _Tokens, lowering: Lowering = RING) -> _Rows:
     """:func:`_weights` into new rows, remembered by what it reads (the search asks
     again for candidates that differ in what it does not): a copy to add to."""
     key = (id(lay), layers, wire, backend, cand.microbatches, cand.zero_stage,
            cand.quantize_gather, cand.quantize_reduce, cand.hpz, tokens.loc.tokens,
-           tokens.d_model, tokens.pipe_micro, tokens.tied, cand.pipeline_schedule)
+           tokens.d_model, tokens.pipe_micro, tokens.tied, cand.pipeline_schedule, lowering)
     hit = _WEIGHT_ROWS.get(key)
     if hit is None or hit[0] is not lay:
-        rows = _Rows(lay)
+        rows = _Rows(lay, lowering)
         _weights(rows, lay, cand, layers, wire, backend, tokens=tokens)
         if len(_WEIGHT_ROWS) >= _CACHE_MAX:
             _WEIGHT_ROWS.clear()
@@ -455,21 +446,24 @@ def _experts(rows: _Rows, spec: ModelSpec, lay: Layout, cand: Candidate, loc: Lo
 
 
 def collectives(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
-                backend: str = "tpu") -> list[dict[str, Any]]:
+                backend: str = "tpu", lowering: Lowering = RING) -> list[dict[str, Any]]:
     """The collectives of one step grouped by (kind, axes); see :func:`transfers`."""
-    return _collect(spec, lay, cand, global_batch, seq, backend).sorted()
+    return _collect(spec, lay, cand, global_batch, seq, backend, lowering).sorted()
 
 
 def transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
-              backend: str = "tpu") -> tuple[list[dict[str, Any]], list[Transfer]]:
+              backend: str = "tpu", lowering: Lowering = RING
+              ) -> tuple[list[dict[str, Any]], list[Transfer]]:
     """The step's collectives both ways: rows grouped by (kind, axes), as the HLO text
-    groups them, and each :class:`Transfer` with its phase, for the time model."""
-    rows = _collect(spec, lay, cand, global_batch, seq, backend)
+    groups them, and each :class:`Transfer` with its phase, for the time model.
+    ``lowering``: how the compiler runs weight gathers and gradient reductions (their
+    ``wire_bytes_per_step`` and each transfer's ``wire_scale``)."""
+    rows = _collect(spec, lay, cand, global_batch, seq, backend, lowering)
     return rows.sorted(), rows.transfers
 
 
 def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
-             backend: str = "tpu") -> _Rows:
+             backend: str = "tpu", lowering: Lowering = RING) -> _Rows:
     """The collectives of one step, grouped by (kind, axes).
 
     Each row: ``kind``, ``axes``, ``count`` (instructions in the HLO text),
@@ -483,14 +477,14 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
     stages = lay.sizes.get("stage", 1)
     layers = spec.n_layers // stages if spec.n_layers else 1
     micro = cand.microbatches
-    rows = _Rows(lay)
+    rows = _Rows(lay, lowering)
     if not spec.is_transformer:
         _weights(rows, lay, cand, layers, wire, backend)
         return rows
     loc = local_sizes(spec, lay, cand, global_batch, seq)
     n_pipe = pipe_microbatches(cand, stages) if stages > 1 else 1
     rows = _weight_rows(lay, cand, layers, wire, backend,
-                        _Tokens(loc, spec.d_model, n_pipe, spec.tie_embeddings))
+                        _Tokens(loc, spec.d_model, n_pipe, spec.tie_embeddings), lowering)
     runs_layer = layers * micro * n_pipe
     if lay.tp_axes:
         _tensor(rows, spec, lay, cand, loc, runs_layer, micro * n_pipe, wire, backend)
@@ -513,145 +507,3 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
             rows.add("all-reduce", ("stage",), loc.tokens * m * spec.d_model * c, 1, micro,
                      phase="exposed")
     return rows
-
-
-_STEPS = {"all-reduce": lambda n: 2 * (n - 1), "collective-permute": lambda n: 1}
-"""Sequential steps of a collective's ring over ``n`` devices (each pays the link
-latency): ``n - 1`` for gathers, scatters and all-to-all, ``2 (n - 1)`` for an all-reduce
-(a reduce-scatter, then an all-gather), 1 for a permute to a neighbour."""
-
-
-def transfer_time(tr: Transfer, cand: Candidate, machine: Machine) -> float:
-    """Seconds of one transfer's executions in a step: per execution, latency x ring steps
-    plus bytes on the wire over the bandwidth the axes get, hierarchically: inside a
-    slice over ICI (:meth:`~jaxpar.planner.catalog.Chip.axis_bandwidth`: the torus links
-    the axes span, or the NVLink switch), then across slices over the DCN with ``1 /
-    n_ici`` of the payload per device (an all-to-all sends its share for other slices
-    itself). Bytes on the wire per device, as a multiple of the payload: ``2 (n-1)/n`` for
-    an all-reduce, ``(n-1)/n`` for the others (the payload is the result for an
-    all-gather, the input for a reduce-scatter, the buffer for an all-reduce or
-    all-to-all), the block itself for a permute."""
-    return link_terms(tr.kind, tr.axes, cand, machine).time(tr)
-
-
-class Link(NamedTuple):
-    """One kind of collective over some axes of a mesh, as :func:`transfer_time` prices
-    it: its name (a key of :attr:`~jaxpar.planner.cost.Estimate.comm_s`), devices spanned
-    in and across slices, and per level ring-step latency, wire bytes per payload byte and
-    bandwidth (a permute: its one hop's, over whichever network it crosses, as ICI)."""
-
-    name: str
-    n_ici: int
-    n_dcn: int
-    ici_lat: float
-    ici_wire: float
-    ici_bw: float
-    dcn_lat: float
-    dcn_wire: float
-    dcn_bw: float
-
-    def time(self, tr: Transfer) -> float:
-        """:func:`transfer_time` of ``tr``, a transfer of this kind over these axes."""
-        if tr.kind == "collective-permute":
-            return tr.runs * (self.ici_lat + tr.nbytes / self.ici_bw)
-        n_ici, n_dcn = self.n_ici, self.n_dcn
-        payload = tr.nbytes * n_ici * n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
-        t = 0.0
-        if n_ici > 1:
-            t += self.ici_lat + self.ici_wire * payload / self.ici_bw
-        if n_dcn > 1:
-            wire = self.dcn_wire * _dcn_share(tr.kind, payload, n_ici)
-            t += self.dcn_lat + wire / self.dcn_bw
-        return tr.runs * t
-
-
-def link_terms(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -> Link:
-    """:class:`Link` for ``kind`` over ``axes`` of ``cand``'s mesh on ``machine``,
-    computed once per mesh and machine (a search prices hundreds of thousands)."""
-    links = mesh_links(cand, machine)
-    link = links.get((kind, axes))
-    if link is None:
-        link = links[(kind, axes)] = _link(kind, axes, cand, machine)
-    return link
-
-
-def mesh_links(cand: Candidate, machine: Machine) -> dict[tuple[str, tuple[str, ...]], Link]:
-    """The :class:`Link` of each (kind, axes) known so far for ``cand``'s mesh on
-    ``machine``: look one up here, and :func:`link_terms` for one not yet known."""
-    key = (cand.ici, cand.dcn, id(machine))
-    hit = _LINKS.get(key)
-    if hit is None or hit[0] is not machine:
-        if len(_LINKS) >= _CACHE_MAX:
-            _LINKS.clear()
-        hit = _LINKS[key] = (machine, {})
-    return hit[1]
-
-
-_LINKS: dict[tuple, tuple[Machine, dict[tuple[str, tuple[str, ...]], Link]]] = {}
-
-
-def _link(kind: str, axes: tuple[str, ...], cand: Candidate, machine: Machine) -> Link:
-    dcn, ici = dict(cand.dcn), dict(cand.ici)
-    n_ici = math.prod(ici[a] for a in axes)
-    n_dcn = math.prod(dcn.get(a, 1) for a in axes)
-    chip = machine.chip
-    eff = chip.collective_efficiency
-    steps = _STEPS.get(kind, lambda n: n - 1)
-    name = f"{kind} {'x'.join(axes)}"
-    if kind == "collective-permute":
-        if n_dcn > 1:
-            bw, lat = chip.dcn_bw, chip.dcn_latency_s
-        else:
-            bw = chip.axis_bandwidth(n_ici, machine.per_slice)
-            bw, lat = (bw / 2 if chip.torus_dims else bw), chip.ici_latency_s
-        return Link(name, n_ici, n_dcn, lat, 1.0, bw * eff, 0.0, 0.0, 0.0)
-    ici_lat = ici_wire = ici_bw = dcn_lat = dcn_wire = dcn_bw = 0.0
-    if n_ici > 1:
-        ici_bw = chip.axis_bandwidth(n_ici, machine.per_slice) * eff
-        ici_lat, ici_wire = steps(n_ici) * chip.ici_latency_s, _wire(kind, n_ici)
-    if n_dcn > 1:
-        dcn_lat, dcn_wire = steps(n_dcn) * chip.dcn_latency_s, _wire(kind, n_dcn)
-        dcn_bw = chip.dcn_bw * eff
-    return Link(name, n_ici, n_dcn, ici_lat, ici_wire, ici_bw, dcn_lat, dcn_wire, dcn_bw)
-
-
-def _wire(kind: str, n: int) -> float:
-    """Bytes on the wire per device per byte of payload over ``n`` devices."""
-    return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-
-
-def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
-    """Bytes a device receives over the links for one collective of ``kind`` whose result
-    is ``result_bytes`` a device, over ``n`` devices, run as a ring: ``(n-1)/n`` of the
-    result for an all-gather or all-to-all, ``2 (n-1)/n`` of the buffer for an all-reduce,
-    ``n - 1`` results (the input less this device's share) for a reduce-scatter, the block
-    itself for a permute. The unit in which a compiled program's collectives, whatever
-    form the compiler gives them (a collective matmul's permutes), compare with the
-    planner's (:func:`jaxpar.analysis.hlo.collective_table`)."""
-    if kind == "collective-permute":
-        return float(result_bytes)
-    if n <= 1:
-        return 0.0
-    if kind == "reduce-scatter":
-        return float(result_bytes) * (n - 1)
-    return float(result_bytes) * _wire(kind, n)
-
-
-def _dcn_share(kind: str, payload: float, n_ici: int) -> float:
-    """The payload a device carries across slices: after the in-slice phase each device
-    holds ``1 / n_ici`` of it (an all-to-all sends its share for other slices itself)."""
-    return payload if kind == "all-to-all" else payload / n_ici
-
-
-def dcn_traffic(tr: Transfer, cand: Candidate, machine: Machine) -> tuple[float, float]:
-    """(bytes a device sends across slices in a step, seconds that takes) for one
-    transfer: the DCN phase of :func:`transfer_time` alone; (0, 0) inside a slice."""
-    link = link_terms(tr.kind, tr.axes, cand, machine)
-    if link.n_dcn == 1:
-        return 0.0, 0.0
-    if tr.kind == "collective-permute":  # the link's one hop is across slices
-        return tr.runs * tr.nbytes, tr.runs * (link.ici_lat + tr.nbytes / link.ici_bw)
-    n_ici = link.n_ici
-    payload = tr.nbytes * n_ici * link.n_dcn if tr.kind == "reduce-scatter" else tr.nbytes
-    wire = link.dcn_wire * _dcn_share(tr.kind, payload, n_ici)
-    return tr.runs * wire, tr.runs * (link.dcn_lat + wire / link.dcn_bw)

@@ -36,15 +36,10 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner.comms import (
-    PHASES,
-    Transfer,
-    collectives,
-    link_terms,
-    mesh_links,
-    transfers,
-)
+from jaxpar.planner.comms import collectives, transfers
 from jaxpar.planner.layout import Layout, layout
+from jaxpar.planner.links import PHASES, Transfer, link_terms, mesh_links
+from jaxpar.planner.lowering import RING, Lowering, lowering_for
 from jaxpar.planner.memory import (
     FLASH_ATTENTION,
     attention_kind,
@@ -290,8 +285,8 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     forward and backward (with remat's recomputation) over every microbatch, ``C_h`` the
     embedding, head and loss, ``U`` the optimizer update. Each collective is priced as
     latency plus bytes over the bandwidth its axes get
-    (:func:`jaxpar.planner.comms.transfer_time`) and hides where it runs
-    (:data:`jaxpar.planner.comms.PHASES`): weight gathers of the forward pass ``O_f``
+    (:func:`jaxpar.planner.links.transfer_time`) and hides where it runs
+    (:data:`jaxpar.planner.links.PHASES`): weight gathers of the forward pass ``O_f``
     under ``C_f + C_h``; backward gathers ``O_b`` and gradient reductions ``O_g`` under
     ``C_b``, the reductions only under the last microbatch's ``C_b / microbatches``;
     what the compute waits for (``E``: tensor, sequence and expert parallelism, the
@@ -330,7 +325,8 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     backend = backend or chip_backend(machine.chip)
     lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
     mem = device_bytes or memory(spec, lay, cand, global_batch, seq, backend)
-    rows, moves = _transfers(spec, lay, cand, global_batch, seq, backend)
+    rows, moves = _transfers(spec, lay, cand, global_batch, seq, backend,
+                             lowering_for(machine.chip.name) if backend == "tpu" else RING)
     n = cand.n_devices
     chip = machine.chip
     mflops = model_flops(spec, global_batch, seq)
@@ -429,7 +425,8 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
 
 
 def _transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
-               backend: str) -> tuple[list[dict[str, Any]], list[Transfer]]:
+               backend: str, lowering: Lowering = RING
+               ) -> tuple[list[dict[str, Any]], list[Transfer]]:
     """:func:`jaxpar.planner.comms.transfers`, remembered by what it reads: the search
     asks again for candidates that differ only in what the collectives do not see (the
     remat policy, beyond whether it reruns the forward pass's collectives)."""
@@ -437,9 +434,9 @@ def _transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int,
     if remat != "none" and not remat.startswith("recompute="):
         remat = "*"  # any policy but none reruns them alike (see comms._tensor)
     rows, moves = _COLLECTED.get(
-        (spec, lay), (global_batch, seq, backend, remat,
+        (spec, lay), (global_batch, seq, backend, remat, lowering,
                       *[getattr(cand, name) for name in _FIELDS]),
-        lambda: transfers(spec, lay, cand, global_batch, seq, backend))
+        lambda: transfers(spec, lay, cand, global_batch, seq, backend, lowering))
     return [{**row, "axes": list(row["axes"])} for row in rows], list(moves)
 
 

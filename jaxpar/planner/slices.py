@@ -5,7 +5,7 @@ slices joined by the data-centre network. For the plan the cost model chose
 (:class:`~jaxpar.planner.cost.Estimate`) this module prices, per device and step:
 
 * **synchronous** training: the DCN phase of every collective over an axis that crosses
-  slices (:func:`jaxpar.planner.comms.dcn_traffic`: after the in-slice phase each device
+  slices (:func:`jaxpar.planner.links.dcn_traffic`: after the in-slice phase each device
   carries ``1 / n_ici`` of the payload across, ``2 (s - 1) / s`` of it on the wire for an
   all-reduce over ``s`` slices, ``(s - 1) / s`` for the others). The cost model already
   counts the gradient reductions among them as exposed;
@@ -35,8 +35,8 @@ import dataclasses
 import math
 
 from jaxpar.planner.catalog import Machine
-from jaxpar.planner.comms import Transfer, dcn_traffic
 from jaxpar.planner.cost import Estimate
+from jaxpar.planner.links import Transfer, dcn_traffic
 
 SYNC_SHARE = 0.10
 """Largest share of the step synchronous training may spend across slices."""

@@ -359,3 +359,98 @@ def test_a_conditional_runs_its_costliest_branch_once_per_execution():
     assert matmul_flops(BRANCHES)["flops"] == 4 * dear  # not 4 x (cheap + dear)
     # A pipeline schedule's switch does work in a share of its ticks only.
     assert matmul_flops(BRANCHES, branch_share=0.25)["flops"] == dear
+
+
+# The TPU compiler's forms, written as it prints them (tiled layouts, ``:T(...)``): a
+# weight gathered by summing a buffer of zeros that holds this device's shard; a gradient
+# reduced whole, each device then slicing out its part inside a fusion; a combined
+# all-reduce of a sliced element and a used-whole one; and an all-gather that an async
+# collective fusion carries from its start through a continuation to its done, under one
+# channel id.
+TPU_FORMS = """\
+HloModule tpu_forms, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%place (fp0: f32[2,8], fp1: s32[]) -> f32[8,8] {
+  %fp0 = f32[2,8]{1,0:T(8,128)} parameter(0)
+  %fp1 = s32[] parameter(1)
+  %zero = f32[] constant(0)
+  %zeros = f32[8,8]{1,0:T(8,128)} broadcast(%zero), dimensions={}
+  ROOT %dynamic-update-slice.1 = f32[8,8]{1,0:T(8,128)} dynamic-update-slice(%zeros, %fp0, %fp1, %fp1)
+}
+
+%keep_mine (kp0: f32[8,8], kp1: s32[]) -> f32[2,8] {
+  %kp0 = f32[8,8]{1,0:T(8,128)} parameter(0)
+  %kp1 = s32[] parameter(1)
+  ROOT %dynamic-slice.1 = f32[2,8]{1,0:T(8,128)} dynamic-slice(%kp0, %kp1, %kp1), dynamic_slice_sizes={2,8}
+}
+
+%gather_start (gp0: f32[2,8]) -> (f32[2,8], f32[8,8]) {
+  %gp0 = f32[2,8]{1,0:T(8,128)} parameter(0)
+  %all-gather.10 = f32[8,8]{1,0:T(8,128)} all-gather(%gp0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %gs = (f32[2,8]{1,0:T(8,128)}, f32[8,8]{1,0:T(8,128)}) tuple(%gp0, %all-gather.10)
+}
+
+%async_collective_fusion.1 (cp0: f32[2,8], cp1: f32[8,8]) -> (f32[2,8], f32[8,8]) {
+  %cp0 = f32[2,8]{1,0:T(8,128)} parameter(0)
+  %cp1 = f32[8,8]{1,0:T(8,128)} parameter(1)
+  %all-gather.11 = f32[8,8]{1,0:T(8,128)} all-gather(%cp0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+  ROOT %cs = (f32[2,8]{1,0:T(8,128)}, f32[8,8]{1,0:T(8,128)}) tuple(%cp0, %all-gather.11)
+}
+
+%gather_done (dp0: f32[2,8]) -> f32[8,8] {
+  %dp0 = f32[2,8]{1,0:T(8,128)} parameter(0)
+  ROOT %all-gather.12 = f32[8,8]{1,0:T(8,128)} all-gather(%dp0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+ENTRY %main (w: f32[2,8], g: f32[8,8], h: f32[8,8], i: s32[]) -> f32[2,8] {
+  %w = f32[2,8]{1,0:T(8,128)} parameter(0)
+  %g = f32[8,8]{1,0:T(8,128)} parameter(1)
+  %h = f32[8,8]{1,0:T(8,128)} parameter(2)
+  %i = s32[] parameter(3)
+  %fusion.1 = f32[8,8]{1,0:T(8,128)} fusion(%w, %i), kind=kLoop, calls=%place
+  %all-reduce.1 = f32[8,8]{1,0:T(8,128)} all-reduce(%fusion.1), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add
+  %all-reduce.2 = f32[8,8]{1,0:T(8,128)} all-reduce(%g), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add
+  %fusion.2 = f32[2,8]{1,0:T(8,128)} fusion(%all-reduce.2, %i), kind=kLoop, calls=%keep_mine
+  %all-reduce.3 = (f32[8,8]{1,0:T(8,128)}, f32[8,8]{1,0:T(8,128)}) all-reduce(%g, %h), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%add
+  %gte.0 = f32[8,8]{1,0:T(8,128)} get-tuple-element(%all-reduce.3), index=0
+  %gte.1 = f32[8,8]{1,0:T(8,128)} get-tuple-element(%all-reduce.3), index=1
+  %dynamic-slice.2 = f32[2,8]{1,0:T(8,128)} dynamic-slice(%gte.0, %i, %i), dynamic_slice_sizes={2,8}
+  %add.1 = f32[8,8]{1,0:T(8,128)} add(%gte.1, %all-reduce.1)
+  %async-collective-start.1 = (f32[2,8]{1,0:T(8,128)}, f32[8,8]{1,0:T(8,128)}) fusion(%w), kind=kCustom, calls=%gather_start
+  %gte.2 = f32[2,8]{1,0:T(8,128)} get-tuple-element(%async-collective-start.1), index=0
+  %gte.3 = f32[8,8]{1,0:T(8,128)} get-tuple-element(%async-collective-start.1), index=1
+  %fusion.3 = (f32[2,8]{1,0:T(8,128)}, f32[8,8]{1,0:T(8,128)}) fusion(%gte.2, %gte.3), kind=kOutput, calls=%async_collective_fusion.1
+  %gte.4 = f32[2,8]{1,0:T(8,128)} get-tuple-element(%fusion.3), index=0
+  %async-collective-done.1 = f32[8,8]{1,0:T(8,128)} fusion(%gte.4), kind=kCustom, calls=%gather_done
+  ROOT %out = f32[2,8]{1,0:T(8,128)} add(%fusion.2, %dynamic-slice.2)
+}
+"""  # noqa: E501
+
+
+def test_the_tpu_compilers_all_reduces_are_read_as_the_gathers_and_scatters_they_make():
+    got = [(c.kind, c.implements, c.bytes) for c in parse_collectives(TPU_FORMS)]
+    assert got == [
+        ("all-gather", "all-gather", 256),  # the async fusion's gather, once (its start)
+        ("all-reduce", "all-gather", 256),  # shard placed in zeros, summed
+        ("all-reduce", "reduce-scatter", 256),  # summed whole, sliced in a fusion
+        ("all-reduce", "reduce-scatter", 256),  # a combined one: element 0 sliced
+        ("all-reduce", "all-reduce", 256),  # element 1 added whole
+    ]
+    # An all-reduce moves an all-reduce's bytes whatever it implements: 2 (n - 1) / n of
+    # its buffer, twice the ring all-gather of the same result.
+    forms = parse_collectives(TPU_FORMS)
+    assert [c.wire_bytes for c in forms] == [192, 384, 384, 384, 384]
+
+
+def test_an_untiled_programs_sliced_all_reduce_stays_an_all_reduce():
+    """XLA:CPU reduce-scatters by all-reducing and slicing, and the planner lists that
+    all-reduce as one; only the TPU compiler's (tiled layouts) are read as scatters."""
+    cpu = TPU_FORMS.replace(":T(8,128)", "")
+    assert [c.implements for c in parse_collectives(cpu)] == [
+        "all-gather", "all-reduce", "all-reduce", "all-reduce"]

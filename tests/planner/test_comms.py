@@ -13,8 +13,9 @@ import pytest
 
 from jaxpar.models import TransformerConfig
 from jaxpar.planner import Candidate, parse_chips
-from jaxpar.planner.comms import Transfer, collectives, transfer_time, transfers
+from jaxpar.planner.comms import collectives, transfers
 from jaxpar.planner.layout import layout
+from jaxpar.planner.links import Transfer, transfer_time
 from jaxpar.planner.model import from_transformer
 from tests.planner.cases import TINY, TINY_LAYER_PARAMS, TINY_PARAMS
 
@@ -23,7 +24,7 @@ MOE = TransformerConfig(**{**vars(TINY), "n_experts": 4, "experts_per_token": 2,
 
 
 def test_collective_time_is_latency_plus_bytes_over_the_axis_bandwidth():
-    from jaxpar.planner.comms import Transfer, transfer_time
+    from jaxpar.planner.links import Transfer, transfer_time
 
     machine = parse_chips("tpu-v5p:64")
     cand = Candidate.make({"fsdp": 64})

@@ -1,0 +1,71 @@
+"""How the TPU compiler runs FSDP's weight gathers and gradient reduce-scatters
+(jaxpar.planner.lowering): the rule, its bytes, and the planner's collectives against
+programs the TPU compiler built (the published runs' are benchmarks/tpu_compile.py's)."""
+
+import pytest
+
+from jaxpar.models import TransformerConfig
+from jaxpar.planner import Candidate
+from jaxpar.planner.comms import collectives
+from jaxpar.planner.layout import layout
+from jaxpar.planner.lowering import RING, lowering_for
+from jaxpar.planner.model import from_transformer
+
+
+@pytest.mark.parametrize("chip, n, gather, scatter", [
+    # Up to 32 devices every generation runs the forward's gathers and the gradients'
+    # scatters inside their matmuls.
+    ("tpu-v6e", 8, "windowed", "windowed"),
+    ("tpu-v5p", 32, "windowed", "windowed"),
+    ("tpu-v7", 16, "windowed", "windowed"),
+    # Beyond: v5e and v6e all-gather and all-reduce gradients; v4 and v5p all-reduce both;
+    # TPU7x all-reduces gathers and keeps reduce-scatters.
+    ("tpu-v6e", 64, "ring", "all-reduce"),
+    ("tpu-v5e", 256, "ring", "all-reduce"),
+    ("tpu-v4", 64, "all-reduce", "all-reduce"),
+    ("tpu-v5p", 512, "all-reduce", "all-reduce"),
+    ("tpu-v7", 128, "all-reduce", "ring"),
+    ("h100", 64, "ring", "ring"),
+])
+def test_each_generation_runs_fsdp_collectives_as_its_compiler_does(chip, n, gather, scatter):
+    rule = lowering_for(chip)
+    assert rule.form("all-gather", n, "forward") == gather
+    assert rule.form("reduce-scatter", n, "gradient") == scatter
+
+
+def test_what_each_form_costs_against_a_ring():
+    v6e = lowering_for("tpu-v6e")
+    # A collective matmul over 8 devices receives 9 shards where a ring receives 7.
+    assert v6e.wire_factor("all-gather", 8, "forward") == pytest.approx(9 / 7)
+    # The backward's gathers feed two matmuls each: plain all-gathers; so are weights
+    # outside the layers (the embedding, the head).
+    assert v6e.wire_factor("all-gather", 8, "backward") == 1.0
+    assert v6e.wire_factor("all-gather", 8, "forward", per_layer=False) == 1.0
+    # An all-reduce in place of a gather or a scatter: twice the bytes.
+    assert v6e.wire_factor("reduce-scatter", 256, "gradient") == 2.0
+    assert lowering_for("tpu-v5p").wire_factor("all-gather", 512, "backward") == 2.0
+    # Activations' collectives and other kinds are as listed.
+    assert v6e.wire_factor("all-reduce", 256, "gradient") == 1.0
+    assert RING.wire_factor("reduce-scatter", 256, "gradient") == 1.0
+
+
+def test_the_planner_prices_each_fsdp_collective_as_it_runs():
+    """The same FSDP step on 64 devices: a ring's bytes on GPUs, the gradients' doubled
+    on v6e (an all-reduce each device slices), gathers doubled too on v5p."""
+    cfg = TransformerConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4,
+                            n_kv_heads=4, d_ff=512)  # every dimension splits 64 ways
+    spec = from_transformer(cfg)
+    cand = Candidate.make({"fsdp": 64}, rules="fsdp")
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
+
+    def wire(chip: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in collectives(spec, lay, cand, 64, 64, "tpu", lowering_for(chip)):
+            out[r["kind"]] = out.get(r["kind"], 0) + r["wire_bytes_per_step"]
+        return out
+
+    ring, v6e, v5p = wire("h100"), wire("tpu-v6e"), wire("tpu-v5p")
+    assert v6e["reduce-scatter"] == pytest.approx(2 * ring["reduce-scatter"])
+    assert v6e["all-gather"] == pytest.approx(ring["all-gather"])
+    assert v5p["reduce-scatter"] == pytest.approx(2 * ring["reduce-scatter"])
+    assert v5p["all-gather"] > 1.9 * ring["all-gather"]  # the token ids' gather aside
