@@ -132,8 +132,9 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
     """``all-gather`` or ``reduce-scatter`` when ``instr`` (a permute) is a step of the
     compiler's collective matmul (a windowed einsum): inside its loop's body, or a step
     the compiler peeled out of the loop (or pipelined into the previous trip of an outer
-    loop) whose result flows into that loop; else empty. Only permutes that a
-    ``dot_general`` brought are followed."""
+    loop) whose result flows into that loop, or one of a loop it unrolled (a few devices:
+    a partial sum passed on is a reduce-scatter's step, a weight's shard a gather's);
+    else empty. Only permutes that a ``dot_general`` brought are followed."""
     if kind := _windowed(instr.computation):
         return kind
     name = _OP_NAME.search(instr.attrs)
@@ -177,7 +178,32 @@ def _collective_matmul(module: Module, instr: Instruction) -> str:
                     seen.add(user.name)
                     nxt.append(user.name)
         frontier = nxt
-    return ""
+    # Unrolled (a few devices): no loop to name it; what it passes on tells.
+    return "reduce-scatter" if _partial_sum(module, instr.operands[0]) else "all-gather"
+
+
+_SUMS = {"add", "convolution", "dot", "broadcast"}
+
+
+def _partial_sum(module: Module, name: str, depth: int = 0) -> bool:
+    """Whether ``name`` is a collective matmul's running partial sum (made by a matmul,
+    an addition, or zeros to start from), seen through copies, permutes passing it on,
+    and the outputs of fusions."""
+    source = _producer(module, name)
+    if source is None or depth > 16:
+        return False
+    if source.op in ("collective-permute-done", "collective-permute",
+                     "collective-permute-start") and source.operands:
+        return _partial_sum(module, source.operands[0], depth + 1)
+    if source.op == "get-tuple-element" and source.operands:
+        index = _INDEX.search(source.attrs)
+        tupled = _producer(module, source.operands[0])
+        if index and tupled is not None and tupled.op == "tuple":
+            element = int(index[1])
+            if element < len(tupled.operands):
+                return _partial_sum(module, tupled.operands[element], depth + 1)
+        return False
+    return source.op in _SUMS
 
 
 def parse_collectives(hlo: str | Module) -> list[Collective]:

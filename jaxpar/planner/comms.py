@@ -91,7 +91,8 @@ class _Rows:
         self._shared: set[tuple[str, tuple[str, ...]]] = set()  # rows of another's: see copy
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: float, static: int, runs: int,
-            exposed: bool = False, phase: str = "", weight: bool | None = None) -> None:
+            exposed: bool = False, phase: str = "", weight: bool | None = None,
+            layer_input: float = float("inf")) -> None:
         """One collective: ``nbytes`` result bytes, ``static`` instructions in the HLO
         text, ``runs`` executions per step; ``phase`` is what compute it can hide under
         (:data:`~jaxpar.planner.links.PHASES`; default ``exposed`` when ``exposed``, else
@@ -99,7 +100,8 @@ class _Rows:
         ``weight``: a weight's gather or its gradient's reduction (True for a layer's
         weight, False for one outside the layers), run as the compiler's
         :class:`~jaxpar.planner.lowering.Lowering` says; None: an activation's, as a
-        ring."""
+        ring. ``layer_input``: the bytes of a layer's input on a device (what decides
+        whether the compiler runs a weight's collective inside its matmul)."""
         if nbytes <= 0:
             return
         named = self._axes.get(axes)
@@ -112,7 +114,7 @@ class _Rows:
         phase = phase or ("exposed" if exposed else "forward")
         n = math.prod(self.lay.sizes[a] for a in axes)
         scale = (1.0 if weight is None
-                 else self.lowering.wire_factor(kind, n, phase, per_layer=weight))
+                 else self.lowering.wire_factor(kind, n, phase, weight, layer_input))
         # Collectives of one kind, axes and phase that run as often are combined into one
         # (XLA's combiners do the same for the per-tensor gathers and reductions).
         key = (kind, axes, runs, phase, scale)
@@ -237,6 +239,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
     activations its embedding lookup and head move: see :func:`_lookup` and
     :func:`_vocab_split`)."""
     micro = cand.microbatches
+    layer_input = (tokens.loc.tokens * tokens.d_model * wire if tokens else float("inf"))
     for p in lay.placed:
         if tokens and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
             _vocab_split(rows, lay, p, tokens, micro, wire, backend)
@@ -264,9 +267,9 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             nbytes = compute * wire
             layer = p.tensor.per_layer
             rows.add("all-gather", axes, nbytes, 1, per * micro, phase="forward",
-                     weight=layer)
+                     weight=layer, layer_input=layer_input)
             rows.add("all-gather", axes, nbytes, 1 if layer else 0, per * micro,
-                     phase="backward", weight=layer)
+                     phase="backward", weight=layer, layer_input=layer_input)
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
             rows.add("all-gather", p.zero_axes, base * per * wire, 1, 1, phase="update",
@@ -318,7 +321,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
                 rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")
             else:
                 rows.add("reduce-scatter", grad_split, full / n, 1, per, phase="gradient",
-                         weight=p.tensor.per_layer)
+                         weight=p.tensor.per_layer, layer_input=layer_input)
         rows.add("all-reduce", rest, full / n, 1, per, phase="gradient")
         rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
 

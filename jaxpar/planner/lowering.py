@@ -9,10 +9,11 @@ programs the TPU compiler builds for jaxpar's steps (the published runs of
 
 * **Up to 32 devices**, a weight gathered for a layer's forward matmuls and a gradient
   reduce-scattered out of the backward's are run inside the matmul (a *collective matmul*,
-  the compiler's windowed einsum): the shards pass around the ring in both directions as
-  the matmul consumes them, and a device receives ``n + 1`` shards where a ring
-  all-gather receives ``n - 1``. The backward pass's gathers, whose weights feed more
-  than one matmul, stay all-gathers.
+  the compiler's windowed einsum) when the layer's input on a device is over 4 MiB (a
+  step of 4 MiB per device runs rings; of 6 MiB, collective matmuls): the shards pass
+  around the ring in both directions as the matmul consumes them, and a device receives
+  ``n + 1`` shards where a ring all-gather receives ``n - 1``. The backward pass's
+  gathers, whose weights feed more than one matmul, stay all-gathers.
 * **Beyond 32 devices**, v5e and v6e gather with all-gathers, but reduce gradients with an
   all-reduce whose sum each device slices: twice a reduce-scatter's bytes.
 * **v4 and v5p** (a 3D torus) also gather beyond 32 devices with an all-reduce, of a
@@ -38,32 +39,39 @@ class Lowering:
 
     Attributes:
       windowed_up_to: over at most this many devices, forward gathers and gradient
-        reduce-scatters of a layer's weights run as collective matmuls (0: never).
+        reduce-scatters of a layer's weights run as collective matmuls (0: never)...
+      windowed_above: ...when a device's layer input is over this many bytes.
       gather_as_all_reduce: beyond that, weights are gathered with an all-reduce.
       scatter_as_all_reduce: beyond that, gradients are reduced with an all-reduce.
     """
 
     windowed_up_to: int = 0
+    windowed_above: int = 4 << 20
     gather_as_all_reduce: bool = False
     scatter_as_all_reduce: bool = False
 
-    def form(self, kind: str, n: int, phase: str, per_layer: bool = True) -> str:
+    def form(self, kind: str, n: int, phase: str, per_layer: bool = True,
+             layer_input: float = float("inf")) -> str:
         """How a weight's ``kind`` collective (``all-gather`` or ``reduce-scatter``) over
         ``n`` devices in ``phase`` (:data:`jaxpar.planner.links.PHASES`) runs: one of
-        :data:`FORMS`. ``per_layer``: the weight is a layer's (inside the layer loop)."""
+        :data:`FORMS`. ``per_layer``: the weight is a layer's (inside the layer loop);
+        ``layer_input``: the bytes of a layer's input on a device."""
         if n <= 1 or kind not in ("all-gather", "reduce-scatter"):
             return "ring"
         if n <= self.windowed_up_to:
             matmul = phase == "forward" if kind == "all-gather" else phase == "gradient"
-            return "windowed" if matmul and per_layer else "ring"
+            windowed = matmul and per_layer and layer_input > self.windowed_above
+            return "windowed" if windowed else "ring"
         if kind == "all-gather":
             return "all-reduce" if self.gather_as_all_reduce else "ring"
         return "all-reduce" if self.scatter_as_all_reduce else "ring"
 
-    def wire_factor(self, kind: str, n: int, phase: str, per_layer: bool = True) -> float:
-        """Bytes on the links for the collective as it runs, over a ring's of its kind:
-        ``(n + 1) / (n - 1)`` for a collective matmul, 2 for an all-reduce, else 1."""
-        form = self.form(kind, n, phase, per_layer)
+    def wire_factor(self, kind: str, n: int, phase: str, per_layer: bool = True,
+                    layer_input: float = float("inf")) -> float:
+        """Bytes on the links for the collective as it runs, over a ring's of its kind
+        (arguments as :meth:`form`'s): ``(n + 1) / (n - 1)`` for a collective matmul, 2
+        for an all-reduce, else 1."""
+        form = self.form(kind, n, phase, per_layer, layer_input)
         if form == "windowed":
             return (n + 1) / (n - 1)
         return 2.0 if form == "all-reduce" else 1.0

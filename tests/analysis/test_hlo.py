@@ -454,3 +454,25 @@ def test_an_untiled_programs_sliced_all_reduce_stays_an_all_reduce():
     cpu = TPU_FORMS.replace(":T(8,128)", "")
     assert [c.implements for c in parse_collectives(cpu)] == [
         "all-gather", "all-reduce", "all-reduce", "all-reduce"]
+
+
+# A collective matmul over 4 devices, unrolled into the layer (no windowed loop to name
+# it): one permute passes a weight's shard on, another a running partial sum (zeros to
+# start, then a matmul's result added), both brought by a dot_general.
+UNROLLED = """\
+ENTRY %main (w: bf16[2,8], x: bf16[4,2]) -> bf16[4,8] {
+  %w = bf16[2,8]{1,0:T(8,128)} parameter(0)
+  %x = bf16[4,2]{1,0:T(8,128)} parameter(1)
+  %collective-permute.1 = bf16[2,8]{1,0:T(8,128)} collective-permute(%w), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, metadata={op_name="jit(step)/while/body/dot_general"}
+  %zero = bf16[] constant(0)
+  %zeros = bf16[4,8]{1,0:T(8,128)} broadcast(%zero), dimensions={}
+  %dot.1 = bf16[4,8]{1,0:T(8,128)} dot(%x, %collective-permute.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %add.1 = bf16[4,8]{1,0:T(8,128)} add(%zeros, %dot.1)
+  ROOT %collective-permute.2 = bf16[4,8]{1,0:T(8,128)} collective-permute(%add.1), channel_id=2, source_target_pairs={{0,3},{1,0},{2,1},{3,2}}, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+}
+"""  # noqa: E501
+
+
+def test_an_unrolled_collective_matmuls_permutes_are_its_gather_and_scatter():
+    assert [c.implements for c in parse_collectives(UNROLLED)] == [
+        "all-gather", "reduce-scatter"]

@@ -33,6 +33,14 @@ def test_each_generation_runs_fsdp_collectives_as_its_compiler_does(chip, n, gat
     assert rule.form("reduce-scatter", n, "gradient") == scatter
 
 
+def test_collective_matmuls_need_a_layer_input_over_4_mib():
+    """Measured on tpu-v5e:2x2 (tests/analysis/test_targets.py compiles the small side):
+    a layer input of 1 or 4 MiB a device runs rings, 6 and 8 MiB collective matmuls."""
+    v5e = lowering_for("tpu-v5e")
+    assert [v5e.form("reduce-scatter", 4, "gradient", layer_input=mib << 20)
+            for mib in (1, 4, 6, 8)] == ["ring", "ring", "windowed", "windowed"]
+
+
 def test_what_each_form_costs_against_a_ring():
     v6e = lowering_for("tpu-v6e")
     # A collective matmul over 8 devices receives 9 shards where a ring receives 7.
