@@ -11,7 +11,11 @@ devices:
 * ```` ```bash ```` blocks run command by command in bash (a ``\\`` continues a line,
   ``#`` lines are comments, ``export`` lines set the environment of what follows); a
   ``make TARGET`` line runs as ``make -n TARGET`` (what it would do: ``make test`` from a
-  test is a loop, and ``make train`` is the test suite's own training run);
+  test is a loop, and ``make train`` is the test suite's own training run). A plain
+  ``jaxpar ...`` command (no shell syntax, the page's starting environment) runs as the
+  ``jaxpar`` script would, in a process of its own forked from one that has imported
+  jaxpar's command modules and nothing else (no JAX backend started): the same program
+  without the 2-3 s of imports each command's process would spend (:class:`Forker`);
 * a ```` ```text ```` block right after one of them is what it prints: its non-empty
   lines must appear, in order, among the lines printed (spaces collapsed; numbers within
   :data:`TOLERANCE` of the quoted ones; ``...`` inside a line skips any text), so a
@@ -28,6 +32,9 @@ import contextlib
 import io
 import os
 import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,9 +143,153 @@ def _exit_status(note: str) -> int:
     return int(m[1]) if m else 0
 
 
-def run_page(path: Path, work: Path) -> list[str]:
+_SHELL = re.compile(r"[|&;<>()$`\\*?\[\]{}~!#'\n]")
+"""Characters that make a command line more than a program and its arguments for bash."""
+PRELOADED = ("jaxpar.cli", "jaxpar.cli.train", "jaxpar.runs.loop", "jaxpar.cli.plan",
+             "jaxpar.cli.inspection", "jaxpar.cli.sample", "jaxpar.cli.convert",
+             "jaxpar.cli.export", "jaxpar.cli.launch", "jaxpar.cli.calibrate",
+             "jaxpar.cli.goodput", "jaxpar.cli.tokenize_corpus")
+"""What the :class:`Forker` imports before it forks a command: the ``jaxpar`` commands'
+modules (each command's own process imports its module and most of the rest)."""
+
+
+def forkable(command: str) -> list[str] | None:
+    """The arguments of a plain ``jaxpar ...`` command line (what bash would pass the
+    ``jaxpar`` script), or None when the line uses any shell syntax."""
+    if not command.startswith("jaxpar ") or _SHELL.search(command):
+        return None
+    return shlex.split(command)[1:]
+
+
+class Forker:
+    """Runs ``jaxpar`` commands as the ``jaxpar`` script runs them, each in a process of its
+    own, forked from a process that imported :data:`PRELOADED` once (itself forked when
+    this object is made, before anything else happens in this process: no JAX backend, no
+    temporary folder or other state a fork would carry into a command). A command's process sets
+    up what a fresh Python running the script has (``sys.argv``, ``sys.path[0]``, the
+    working folder, stdout and stderr on one file, buffered as Python buffers them) and
+    ends as an interpreter ends (threads joined, ``atexit`` functions run, streams
+    flushed). Only for the environment it started in: imported modules may have read it.
+    """
+
+    def __init__(self, env: dict[str, str]):
+        from multiprocessing.connection import Pipe
+
+        self.env = dict(env)
+        self.script = shutil.which("jaxpar", path=env.get("PATH"))
+        self._conn, theirs = Pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the server: imports, then forks one process per command
+            self._conn.close()
+            try:
+                _serve(theirs, self.script)
+            finally:
+                os._exit(0)
+        theirs.close()
+
+    def run(self, args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+        """``jaxpar ARGS`` in ``cwd``: (exit status as bash reports it, stdout + stderr)."""
+        fd, out = tempfile.mkstemp(prefix="jaxpar-docs-command-")
+        os.close(fd)
+        try:
+            self._conn.send((args, str(cwd), out))
+            pid = self._conn.recv()
+        except (EOFError, OSError) as err:  # the server is gone: its imports failed
+            os.unlink(out)
+            raise RuntimeError("the jaxpar command server stopped; run the page's "
+                               "commands in bash to see why") from err
+        try:
+            if not self._conn.poll(timeout):
+                os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(["jaxpar", *args], timeout)
+            status = self._conn.recv()
+            return status, Path(out).read_text()  # as subprocess.run(text=True) reads it
+        finally:
+            os.unlink(out)
+
+    def close(self) -> None:
+        self._conn.close()
+        os.waitpid(self.pid, 0)
+
+
+def _serve(conn, script: str) -> None:
+    """The :class:`Forker`'s server: import, then fork a command per request."""
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+    from jax._src import xla_bridge
+
+    assert not xla_bridge._backends, "importing jaxpar started a JAX backend"
+    while True:
+        try:
+            args, cwd, out = conn.recv()
+        except EOFError:
+            return
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _command(script, args, cwd, out)  # never returns
+        conn.send(pid)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        conn.send(code if code >= 0 else 128 - code)  # bash's status for a signal
+
+
+def _command(script: str, args: list[str], cwd: str, out: str) -> None:
+    """In a forked process: be ``jaxpar ARGS`` started fresh, output to ``out``, then exit."""
+    import atexit
+    import threading
+    import traceback
+
+    code: object = 1
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.chdir(cwd)
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(script)
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        encoding, errors = sys.stdout.encoding, sys.stdout.errors
+        # As Python opens them for a process whose stdout and stderr are files.
+        streams = []
+        for fd in (1, 2):
+            raw = io.FileIO(fd, "w", closefd=False)
+            streams.append(raw if unbuffered else io.BufferedWriter(raw))
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+            streams[0], encoding=encoding, errors=errors, write_through=unbuffered)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            streams[1], encoding=encoding, errors="backslashreplace", line_buffering=True,
+            write_through=unbuffered)
+        from jaxpar.cli import main
+
+        code = main()
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:  # how an interpreter ends: threads joined, atexit functions, streams
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+            threading._shutdown()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit((code or 0) & 0xFF if isinstance(code, int) else 1)
+
+
+def run_page(path: Path, work: Path, forker: Forker | None = None) -> list[str]:
     """Run a page's blocks in ``work``; returns what was shown only (``not run``).
-    Raises AssertionError naming the page line of the first block that fails."""
+    Raises AssertionError naming the page line of the first block that fails. With a
+    ``forker``, plain ``jaxpar`` commands run through it (see :class:`Forker`)."""
     for name in LINKED:
         if not (work / name).exists():
             (work / name).symlink_to(ROOT / name)
@@ -168,15 +319,20 @@ def run_page(path: Path, work: Path) -> list[str]:
                     name, _, value = command.removeprefix("export ").partition("=")
                     env[name] = os.path.expandvars(value.strip("'\""))
                     continue
-                run = re.sub(r"^make (?!-n)", "make -n ", command)
-                done = subprocess.run(["bash", "-c", run], cwd=work, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      timeout=600)
-                printed += done.stdout
-                sys.stdout.write(f"$ {command}\n{done.stdout}")
-                assert done.returncode == want, (
-                    f"{where}: `{command}` exited {done.returncode} (expected {want}):\n"
-                    f"{done.stdout[-4000:]}")
+                args = forkable(command)
+                if forker is not None and args is not None and env == forker.env:
+                    status, said = forker.run(args, work, timeout=600)
+                else:
+                    run = re.sub(r"^make (?!-n)", "make -n ", command)
+                    done = subprocess.run(["bash", "-c", run], cwd=work, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          timeout=600)
+                    status, said = done.returncode, done.stdout
+                printed += said
+                sys.stdout.write(f"$ {command}\n{said}")
+                assert status == want, (
+                    f"{where}: `{command}` exited {status} (expected {want}):\n"
+                    f"{said[-4000:]}")
         if block.output is not None:
             check_output(block.output, printed, where)
     return shown_only
@@ -194,9 +350,18 @@ def main(argv: list[str]) -> int:
         os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    with tempfile.TemporaryDirectory(prefix="jaxpar-docs-") as work:
-        for line in run_page(Path(argv[0]).resolve(), Path(work)):
-            print(f"SHOWN ONLY {line}")
+    page = Path(argv[0]).resolve()
+    # Forked first, while this process is bare; worth it from two commands on.
+    forker = Forker(dict(os.environ)) if sum(
+        forkable(c) is not None for b in page_blocks(page) if b.lang == "bash"
+        and not b.note.startswith("not run:") for c in commands(b.body)) >= 2 else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxpar-docs-") as work:
+            for line in run_page(page, Path(work), forker):
+                print(f"SHOWN ONLY {line}")
+    finally:
+        if forker is not None:
+            forker.close()
     return 0
 
 
