@@ -106,17 +106,31 @@ def filesystem(url: str, what: str) -> Any:
     """
     check_url(url, what)
     configure_clients()
-    import fsspec  # imported on use: local runs never need it
-
     scheme = url_scheme(url)
     try:
-        fs = fsspec.filesystem(scheme, **_options(scheme))
+        fs = _client_class(url, what)(**_options(scheme))
     except ImportError:
-        raise JaxparError(f"{what} {url!r}: {scheme}:// needs the {SCHEMES[scheme]} package "
-                          f"(pip install {SCHEMES[scheme]})") from None
+        raise _missing_package(url, what) from None
     if scheme == "s3":  # s3fs retries a timed-out request 5 times on top of botocore's
         fs.retries = 1
     return fs
+
+
+def _client_class(url: str, what: str) -> type:
+    """The fsspec file system class of ``url``'s scheme, its package imported (no client
+    started)."""
+    import fsspec  # imported on use: local runs never need it
+
+    try:
+        return fsspec.get_filesystem_class(url_scheme(url))
+    except ImportError:
+        raise _missing_package(url, what) from None
+
+
+def _missing_package(url: str, what: str) -> JaxparError:
+    scheme = url_scheme(url)
+    return JaxparError(f"{what} {url!r}: {scheme}:// needs the {SCHEMES[scheme]} package "
+                       f"(pip install {SCHEMES[scheme]})")
 
 
 REQUEST_TIMEOUT_S = 15.0
@@ -189,8 +203,12 @@ def check_bucket(url: str, what: str) -> None:
     Raises:
       JaxparError: naming ``what`` and the URL.
     """
-    fs = filesystem(url, what)
+    check_url(url, what)
+    _client_class(url, what)  # a missing package is named first, as filesystem() names it
+    # The endpoint before the client: gcsfs looks for credentials as it starts, which on a
+    # host without any (no GCE metadata server) takes 16 s of timeouts.
     probe_endpoint(url, what)
+    fs = filesystem(url, what)
     bucket = bucket_of(url)
     with reported(url, what):
         try:  # not exists(): it answers False for no credentials or a refused request

@@ -24,6 +24,7 @@ One run writes a folder at a time: :class:`BucketLock` is the bucket's counterpa
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -78,7 +79,6 @@ class RunMirror:
 
     def __init__(self, url: str, *, skip: tuple[str, ...] = ()):
         self.url = url.rstrip("/")
-        self.fs = filesystem(self.url, "--out")
         self.direct = url_scheme(self.url) in DIRECT_SCHEMES
         _, rest = _URL.match(self.url).groups()
         scheme = url_scheme(url)
@@ -87,6 +87,12 @@ class RunMirror:
         self.skip = skip
         self._sent: dict[str, tuple[int, int]] = {}
         self._marks: set[int] | None = None  # s3: steps marked uploaded in the bucket
+
+    @functools.cached_property
+    def fs(self) -> Any:
+        """The bucket's fsspec file system, started on first use (:meth:`check` probes the
+        endpoint first: a client that cannot reach it waits on timeouts)."""
+        return filesystem(self.url, "--out")
 
     @property
     def checkpoints(self) -> str | Path:
