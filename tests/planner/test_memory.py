@@ -180,6 +180,30 @@ def test_full_remat_keeps_only_each_block_input():
     assert none > LOCAL.tokens * 4 * 64 * (4 + 2)
 
 
+def test_without_remat_the_tpu_compiler_keeps_what_its_memory_report_lists():
+    """Llama 3.2 3B on tpu-v6e:4, tensor 4 with sequence parallelism, one 8192-token
+    sequence a microbatch, bf16: the TPU compiler's memory-usage report (XLA_FLAGS=
+    --xla_dump_to) lists 11.7 GiB of saved activations for the 28 layers: per layer the
+    attention's and the MLP's inputs whole (2 x bf16[8192, 3072]), six MLP-sized tensors
+    (bf16[8192, 2048]), four f32 residual-stream shares (f32[2048, 3072]), q, the
+    attention output and a third heads-sized tensor (bf16[6, 8192, 128]), k and v."""
+    cfg = jaxpar.models.TransformerConfig(vocab_size=128256, d_model=3072, n_layers=28,
+                                          n_heads=24, n_kv_heads=8, head_dim=128,
+                                          d_ff=8192, tie_embeddings=True)
+    spec = from_transformer(cfg)
+    cand = Candidate.make({"tensor": 4}, rules="fsdp_tp", sequence_parallel=True,
+                          precision="params=float32,compute=bfloat16,output=float32")
+    from jaxpar.planner.candidate import local_sizes
+
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
+    loc = local_sizes(spec, lay, cand, 1, 8192)
+    per_layer = saved_activation_bytes(spec, loc, 8192, "none", 2, "splash", "tpu")
+    assert 28 * per_layer == pytest.approx(11.7 * 2**30, rel=0.05)
+    # XLA:CPU keeps six residual-stream tensors in the compute dtype instead.
+    cpu = saved_activation_bytes(spec, loc, 8192, "none", 2, "splash", "cpu")
+    assert cpu < per_layer
+
+
 @pytest.mark.parametrize(("attention", "backend", "precision", "context", "kind"), [
     ("auto", "tpu", "bfloat16", 1, "splash"),
     ("auto", "gpu", "bfloat16", 1, "cudnn"),
