@@ -202,3 +202,18 @@ def render_inspection(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         out.append(f"\nnote: {note}")
     return "\n".join(out)
+
+
+def render_peak_buffers(section: dict[str, Any] | None) -> str:
+    """The ``peak_buffers`` section of a compile report (``jaxpar compile/inspect
+    --peak-buffers N``): XLA's largest slots of device memory, with what shares each."""
+    if not section:
+        return "peak buffers: XLA wrote no memory-usage report for the step"
+    rows = [(fmt_bytes(b["bytes"]), f"{100 * b['bytes'] / section['total_bytes']:.0f}%",
+             b["values"], b["shapes"]) for b in section["buffers"]]
+    shown = sum(b["bytes"] for b in section["buffers"])
+    return (f"peak buffers: the {len(rows)} largest of the step's "
+            f"{fmt_bytes(section['total_bytes'])} of device memory ({fmt_bytes(shown)}; "
+            "XLA's memory-usage report, sizes as it rounds them)\n"
+            + table(["size", "share", "values", "shapes (one after another)"], rows,
+                    right=(0, 1, 2)))

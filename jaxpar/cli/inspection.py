@@ -75,17 +75,34 @@ def command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, keep_mesh=args.keep_mesh)
     check_config(config)
     _checked_outputs(args)
+    peak = getattr(args, "peak_buffers", None)
+    dump = None
+    if peak is not None:
+        import tempfile
+
+        from jaxpar.analysis.buffers import enable_dump
+
+        dump = tempfile.TemporaryDirectory(prefix="jaxpar-xla-dump-")
+        enable_dump(dump.name)  # before JAX starts a backend: XLA reads its flags once
     if tpu:  # compile-only: this host's TPU backend (if any) is not needed
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     simulate_devices(args.devices)
     from jaxpar.analysis.inspection import compile_step, step_report
-    from jaxpar.analysis.report import render_inspection
+    from jaxpar.analysis.report import render_inspection, render_peak_buffers
     from jaxpar.analysis.targets import parse_target
 
     save = getattr(args, "save", None)  # jaxpar compile only
     target = parse_target(target_text, args.slices)
     step = stoppable(lambda: compile_step(config, target), "the compile")
     report = step_report(step, source=args.config or "defaults")
+    if dump is not None:
+        from jaxpar.analysis.buffers import peak_buffers
+
+        found = peak_buffers(dump.name)
+        dump.cleanup()
+        report["peak_buffers"] = found and {
+            "total_bytes": found[0],
+            "buffers": [vars(b) for b in found[1][:peak]]}
     if args.dump_hlo:
         with refused_write(args.dump_hlo, "--dump-hlo"):
             write_file(args.dump_hlo, step.compiled.as_text())
@@ -98,6 +115,8 @@ def command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(render_inspection(report))
+        if peak is not None:
+            print("\n" + render_peak_buffers(report["peak_buffers"]))
         if args.dump_hlo:
             print(f"\nwrote the compiled program's HLO to {args.dump_hlo}")
         if save:

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from jaxpar import cli
 from jaxpar.analysis.report import render_inspection
 from tests.analysis.test_inspection import FAST
@@ -38,6 +40,22 @@ def test_bad_config_key_is_one_line_and_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("jaxpar: error: unknown config key 'plan.rulez'; "
                                    "did you mean 'plan.rules'?")
+
+
+def test_peak_buffers_are_xlas_own_account_of_the_steps_memory():
+    """``--peak-buffers``: XLA's memory-usage report of the step, its total the compiled
+    step's memory (arguments and temporaries, XLA:CPU) and its slots largest first."""
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--config",
+                           "configs/tiny.yaml", "--devices", "8", "--peak-buffers", "3",
+                           "--json", "model.n_layers=1", *FAST],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    peak, memory = report["peak_buffers"], report["memory"]
+    assert peak["total_bytes"] == pytest.approx(memory["total_bytes"], rel=1e-3)
+    sizes = [b["bytes"] for b in peak["buffers"]]
+    assert len(sizes) == 3 and sizes == sorted(sizes, reverse=True) and sizes[0] > 0
+    assert all("[" in b["shapes"] for b in peak["buffers"])
 
 
 REPORT = {
