@@ -4,6 +4,7 @@ machine's devices or for a TPU slice that is not here, and print what XLA did.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -64,6 +65,22 @@ def stoppable(work: Callable[[], Any], what: str) -> Any:
     return done["value"]
 
 
+@contextlib.contextmanager
+def _compile_cache_off():
+    """JAX's persistent compilation cache off for a while: a step saved for later runs
+    (``--save``) is compiled, not loaded from the cache, since an executable XLA:CPU read
+    from the cache serializes without its functions (the saved step then fails at its
+    first run: ``Function negate_power_fusion not found``)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
 def command(args: argparse.Namespace) -> int:
     """``jaxpar inspect`` / ``jaxpar compile``: print the report of
     :func:`~jaxpar.analysis.inspection.inspect_config` as tables or JSON."""
@@ -93,7 +110,8 @@ def command(args: argparse.Namespace) -> int:
 
     save = getattr(args, "save", None)  # jaxpar compile only
     target = parse_target(target_text, args.slices)
-    step = stoppable(lambda: compile_step(config, target), "the compile")
+    with _compile_cache_off() if save else contextlib.nullcontext():
+        step = stoppable(lambda: compile_step(config, target), "the compile")
     report = step_report(step, source=args.config or "defaults")
     if dump is not None:
         from jaxpar.analysis.buffers import peak_buffers
