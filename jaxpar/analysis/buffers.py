@@ -1,9 +1,10 @@
-"""The buffers a compiled step holds at its memory peak, as XLA lays them out.
+"""The largest buffers of a compiled step's device memory, as XLA lays them out.
 
 ``compiled.memory_analysis()`` gives totals only. XLA's buffer assignment also writes a
-*memory-usage report* when it dumps a module (``--xla_dump_to``): the slots of device
-memory its program uses, largest first, each with the values that share it over time
-(``5×bf16[28,1,8192,3072]``: one layer input a slot, the layer loop's stacked saves).
+*memory-usage report* when it dumps a module (``--xla_dump_to``): the size its heap peaks
+at, and the buffers of its program, largest first, each with the values that use it one
+after another (``5×bf16[28,1,8192,3072]``: a layer loop's stacked saves). Buffers live at
+different times share space, so they can add up to more than the peak.
 Both XLA:CPU and the TPU compiler write it. It is how a planner figure that is off gets
 explained: which tensors the compiler keeps that the model did not count.
 
@@ -29,7 +30,7 @@ _SIZE = re.compile(r"^\s*([\d.]+)(B|KiB|MiB|GiB|TiB)$")
 
 @dataclass(frozen=True)
 class PeakBuffer:
-    """One slot of device memory: its ``bytes``, and the ``values`` (their shapes) that
+    """One buffer of device memory: its ``bytes``, and the ``values`` (their shapes) that
     occupy it one after another."""
 
     bytes: int
@@ -51,9 +52,9 @@ def _bytes(text: str) -> int | None:
 
 
 def read_report(text: str) -> tuple[int, list[PeakBuffer]]:
-    """(total bytes, slots largest first) of the first memory space (``default``, the
-    device's) of a memory-usage report's text; the report lists the slots that make up
-    most of the total, and says how many smaller ones it leaves out."""
+    """(heap peak bytes, buffers largest first) of the first memory space (``default``,
+    the device's) of a memory-usage report's text; the report lists the largest buffers,
+    and says how many smaller ones it leaves out."""
     total = _TOTAL.search(text)
     slots = []
     for line in text.split("\n\n", 1)[0].splitlines():

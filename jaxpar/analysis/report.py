@@ -206,14 +206,13 @@ def render_inspection(report: dict[str, Any]) -> str:
 
 def render_peak_buffers(section: dict[str, Any] | None) -> str:
     """The ``peak_buffers`` section of a compile report (``jaxpar compile/inspect
-    --peak-buffers N``): XLA's largest slots of device memory, with what shares each."""
+    --peak-buffers N``): XLA's largest buffers of device memory, with the values that
+    use each one after another."""
     if not section:
-        return "peak buffers: XLA wrote no memory-usage report for the step"
-    rows = [(fmt_bytes(b["bytes"]), f"{100 * b['bytes'] / section['total_bytes']:.0f}%",
-             b["values"], b["shapes"]) for b in section["buffers"]]
-    shown = sum(b["bytes"] for b in section["buffers"])
-    return (f"peak buffers: the {len(rows)} largest of the step's "
-            f"{fmt_bytes(section['total_bytes'])} of device memory ({fmt_bytes(shown)}; "
-            "XLA's memory-usage report, sizes as it rounds them)\n"
-            + table(["size", "share", "values", "shapes (one after another)"], rows,
-                    right=(0, 1, 2)))
+        return "largest buffers: XLA wrote no memory-usage report for the step"
+    rows = [(fmt_bytes(b["bytes"]), b["values"], b["shapes"]) for b in section["buffers"]]
+    return (f"largest buffers: {len(rows)} of XLA's layout of the step's device memory "
+            f"(its heap peaks at {fmt_bytes(section['total_bytes'])}; buffers live at "
+            "different times share space; XLA's memory-usage report, sizes as it rounds "
+            "them)\n" + table(["size", "values", "shapes (one after another)"], rows,
+                               right=(0, 1)))

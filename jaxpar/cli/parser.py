@@ -185,8 +185,9 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _add_target(parser: argparse.ArgumentParser, required: bool = False) -> None:
     parser.add_argument("--peak-buffers", type=positive_count, metavar="N",
-                        help="list the N largest buffers of device memory at the compiled "
-                             "step's peak, and what shares each (XLA's memory-usage report)")
+                        help="list the N largest buffers of the compiled step's device "
+                             "memory, and the values that use each (XLA's memory-usage "
+                             "report)")
     parser.add_argument("--target", required=required,
                         help="devices to compile for: tpu-GEN:TOPOLOGY (e.g. tpu-v5p:4x4x4, "
                              "tpu-v6e:2x4; the TPU compiler runs here, no TPU needed) or cpu "
