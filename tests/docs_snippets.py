@@ -29,6 +29,7 @@ is required and the tests list these). Command: ``python tests/docs_snippets.py 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -38,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,8 +216,8 @@ class Forker:
         os.waitpid(self.pid, 0)
 
 
-def _serve(conn, script: str) -> None:
-    """The :class:`Forker`'s server: import, then fork a command per request."""
+def preload() -> None:
+    """Import :data:`PRELOADED` (no JAX backend may start)."""
     import importlib
 
     for name in PRELOADED:
@@ -223,6 +225,11 @@ def _serve(conn, script: str) -> None:
     from jax._src import xla_bridge
 
     assert not xla_bridge._backends, "importing jaxpar started a JAX backend"
+
+
+def _serve(conn, script: str) -> None:
+    """The :class:`Forker`'s server: import, then fork a command per request."""
+    preload()
     while True:
         try:
             args, cwd, out = conn.recv()
@@ -240,6 +247,21 @@ def _serve(conn, script: str) -> None:
 
 def _command(script: str, args: list[str], cwd: str, out: str) -> None:
     """In a forked process: be ``jaxpar ARGS`` started fresh, output to ``out``, then exit."""
+    def run() -> object:
+        os.chdir(cwd)
+        sys.path[0] = os.path.dirname(script)
+        from jaxpar.cli import main
+
+        return main()
+
+    as_process(run, [script, *args], out, out)
+
+
+def as_process(run: Callable[[], object], argv: list[str], out: str, err: str) -> None:
+    """In a forked process: be a fresh Python process whose ``sys.argv`` is ``argv``, stdout
+    goes to the file ``out`` and stderr to ``err`` (the same file: as one pipe), that runs
+    ``run`` as its program; then exit as an interpreter exits (threads joined, ``atexit``
+    functions run, streams flushed), with ``run``'s value as ``sys.exit`` takes it."""
     import atexit
     import threading
     import traceback
@@ -248,11 +270,11 @@ def _command(script: str, args: list[str], cwd: str, out: str) -> None:
     try:
         fd = os.open(out, os.O_WRONLY | os.O_APPEND)
         os.dup2(fd, 1)
+        os.close(fd)
+        fd = os.open(err, os.O_WRONLY | os.O_APPEND) if err != out else os.dup(1)
         os.dup2(fd, 2)
         os.close(fd)
-        os.chdir(cwd)
-        sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(script)
+        sys.argv = argv
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
         encoding, errors = sys.stdout.encoding, sys.stdout.errors
         # As Python opens them for a process whose stdout and stderr are files.
@@ -265,9 +287,7 @@ def _command(script: str, args: list[str], cwd: str, out: str) -> None:
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(
             streams[1], encoding=encoding, errors="backslashreplace", line_buffering=True,
             write_through=unbuffered)
-        from jaxpar.cli import main
-
-        code = main()
+        code = run()
     except SystemExit as stop:
         code = stop.code
     except BaseException:
@@ -365,5 +385,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def serve_pages(conn) -> None:
+    """``python tests/docs_snippets.py --serve FD``: import :data:`PRELOADED`, then run each
+    page asked for on the connection (file descriptor ``FD``: ``(page, stdout file,
+    stderr file)``, answered with the process id, then the exit status) as
+    ``python tests/docs_snippets.py PAGE`` would, in a process forked for it (see
+    :func:`as_process`): one fresh process per page, without its imports (tests/test_docs.py)."""
+    preload()
+    while True:
+        try:
+            page, out, err = conn.recv()
+        except EOFError:
+            return
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            as_process(functools.partial(main, [page]), [sys.argv[0], page], out, err)
+        conn.send(pid)
+        _, status = os.waitpid(pid, 0)
+        conn.send(os.waitstatus_to_exitcode(status))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        from multiprocessing.connection import Connection
+
+        serve_pages(Connection(int(sys.argv[2])))
+        sys.exit(0)
     sys.exit(main(sys.argv[1:]))

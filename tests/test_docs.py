@@ -1,21 +1,62 @@
 """Every snippet of the README and the docs site runs as printed, and prints what it quotes
-(see :mod:`tests.docs_snippets`): one fresh process per page, as a reader starts one."""
+(see :mod:`tests.docs_snippets`): one fresh process per page, as a reader starts one
+(``python tests/docs_snippets.py PAGE``, forked by a server that imported jaxpar once:
+:func:`tests.docs_snippets.serve_pages`)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 
 from tests.docs_snippets import ROOT, check_output, commands, line_matches, page_blocks, pages
 
 
+@pytest.fixture(scope="module")
+def run_page(tmp_path_factory):
+    """``run_page(page)``: (exit status, stdout, stderr) of ``python tests/docs_snippets.py
+    PAGE``, run by one ``--serve`` process for this module."""
+    folder = tmp_path_factory.mktemp("pages")
+    mine, theirs = socket.socketpair()
+    with (folder / "server.log").open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "docs_snippets.py"), "--serve",
+             str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdout=log,
+            stderr=subprocess.STDOUT)
+    theirs.close()
+    conn = Connection(mine.detach())
+
+    def run(page: Path, timeout: float = 900) -> tuple[int, str, str]:
+        out, err = folder / f"{page.stem}.out", folder / f"{page.stem}.err"
+        out.write_text("")
+        err.write_text("")
+        try:
+            conn.send((str(page), str(out), str(err)))
+            pid = conn.recv()
+        except (EOFError, OSError):
+            raise AssertionError("the page server stopped:\n"
+                                 + (folder / "server.log").read_text()[-4000:]) from None
+        if not conn.poll(timeout):
+            os.kill(pid, signal.SIGKILL)
+            conn.recv()  # its status: the next page's is the next answer
+            raise subprocess.TimeoutExpired(f"docs_snippets.py {page}", timeout)
+        return conn.recv(), out.read_text(), err.read_text()
+
+    yield run
+    conn.close()
+    server.wait(timeout=60)
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_runs_as_printed(page):
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_snippets.py"), str(page)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout[-3000:] + done.stderr[-6000:])
+def test_page_runs_as_printed(page, run_page):
+    status, stdout, stderr = run_page(page)
+    assert status == 0, (stdout[-3000:] + stderr[-6000:])
 
 
 def test_quoted_numbers_are_compared_within_tolerance():
