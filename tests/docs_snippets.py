@@ -205,6 +205,7 @@ class Forker:
         try:
             if not self._conn.poll(timeout):
                 os.kill(pid, signal.SIGKILL)
+                self._conn.recv()  # its status: the next command's is the next answer
                 raise subprocess.TimeoutExpired(["jaxpar", *args], timeout)
             status = self._conn.recv()
             return status, Path(out).read_text()  # as subprocess.run(text=True) reads it
