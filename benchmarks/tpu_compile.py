@@ -6,8 +6,10 @@ is built from shapes alone and compiled for that slice by libtpu's compiler
 (``jaxpar.analysis.inspection.compile_step``; no TPU is needed), then set beside the
 planner's prediction: memory per device, whether it fits the chip's HBM, the collectives
 of one step by kind (bytes a device receives, each instruction times its loops' trips, a
-collective matmul's permutes under the gather or reduce-scatter they make up:
-``jaxpar.analysis.hlo.collective_table``), and the compile time.
+collective matmul's permutes and the all-reduces the compiler gathers or reduce-scatters
+with under the gather or reduce-scatter they make up, at the bytes they move:
+``jaxpar.analysis.hlo.collective_table``; the planner prices the same forms,
+``jaxpar.planner.lowering``), and the compile time.
 
 Remat: MaxText's policies become jaxpar's closest (:func:`jaxpar_remat`): a custom list
 that offloads the decoder layer's input to the host becomes ``offload:layer_input`` (the
