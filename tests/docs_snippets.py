@@ -389,18 +389,20 @@ def main(argv: list[str]) -> int:
 def serve_pages(conn) -> None:
     """``python tests/docs_snippets.py --serve FD``: import :data:`PRELOADED`, then run each
     page asked for on the connection (file descriptor ``FD``: ``(page, stdout file,
-    stderr file)``, answered with the process id, then the exit status) as
+    stderr file, environment)``, answered with the process id, then the exit status) as
     ``python tests/docs_snippets.py PAGE`` would, in a process forked for it (see
     :func:`as_process`): one fresh process per page, without its imports (tests/test_docs.py)."""
     preload()
     while True:
         try:
-            page, out, err = conn.recv()
+            page, out, err, env = conn.recv()
         except EOFError:
             return
         pid = os.fork()
         if pid == 0:
             conn.close()
+            os.environ.clear()  # the environment it would have started with
+            os.environ.update(env)
             as_process(functools.partial(main, [page]), [sys.argv[0], page], out, err)
         conn.send(pid)
         _, status = os.waitpid(pid, 0)

@@ -37,7 +37,7 @@ def run_page(tmp_path_factory):
         out.write_text("")
         err.write_text("")
         try:
-            conn.send((str(page), str(out), str(err)))
+            conn.send((str(page), str(out), str(err), dict(os.environ)))
             pid = conn.recv()
         except (EOFError, OSError):
             raise AssertionError("the page server stopped:\n"
