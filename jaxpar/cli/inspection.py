@@ -70,7 +70,8 @@ def _compile_cache_off():
     """JAX's persistent compilation cache off for a while: a step saved for later runs
     (``--save``) is compiled, not loaded from the cache, since an executable XLA:CPU read
     from the cache serializes without its functions (the saved step then fails at its
-    first run: ``Function negate_power_fusion not found``)."""
+    first run: ``Function negate_power_fusion not found``); and a step whose memory report
+    is asked for (``--peak-buffers``) is compiled, so that XLA writes one."""
     import jax
 
     was = jax.config.jax_enable_compilation_cache
@@ -110,7 +111,9 @@ def command(args: argparse.Namespace) -> int:
 
     save = getattr(args, "save", None)  # jaxpar compile only
     target = parse_target(target_text, args.slices)
-    with _compile_cache_off() if save else contextlib.nullcontext():
+    # A saved step, or one whose memory report is read, is compiled here, not loaded
+    # from the cache (a cached executable is not compiled: XLA writes no report).
+    with _compile_cache_off() if save or dump is not None else contextlib.nullcontext():
         step = stoppable(lambda: compile_step(config, target), "the compile")
     report = step_report(step, source=args.config or "defaults")
     if dump is not None:
