@@ -143,11 +143,15 @@ def test_free_port_can_be_listened_on():
 PY = sys.executable
 
 
-def test_run_all_merges_output_and_blames_the_process_that_failed(capsys):
+def test_run_all_merges_output_and_blames_the_process_that_failed(capsys, tmp_path):
     out = io.StringIO()
-    code = run_all([[PY, "-c", "print('fine')"],
-                    [PY, "-c", "raise ValueError('boom')"]], prefixes=["a| ", "b| "],
-                   out=out)
+    # b fails once a has printed and ended (a marker file says so): stopping the others at
+    # the first failure would otherwise race a's start on a loaded machine.
+    done = tmp_path / "a-done"
+    code = run_all([[PY, "-c", f"print('fine', flush=True); open({str(done)!r}, 'w').close()"],
+                    [PY, "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}): "
+                               "time.sleep(0.01)\nraise ValueError('boom')"]],
+                   prefixes=["a| ", "b| "], out=out)
     assert code == 1
     lines = out.getvalue().splitlines()
     assert "a| fine" in lines and "b| Traceback (most recent call last):" in lines
