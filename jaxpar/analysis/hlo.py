@@ -15,12 +15,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.analysis.loops import (
+    TUPLE_INDEX,
     Instruction,
     Module,
     called,
     computation_runs,
     parameter_element,
     parse_module,
+    producer,
 )
 from jaxpar.planner.links import wire_bytes
 
@@ -189,15 +191,15 @@ def _partial_sum(module: Module, name: str, depth: int = 0) -> bool:
     """Whether ``name`` is a collective matmul's running partial sum (made by a matmul,
     an addition, or zeros to start from), seen through copies, permutes passing it on,
     and the outputs of fusions."""
-    source = _producer(module, name)
+    source = producer(module, name)
     if source is None or depth > 16:
         return False
     if source.op in ("collective-permute-done", "collective-permute",
                      "collective-permute-start") and source.operands:
         return _partial_sum(module, source.operands[0], depth + 1)
     if source.op == "get-tuple-element" and source.operands:
-        index = _INDEX.search(source.attrs)
-        tupled = _producer(module, source.operands[0])
+        index = TUPLE_INDEX.search(source.attrs)
+        tupled = producer(module, source.operands[0])
         if index and tupled is not None and tupled.op == "tuple":
             element = int(index[1])
             if element < len(tupled.operands):
@@ -255,56 +257,19 @@ def _once_per_async_fusion(module: Module, found: list[Collective]) -> list[Coll
     """``found`` less the copies of a collective that the TPU compiler's async collective
     fusion carries in its continuation and done computations (the same ``channel_id`` as
     the one in the computation its ``async-collective-start`` runs)."""
-    started: set[str] = set()
+    channels = []
     for c in found:
         channel = _CHANNEL.search(c.line)
-        if channel and any(i.name.startswith("async-collective-start")
-                           for i in module.runners(c.computation)):
-            started.add(channel[1])
-    if not started:
-        return found
-    out = []
-    for c in found:
-        channel = _CHANNEL.search(c.line)
-        if channel and channel[1] in started and not any(
-                i.name.startswith("async-collective-start")
-                for i in module.runners(c.computation)):
-            continue
-        out.append(c)
-    return out
+        at_start = bool(channel) and any(i.name.startswith("async-collective-start")
+                                         for i in module.runners(c.computation))
+        channels.append((channel[1] if channel else None, at_start))
+    started = {channel for channel, at_start in channels if at_start}
+    return [c for c, (channel, at_start) in zip(found, channels, strict=True)
+            if at_start or channel not in started]
 
 
-_PASS = {"copy", "bitcast", "reshape", "copy-done", "copy-start", "get-tuple-element",
-         "all-reduce-done", "convert"}
-
-
-def _producer(module: Module, name: str) -> Instruction | None:
-    """What computes ``name``, through copies and bitcasts, and through a parameter to the
-    operand of the one instruction that runs its computation (a fusion, a call, an async
-    call); a fusion is seen as its root."""
-    for _ in range(32):
-        instr = module.by_name.get(name)
-        if instr is None:
-            return None
-        if instr.op in _PASS and instr.op != "get-tuple-element" and instr.operands:
-            name = instr.operands[0]
-            continue
-        if instr.op == "parameter":
-            number = re.match(r"(\d+)\)", instr.attrs)
-            runners = module.runners(instr.computation)
-            if not number or len(runners) != 1 or int(number[1]) >= len(runners[0].operands):
-                return instr
-            name = runners[0].operands[int(number[1])]
-            continue
-        if instr.op == "fusion":
-            callee = next((c for how, c in called(instr) if how == "calls"), None)
-            root = module.root(callee) if callee else None
-            if root is None:
-                return instr
-            name = root.name
-            continue
-        return instr
-    return None
+_SLICE_PASS = {"copy", "bitcast", "reshape", "copy-done", "copy-start", "get-tuple-element",
+               "all-reduce-done", "convert"}
 
 
 def _slices_only(module: Module, name: str, depth: int = 0) -> bool:
@@ -316,7 +281,7 @@ def _slices_only(module: Module, name: str, depth: int = 0) -> bool:
     for user in users:
         if user.op in ("dynamic-slice", "slice") and user.operands[0] == name:
             continue
-        if user.op in _PASS or user.op.endswith("-done"):
+        if user.op in _SLICE_PASS or user.op.endswith("-done"):
             if not _slices_only(module, user.name, depth + 1):
                 return False
             continue
@@ -349,13 +314,11 @@ def _element_uses(module: Module, instr: Instruction) -> list[list[str]]:
     parts: list[list[str]] = [[] for _ in range(n)]
     for h in holders:
         for user in module.users(h):
-            index = _INDEX.search(user.attrs) if user.op == "get-tuple-element" else None
+            index = TUPLE_INDEX.search(user.attrs) if user.op == "get-tuple-element" else None
             if index and int(index[1]) < n:
                 parts[int(index[1])].append(user.name)
     return parts
 
-
-_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 def _all_reduce_parts(module: Module, instr: Instruction) -> list[tuple[str, int]]:
@@ -373,7 +336,7 @@ def _all_reduce_parts(module: Module, instr: Instruction) -> list[tuple[str, int
     parts = []
     for i, operand in enumerate(operands):
         size = _type_bytes("{}[{}]".format(*shapes[i])) if i < len(shapes) else 0
-        source = _producer(module, operand)
+        source = producer(module, operand)
         if source is not None and source.op == "dynamic-update-slice":
             parts.append(("all-gather", size))
         elif i < len(uses) and uses[i] and all(_slices_only(module, u) for u in uses[i]):

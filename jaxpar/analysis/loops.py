@@ -30,9 +30,11 @@ _CALLED = re.compile(r"\b(calls|body|condition|branch_computations|true_computat
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 _NAME = re.compile(r"%([\w.\-]+)")
 _KNOWN_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_INDEX = re.compile(r"\bindex=(\d+)")
+TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+"""A ``get-tuple-element``'s element number."""
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
-_PASS_THROUGH = {"copy", "bitcast", "convert", "reshape", "copy-done", "opt-barrier"}
+_PASS_THROUGH = {"copy", "bitcast", "convert", "reshape", "copy-start", "copy-done",
+                 "all-reduce-done", "opt-barrier"}
 _APPLIERS = {"all-reduce", "all-reduce-start", "reduce-scatter", "reduce", "reduce-window",
              "scatter", "select-and-scatter", "sort", "map"}
 """Ops whose ``to_apply`` computation combines elements (not run in their place)."""
@@ -61,7 +63,6 @@ class Module:
     computations: dict[str, list[Instruction]] = field(default_factory=dict)
     entry: str = ""
     by_name: dict[str, Instruction] = field(default_factory=dict)
-    callers: dict[str, list[Instruction]] | None = None
     _users: dict[str, list[Instruction]] | None = None
     _runners: dict[str, list[Instruction]] | None = None
     _runs: Runs | None = None
@@ -149,22 +150,10 @@ def called(instr: Instruction) -> list[tuple[str, str]]:
             for callee in re.findall(r"%?([\w.\-]+)", target)]
 
 
-def _calls_into(module: Module) -> dict[str, list[Instruction]]:
-    """computation -> the ``call`` and ``fusion`` instructions that run it."""
-    if module.callers is None:
-        module.callers = {}
-        for instrs in module.computations.values():
-            for instr in instrs:
-                if instr.op in ("call", "fusion"):
-                    for _, callee in called(instr):
-                        module.callers.setdefault(callee, []).append(instr)
-    return module.callers
-
-
 def _source(module: Module, name: str, env: dict[str, str]) -> Instruction | None:
     """What ``name`` is, seen through copies, bitcasts and conversions, and through a
-    parameter to the operand it is bound to (in ``env``, or by the one ``call`` or
-    ``fusion`` that runs its computation)."""
+    parameter to the operand it is bound to (in ``env``, or by the one instruction that
+    runs its computation: a fusion, a call, an async start)."""
     for _ in range(64):
         instr = module.by_name.get(name)
         if instr is None:
@@ -175,10 +164,10 @@ def _source(module: Module, name: str, env: dict[str, str]) -> Instruction | Non
             name = env[name]
         elif instr.op == "parameter":
             number = re.match(r"(\d+)\)", instr.attrs)
-            callers = _calls_into(module).get(instr.computation, [])
-            if not number or len(callers) != 1 or int(number[1]) >= len(callers[0].operands):
+            runners = module.runners(instr.computation)
+            if not number or len(runners) != 1 or int(number[1]) >= len(runners[0].operands):
                 return instr
-            name = callers[0].operands[int(number[1])]
+            name = runners[0].operands[int(number[1])]
         else:
             return instr
     return None
@@ -200,7 +189,7 @@ def parameter_element(module: Module, name: str, env: dict[str, str] | None = No
     instr = _source(module, name, env or {})
     if instr is not None and instr.op == "get-tuple-element" and instr.operands:
         source = module.by_name.get(instr.operands[0])
-        index = _INDEX.search(instr.attrs)
+        index = TUPLE_INDEX.search(instr.attrs)
         if source is not None and source.op == "parameter" and index:
             return int(index[1])
     return None
@@ -225,6 +214,13 @@ def _through_fusion(module: Module, name: str, env: dict[str, str]
                 env[param.name] = operand
         instr = _source(module, root.name, env)
     return None, env
+
+
+def producer(module: Module, name: str) -> Instruction | None:
+    """What computes ``name``: seen through copies, bitcasts and conversions, through a
+    parameter to the operand of the one instruction that runs its computation, and into a
+    fusion's root."""
+    return _through_fusion(module, name, {})[0]
 
 
 @dataclass(frozen=True)
