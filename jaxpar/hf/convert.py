@@ -72,6 +72,12 @@ class _Reader:
 
     def _layer_part(self, tensor: layout.Tensor, layer: int | None,
                     index: tuple[slice, ...]) -> np.ndarray:
+        if tensor.experts:  # one stored tensor per expert, stacked on the first axis
+            one = tensor.expert()
+            slices, finish = layout.source_slices(one, index[1:])
+            return np.stack([finish(self.folder.read(layout.layer_name(tensor, layer, j),
+                                                     slices))
+                             for j in range(index[0].start, index[0].stop)])
         name = tensor.name if layer is None else layout.layer_name(tensor, layer)
         slices, finish = layout.source_slices(tensor, index)
         return finish(self.folder.read(name, slices))
@@ -189,8 +195,8 @@ def _check_names(folder: SafetensorsFolder, tensors: list[layout.Tensor],
     """Every expected tensor present with its shape, and none left over."""
     expected = {}
     for t in tensors:
-        for i in range(cfg.n_layers) if t.per_layer else [None]:
-            expected[t.name if i is None else layout.layer_name(t, i)] = t.shape
+        for name, _, _ in layout.stored_names(t, cfg.n_layers):
+            expected[name] = t.stored_shape
     present = set(folder.names())
     missing = [n for n in expected if n not in present]
     if missing:
@@ -221,9 +227,9 @@ def check_tensors(path: str | Path) -> None:
     Raises:
       JaxparError: naming the key or tensor that does not fit.
     """
-    cfg, _ = read_config(path)
+    cfg, arch = read_config(path)
     with SafetensorsFolder(path) as folder:
-        _check_names(folder, layout.tensors(cfg), cfg)
+        _check_names(folder, layout.tensors(cfg, arch), cfg)
 
 
 def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
@@ -233,7 +239,9 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
 
     Args:
       path: a folder with ``config.json`` and ``model.safetensors`` or sharded files with
-        ``model.safetensors.index.json`` (Llama, Mistral, Qwen2, Qwen3, Gemma).
+        ``model.safetensors.index.json`` (any of :data:`~jaxpar.hf.families.ARCHITECTURES`;
+        a mixture of experts is built dropless, ``expert_capacity=0``, as transformers
+        runs it).
       plan: place every parameter by this plan, each process reading only the slices its
         devices hold; without one the model is on the default device.
       dtype: parameter dtype (default float32, jaxpar's master weights).
@@ -250,7 +258,7 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
         tensor stored as integers or holding NaN or infinite values, or a ``config`` field
         that conflicts with the folder's.
     """
-    cfg, _ = read_config(path)
+    cfg, arch = read_config(path)
     if config is not None:
         fields = [f.name for f in dataclasses.fields(TransformerConfig)]
         cfg = families.merge_model(
@@ -274,7 +282,7 @@ def load(path: str | Path, *, plan: Plan | None = None, dtype: Any = None,
     stack = ((pipeline.repeats * pipeline.layers_per_stage, pipeline.stages)
              if pipeline is not None else (cfg.n_layers,))
     layer_at = pipeline.layer_at if pipeline is not None else None
-    by_path = {t.path: t for t in layout.tensors(cfg)}
+    by_path = {t.path: t for t in layout.tensors(cfg, arch)}
     flat_state = dict(jax.tree_util.tree_leaves_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     flat_shardings = dict(jax.tree_util.tree_leaves_with_path(
@@ -332,7 +340,8 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
     Args:
       dtype: dtype of the stored tensors (default: each parameter's own).
       architecture: e.g. ``"LlamaForCausalLM"``; default: the family whose options the
-        config uses.
+        config uses (a Phi-3 model, whose options are Llama's, is saved as Phi-3 only when
+        asked: ``architecture="Phi3ForCausalLM"``).
       tokenizer: a ``tokenizer.json`` or a folder with tokenizer files to copy alongside.
     """
     if not isinstance(model, Transformer):
@@ -342,27 +351,36 @@ def save(model: Transformer, path: str | Path, *, dtype: Any = None,
         raise JaxparError("the model has LoRA adapters: merge them first (jaxpar.lora.merge) "
                           "or save the adapters alone (jaxpar.hf.save_adapters)")
     cfg = model.config
-    families.to_hf(cfg, architecture)  # refused before anything is gathered or written
+    # Refused before anything is gathered or written.
+    arch = families.to_hf(cfg, architecture)["architectures"][0]
     schedule = getattr(model, "pipeline_schedule", None)
     params = {path_str(k): v for k, v in jax.tree_util.tree_leaves_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
     entries, sources = [], {}
-    for t in layout.tensors(cfg):
+    for t in layout.tensors(cfg, arch):
         array = params[t.path].get_value()
         out_dtype = np.dtype(jnp.dtype(dtype or array.dtype))
-        for i in range(cfg.n_layers) if t.per_layer else [None]:
-            name = t.name if i is None else layout.layer_name(t, i)
-            entries.append((name, t.shape, out_dtype))
-            sources[name] = (t, array, i, out_dtype)
+        for name, i, j in layout.stored_names(t, cfg.n_layers):
+            if name not in sources:  # a fused tensor: listed once, its parts gathered
+                entries.append((name, t.stored_shape, out_dtype))
+            sources.setdefault(name, []).append((t, array, i, j, out_dtype))
 
-    def produce(name: str) -> np.ndarray:
-        t, array, i, out_dtype = sources[name]
+    def part(t: layout.Tensor, array: jax.Array, i: int | None, j: int | None,
+             out_dtype: np.dtype) -> np.ndarray:
         where = () if i is None else schedule.position(i) if schedule else (i,)
+        if j is not None:  # one expert of the layer's stack
+            where, t = (*where, j), t.expert()
         # Slice, transpose and cast on the devices (XLA's transpose is far faster than
         # numpy's strided copy), then fetch one layer's tensor.
         return host_array(_to_hf_layout(array, np.array(where, np.int32),
                                         tuple(int(k) for k in np.argsort(t.perm)), t.shape,
                                         out_dtype))
+
+    def produce(name: str) -> np.ndarray:
+        parts = sorted(sources[name], key=lambda s: s[0].rows or (0,))
+        if len(parts) == 1:
+            return part(*parts[0])
+        return np.concatenate([part(*p) for p in parts], axis=0)
 
     def finish(staging: Path) -> None:
         stored = str(entries[0][2]) if entries else "float32"

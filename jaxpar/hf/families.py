@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.errors import JaxparError
+from jaxpar.hf import variants
 from jaxpar.models.config import TransformerConfig
 
 ARCHITECTURES = {
@@ -24,6 +25,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """Supported ``architectures[0]`` -> ``model_type``."""
 
@@ -146,6 +153,7 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise JaxparError(f"{source}: {act_key}={act!r} is not supported (jaxpar has "
                           f"{', '.join(_ACTIVATIONS)})")
+    hf = variants.global_rope(arch, hf)
     tie = hf.get("tie_word_embeddings")
     if tie is not None and not isinstance(tie, bool):
         raise JaxparError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
@@ -168,7 +176,7 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
         n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=kv_heads,
         head_dim=head_dim, max_seq_len=max_len or 2048,
         norm_eps=_positive_number(hf, "rms_norm_eps", source, 1e-6),
-        tie_embeddings=tie if tie is not None else family == "gemma",
+        tie_embeddings=tie if tie is not None else family.startswith("gemma"),
         mlp_activation=_ACTIVATIONS[act],
         **_rope(hf, source),
     )
@@ -180,6 +188,9 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
         fields["sliding_window"] = _positive_int(hf, "sliding_window", source)
     if family == "gemma":
         fields.update(norm_offset=1.0, embed_scale=True)
+    fields.update(variants.read_options(arch, hf, source, sizes["num_hidden_layers"]))
+    if fields.get("query_pre_attn_scalar") == head_dim:  # the usual scale: stored as 0
+        fields["query_pre_attn_scalar"] = 0.0
     try:
         return TransformerConfig(**fields), arch
     except JaxparError as err:  # what is left: a combination the decoder refuses
@@ -211,9 +222,11 @@ def runtime_fields(cfg: TransformerConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in RUNTIME_FIELDS}
 
 
-COMPATIBLE_FIELDS = (*RUNTIME_FIELDS, "max_seq_len")
+COMPATIBLE_FIELDS = (*RUNTIME_FIELDS, "max_seq_len", "expert_capacity", "router_aux_loss",
+                     "router_z_loss")
 """Decoder fields an override may set on a Hugging Face model: they change neither its
-weights nor what it computes (``max_seq_len`` only bounds the sequence length)."""
+weights nor what it computes (``max_seq_len`` only bounds the sequence length; the
+experts' capacity only drops tokens in training, the router losses only add to it)."""
 
 HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "d_ff": "intermediate_size",
            "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
@@ -281,13 +294,11 @@ def merge_model(hf_cfg: TransformerConfig, model: TransformerConfig, given: Any 
 
 def family_of(cfg: TransformerConfig) -> str:
     """The architecture a jaxpar decoder config is saved as: the one family whose options
-    it uses (Llama when it uses none)."""
-    unsaved = [f"model.{name}" for name in ("attn_logit_softcap", "global_every")
-               if getattr(cfg, name, 0)]
-    if unsaved:  # Gemma 2 / 3 options: no family here saves them yet
-        raise JaxparError(f"no Hugging Face family jaxpar saves expresses "
-                          f"{' and '.join(unsaved)} (Gemma 2 and 3 are not supported yet)")
-    if cfg.norm_offset or cfg.embed_scale:
+    it uses (Llama when it uses none; Phi-3, which has Llama's options, only on request)."""
+    arch = variants.family_of_options(cfg)
+    if arch is not None:
+        pass
+    elif cfg.norm_offset or cfg.embed_scale:
         arch = "GemmaForCausalLM"
         if not (cfg.norm_offset == 1.0 and cfg.embed_scale):
             raise JaxparError("a model with norm_offset or embed_scale is saved as Gemma, "
@@ -300,9 +311,13 @@ def family_of(cfg: TransformerConfig) -> str:
         arch = "MistralForCausalLM"
     else:
         arch = "LlamaForCausalLM"
-    clash = {"qkv_bias": cfg.qkv_bias and arch != "Qwen2ForCausalLM",
-             "qk_norm": cfg.qk_norm and arch != "Qwen3ForCausalLM",
-             "sliding_window": bool(cfg.sliding_window) and arch != "MistralForCausalLM",
+    windowed = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                *variants.GEMMA2)
+    clash = {"qkv_bias": cfg.qkv_bias and arch not in ("Qwen2ForCausalLM",
+                                                       "Qwen2MoeForCausalLM"),
+             "qk_norm": cfg.qk_norm and arch not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                     "Gemma3ForCausalLM"),
+             "sliding_window": bool(cfg.sliding_window) and arch not in windowed,
              "rope_scaling=llama3": cfg.rope_scaling == "llama3" and arch not in (
                  "LlamaForCausalLM", "MistralForCausalLM")}
     bad = [k for k, v in clash.items() if v]
@@ -310,6 +325,23 @@ def family_of(cfg: TransformerConfig) -> str:
         raise JaxparError(f"no Hugging Face architecture has this decoder's combination of "
                           f"options: {arch} cannot express {', '.join(bad)}")
     return arch
+
+
+EXPORT_FREE = ("expert_capacity", "router_z_loss")
+"""Fields a Hugging Face config has no key for that leave the weights and the model alone
+(transformers runs experts without capacity: the export is the dropless model)."""
+
+
+def _canonical(cfg: TransformerConfig) -> TransformerConfig:
+    """``cfg`` with the fields that do not change what it computes in one spelling: an
+    MLP width no layer uses (every layer has experts), the default attention scale."""
+    if cfg.n_experts and cfg.moe_d_ff != cfg.d_ff:
+        cfg = dataclasses.replace(cfg, d_ff=cfg.moe_d_ff, expert_d_ff=0)
+    if cfg.n_experts and not cfg.expert_d_ff:
+        cfg = dataclasses.replace(cfg, expert_d_ff=cfg.d_ff)
+    if cfg.query_pre_attn_scalar == cfg.head_dim:
+        cfg = dataclasses.replace(cfg, query_pre_attn_scalar=0.0)
+    return cfg
 
 
 def to_hf(cfg: TransformerConfig, architecture: str | None = None,
@@ -320,12 +352,7 @@ def to_hf(cfg: TransformerConfig, architecture: str | None = None,
       JaxparError: when no supported architecture expresses ``cfg`` exactly (a mixture of
         experts, a combination of options no one family has).
     """
-    if cfg.n_experts:
-        raise JaxparError(f"model.n_experts={cfg.n_experts}: jaxpar writes only dense decoders "
-                          f"as Hugging Face models ({', '.join(ARCHITECTURES)}); a "
-                          "mixture-of-experts model has no layout there")
-    arch = family_of(cfg) if architecture is None or cfg.attn_logit_softcap or (
-        cfg.global_every) else architecture
+    arch = family_of(cfg) if architecture is None else architecture
     if arch not in ARCHITECTURES:
         raise JaxparError(f"architecture {arch!r} is not supported; choose one of "
                           f"{list(ARCHITECTURES)}")
@@ -342,6 +369,9 @@ def to_hf(cfg: TransformerConfig, architecture: str | None = None,
     }
     if arch == "GemmaForCausalLM":
         hf["hidden_activation"] = hf["hidden_act"]
+    if cfg.n_experts and arch not in variants.MOE:
+        raise JaxparError(f"model.n_experts={cfg.n_experts}: {arch} has no experts; a "
+                          f"mixture of experts is saved as one of {', '.join(variants.MOE)}")
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"):
         hf["attention_bias"] = False
     if arch == "MistralForCausalLM":
@@ -356,7 +386,9 @@ def to_hf(cfg: TransformerConfig, architecture: str | None = None,
                            high_freq_factor=cfg.rope_high_freq_factor,
                            original_max_position_embeddings=cfg.rope_original_max_len)
         hf["rope_scaling"] = scaling
+    variants.write_options(arch, cfg, hf)
     back, _ = to_jaxpar(hf, "generated config")
-    if dataclasses.replace(back, **runtime_fields(cfg)) != cfg:
+    free = {k: getattr(cfg, k) for k in (*RUNTIME_FIELDS, *EXPORT_FREE)}
+    if _canonical(dataclasses.replace(back, **free)) != _canonical(cfg):
         raise JaxparError(f"{arch} cannot express this decoder config exactly")
     return hf

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxpar.adapters.lora import adapted
 from jaxpar.errors import JaxparError
-from jaxpar.hf import layout
+from jaxpar.hf import families, layout
 from jaxpar.hf.convert import host_array
 from jaxpar.models.transformer import Transformer
 from jaxpar.storage.folders import staged_folder
@@ -32,9 +32,12 @@ PREFIX = "base_model.model."
 
 
 def _modules(model: Transformer) -> dict[str, layout.Tensor]:
-    """jaxpar projection path (``blocks/attn/wq``) -> its kernel's :class:`layout.Tensor`."""
-    return {t.path.rsplit("/", 1)[0]: t for t in layout.tensors(model.config)
-            if t.path.endswith("/kernel")}
+    """jaxpar projection path (``blocks/attn/wq``) -> its kernel's :class:`layout.Tensor`,
+    for the projections that are one Hugging Face module each (not a part of a fused
+    projection, not experts stacked in jaxpar and apart in Hugging Face)."""
+    arch = families.family_of(model.config)
+    return {t.path.rsplit("/", 1)[0]: t for t in layout.tensors(model.config, arch)
+            if t.path.endswith("/kernel") and not t.rows and not t.experts}
 
 
 def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",

@@ -107,6 +107,20 @@ class TransformerConfig:
     tanh(scores / cap)`` before the mask and softmax; 0: off. Every ``model.attention``
     but ``cudnn`` takes it (``xla`` then computes attention in plain JAX), and context
     parallelism does."""
+    final_logit_softcap: float = 0.0
+    """Output logit soft-capping (Gemma 2 uses 30): logits become ``cap * tanh(logits /
+    cap)``; 0: off. The loss then takes the full logits (no ``loss_chunk``); not available
+    with pipeline stages."""
+    query_pre_attn_scalar: float = 0.0
+    """Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma 2 and 3)
+    instead of ``head_dim ** -0.5``; 0: ``head_dim``."""
+    post_norms: bool = False
+    """A second RMSNorm on the output of each sublayer before it joins the residual
+    stream (Gemma 2 and 3: ``x + norm(attn(norm(x)))``, the same for the MLP)."""
+    rope_local_theta: float = 0.0
+    """RoPE base of the sliding-window layers of ``global_every`` (Gemma 3: 10000), plain
+    RoPE without ``rope_scaling`` there; 0: every layer uses ``rope_theta`` and its
+    scaling."""
     attention: str = "auto"
     attention_block: int = 512
     """The key block size of the ``chunked`` attention implementation."""
@@ -120,6 +134,12 @@ class TransformerConfig:
     expert_capacity: float = 1.25
     n_shared_experts: int = 0
     """Experts every token uses besides its routed ones."""
+    shared_expert_gate: bool = False
+    """Weigh the shared experts' output per token by ``sigmoid(x @ w)`` (a learned
+    ``(d_model, 1)`` projection; Qwen2-MoE)."""
+    renormalize_gates: bool = True
+    """Divide a token's top ``experts_per_token`` router probabilities by their sum
+    (Mixtral; Qwen's ``norm_topk_prob``); false: use them as they are."""
     router_aux_loss: float = 0.01
     """Weight of the router's load-balancing loss added to the training loss."""
     router_z_loss: float = 0.001
@@ -172,6 +192,16 @@ class TransformerConfig:
         if self.global_every and not self.sliding_window:
             raise JaxparError(f"model.global_every={self.global_every} needs "
                               "model.sliding_window > 0 (the window of the local layers)")
+        for name in ("final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+            if not getattr(self, name) >= 0:
+                raise JaxparError(f"model.{name}={getattr(self, name)}: must be 0 (off) or "
+                                  "positive")
+        if self.rope_local_theta and not self.global_every:
+            raise JaxparError(f"model.rope_local_theta={self.rope_local_theta} needs "
+                              "model.global_every > 0 (it is the base of the local layers)")
+        if self.shared_expert_gate and not (self.n_experts and self.n_shared_experts):
+            raise JaxparError("model.shared_expert_gate needs model.n_experts > 0 and "
+                              "model.n_shared_experts > 0 (it weighs the shared experts)")
         if not self.attn_logit_softcap >= 0:
             raise JaxparError(f"model.attn_logit_softcap={self.attn_logit_softcap}: must be "
                               "0 (off) or positive")
@@ -230,6 +260,8 @@ class TransformerConfig:
         if self.n_experts:
             mlp = 3 * d * self.moe_d_ff * (self.n_experts + self.n_shared_experts)
             mlp += d * self.n_experts  # the router
-        per_layer = attn + mlp + 2 * d
+        if self.shared_expert_gate:
+            mlp += d
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layers * per_layer + d + head

@@ -5,7 +5,9 @@ goes to its ``experts_per_token`` best, weighted by their router probabilities
 renormalised to sum to one (Mixtral's gating). Experts are gated MLPs whose weights are
 stacked on a leading ``expert`` axis, so the ``expert`` mesh axis splits them. Optional
 shared experts, one dense MLP of ``n_shared_experts`` times the expert width, see every
-token (DeepSeek-MoE).
+token (DeepSeek-MoE), optionally weighted per token by a sigmoid gate (Qwen2-MoE,
+``shared_expert_gate``). With ``renormalize_gates`` false the top-k probabilities are
+used as they are (Qwen's ``norm_topk_prob: false``).
 
 Two ways to run the experts:
 
@@ -126,7 +128,8 @@ class MoE(nnx.Module):
     "embed", "mlp")``), ``w_down`` (kernel ``(n_experts, moe_d_ff, d_model)`` named
     ``("expert", "mlp", "embed")``); LoRA's default target adapts all three per expert;
     and with shared experts ``shared_gate``/``shared_up``/``shared_down`` linears named
-    as the dense MLP's. Matmuls run in ``x``'s dtype; the router runs in float32.
+    as the dense MLP's (and ``shared_scale``, ``(d_model, 1)``, with
+    ``shared_expert_gate``). Matmuls run in ``x``'s dtype; the router runs in float32.
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -145,7 +148,10 @@ class MoE(nnx.Module):
                 self.shared_gate = _linear(rngs, d, width, ("embed", "mlp"), std)
                 self.shared_up = _linear(rngs, d, width, ("embed", "mlp"), std)
                 self.shared_down = _linear(rngs, width, d, ("mlp", "embed"), out_std)
+            if cfg.shared_expert_gate:
+                self.shared_scale = _linear(rngs, d, 1, ("embed", None), std)
         self.n_experts, self.k = e, cfg.experts_per_token
+        self.renormalize = cfg.renormalize_gates
         self.capacity_factor = cfg.expert_capacity
         self.activation = cfg.mlp_activation
 
@@ -158,7 +164,8 @@ class MoE(nnx.Module):
         logits = constrain(self.router(x.astype(jnp.float32)), ("batch", "seq", None))
         probs = constrain(jax.nn.softmax(logits, axis=-1), ("batch", "seq", None))
         top_probs, experts = top_k(probs, self.k)
-        gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+        gates = (top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if self.renormalize
+                 else top_probs)
         return logits, probs, experts, gates
 
     def _aux(self, logits: jax.Array, probs: jax.Array, experts: jax.Array,
@@ -233,7 +240,10 @@ class MoE(nnx.Module):
     def _shared(self, x: jax.Array) -> jax.Array:
         gate = _activation(self.activation)(self.shared_gate(x))
         hidden = constrain(gate * self.shared_up(x), ("batch", "seq", "mlp"))
-        return self.shared_down(hidden)
+        out = self.shared_down(hidden)
+        if hasattr(self, "shared_scale"):  # Qwen2-MoE: a per-token sigmoid weight
+            out = jax.nn.sigmoid(self.shared_scale(x)) * out
+        return out
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         logits, probs, experts, gates = self.route(x)

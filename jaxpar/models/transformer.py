@@ -163,6 +163,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
         self.window = cfg.sliding_window
         self.softcap = cfg.attn_logit_softcap
+        # Scores scaled by query_pre_attn_scalar ** -0.5: the queries carry the ratio to
+        # the head_dim ** -0.5 every attention implementation applies.
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = math.sqrt(h / scalar) if scalar and scalar != h else 0.0
+        self.local_rope = bool(cfg.rope_local_theta)
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
@@ -170,11 +175,18 @@ class Attention(nnx.Module):
                  ) -> jax.Array:
         """Attention of ``x`` ``(batch, seq, embed)``; ``is_global`` (a boolean scalar, may
         be traced) makes the layer attend over the whole causal prefix instead of its
-        sliding window (``model.global_every``)."""
+        sliding window (``model.global_every``). With ``model.rope_local_theta`` ``sin`` and
+        ``cos`` hold two tables, the global layers' first, and the layer takes its own."""
+        if self.local_rope:
+            pick = 1 if is_global is None else jnp.where(is_global, 0, 1)
+            sin, cos = sin[pick], cos[pick]
         q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(apply_rotary(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
+        q = apply_rotary(q, sin, cos)
+        if self.q_scale:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
         if is_global is None or not self.window:
@@ -245,13 +257,18 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
+    ``model.post_norms`` (Gemma 2 and 3) ``x + norm(attn(norm(x)))`` and the same for the
+    MLP."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
+        norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
+        self.mlp_norm = norm()
         self.mlp = moe_lib.MoE(cfg, rngs=rngs) if cfg.n_experts else MLP(cfg, rngs=rngs)
+        if cfg.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
                  segments: jax.Array | None = None, is_global: jax.Array | None = None
@@ -265,12 +282,16 @@ class Block(nnx.Module):
         x = checkpoint_name(x, "layer_input")
         # The sublayers see the whole sequence: under sequence parallelism this is where
         # the split residual is all-gathered (and their outputs reduce-scattered back).
-        x = x + self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos, segments,
-                          is_global)
+        y = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), sin, cos, segments, is_global)
+        post = hasattr(self, "attn_post_norm")
+        x = x + (self.attn_post_norm(y) if post else y)
+        aux = None
         if isinstance(self.mlp, moe_lib.MoE):
             y, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
-            return x + y, aux
-        return x + self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+        else:
+            y = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+        x = x + (constrain(self.mlp_post_norm(y), RESIDUAL) if post else y)
+        return x if aux is None else (x, aux)
 
 
 class Transformer(nnx.Module):
@@ -299,6 +320,9 @@ class Transformer(nnx.Module):
                 raise JaxparError(f"model.global_every={cfg.global_every} with pipeline stages "
                                   "(mesh.stage > 1) is not supported yet: use fsdp, tensor or "
                                   "context parallelism, or set model.global_every=0")
+            if pipeline is not None and cfg.final_logit_softcap:
+                raise JaxparError(f"model.final_logit_softcap={cfg.final_logit_softcap} with "
+                                  "pipeline stages (mesh.stage > 1) is not supported yet")
             if pipeline is not None and pipeline.layers != cfg.n_layers:
                 raise JaxparError(
                     f"model.n_layers={cfg.n_layers} must equal pipeline stages x repeats x "
@@ -371,6 +395,10 @@ class Transformer(nnx.Module):
                               "not supported yet: set plan.context_balance=false")
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=positions,
                                  freqs=rope_frequencies(self.config))
+        if self.config.rope_local_theta:  # the local layers' tables beside the global ones
+            local = rotary_tables(x.shape[1], self.config.head_dim,
+                                  self.config.rope_local_theta, positions=positions)
+            sin, cos = jnp.stack([sin, local[0]]), jnp.stack([cos, local[1]])
         call = self._block_call(block_fn) or (lambda block, h, *args: block(h, *args))
         extra = () if segments is None else (segments,)
         schedule = getattr(self, "pipeline_schedule", None)
@@ -432,6 +460,9 @@ class Transformer(nnx.Module):
             out = jnp.einsum("bse,ve->bsv", x, self.embed[...].astype(x.dtype))
         else:
             out = self.lm_head(x)
+        cap = self.config.final_logit_softcap
+        if cap:  # Gemma 2: cap * tanh(logits / cap)
+            out = jnp.tanh(out / jnp.asarray(cap, out.dtype)) * jnp.asarray(cap, out.dtype)
         return constrain(out, ("batch", "seq", "vocab"))
 
     def hidden_states(self, tokens: jax.Array, *, dtype=None, block_fn=None,
@@ -482,7 +513,9 @@ class Transformer(nnx.Module):
         kernel ``(embed, vocab)`` in its compute layout (the tied embedding transposed), the
         head module itself when it is wrapped (LoRA, int8), or None when it cannot be
         applied chunk by chunk (a LoRA head with active dropout would draw a new mask per
-        chunk)."""
+        chunk, and ``model.final_logit_softcap`` caps the full logits)."""
+        if self.config.final_logit_softcap:
+            return None
         if self.config.tie_embeddings:
             return constrain(self.embed[...].T, ("embed", "vocab"))
         head = self.lm_head

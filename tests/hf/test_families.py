@@ -200,8 +200,9 @@ def test_written_family_keys():
 
 
 @pytest.mark.parametrize("changes, architecture, message", [
-    (dict(n_experts=4, experts_per_token=2), None, "model.n_experts=4: jaxpar writes only "
-                                                   "dense decoders"),
+    (dict(n_experts=4, experts_per_token=2), "LlamaForCausalLM",
+     "model.n_experts=4: LlamaForCausalLM has no experts; a mixture of experts is saved as "
+     "one of MixtralForCausalLM"),
     ({}, "GPT2LMHeadModel", "architecture 'GPT2LMHeadModel' is not supported; choose one"),
     (dict(qkv_bias=True, qk_norm=True), None, "no Hugging Face architecture has this "
                                               "decoder's combination of options: "
@@ -263,5 +264,10 @@ def test_merge_model_keeps_how_to_compute_and_compatible_overrides():
 @pytest.mark.parametrize("options", [dict(attn_logit_softcap=50.0),
                                      dict(sliding_window=16, global_every=2)])
 def test_gemma2_options_are_not_saved_as_another_family(options):
-    with pytest.raises(JaxparError, match="Gemma 2 and 3 are not supported yet"):
+    with pytest.raises(JaxparError, match="is saved as Gemma 2 or 3, which need norm_offset=1, "
+                                          "embed_scale=true and post_norms=true together"):
         family_of(dataclasses.replace(SMALL, **options))
+    gemma = dict(norm_offset=1.0, embed_scale=True, post_norms=True)
+    assert family_of(dataclasses.replace(SMALL, **options, **gemma)) == "Gemma2ForCausalLM"
+    assert family_of(dataclasses.replace(SMALL, **options, **gemma, qk_norm=True)) == (
+        "Gemma3ForCausalLM")

@@ -1,0 +1,121 @@
+"""What the family tests share: a tiny random ``transformers`` model of a family, saved
+with ``save_pretrained``, and the four comparisons each family passes (logits on a padded
+batch, greedy generation, export read back by ``transformers``, bit-exact round trip).
+
+Not a test module: ``tests/hf/test_phi3.py``, ``test_moe_families.py`` and
+``test_gemma2_gemma3.py`` import it (they skip without torch and transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file
+
+from jaxpar import hf
+from jaxpar.runs.generate import generate
+
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64, initializer_range=0.1, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)
+"""The tiny shape of every family's test model (f32)."""
+
+TOL = 1e-5
+"""Largest logit difference allowed against transformers (float32)."""
+
+IDS = np.random.default_rng(0).integers(3, SIZES["vocab_size"], (2, 12))
+MASK = np.ones_like(IDS)
+MASK[1, 8:] = 0  # the second row is 8 tokens and 4 of padding
+IDS[1, 8:] = SIZES["pad_token_id"]
+PROMPT = IDS[0, :5]
+NEW_TOKENS = 16
+
+
+@dataclasses.dataclass
+class Reference:
+    """A family's saved test model: its folder, architecture and transformers' outputs."""
+
+    folder: Path
+    architecture: str
+    logits: np.ndarray
+    generated: list[int]
+
+
+def make_reference(folder: Path, config_cls: str, model_cls: str, **options: Any
+                   ) -> Reference:
+    """A random ``transformers`` model (``config_cls(**SIZES, **options)``) saved to
+    ``folder``, its logits on the padded batch and its greedy continuation of
+    :data:`PROMPT`."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_cls)(**{**SIZES, **options})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # norms and biases away from their init too
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return Reference(folder, model_cls, hf_logits(model), hf_generate(model))
+
+
+def hf_logits(model) -> np.ndarray:
+    """transformers' logits on the padded batch (pad positions zeroed)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor(IDS), attention_mask=torch.tensor(MASK)).logits
+    return out.float().numpy() * MASK[..., None]
+
+
+def hf_generate(model) -> list[int]:
+    """transformers' greedy continuation of :data:`PROMPT`, :data:`NEW_TOKENS` ids."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor(PROMPT[None]), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False,
+                             attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                             pad_token_id=SIZES["pad_token_id"])
+    return [int(i) for i in out[0, len(PROMPT):]]
+
+
+def jaxpar_logits(model) -> np.ndarray:
+    """jaxpar's logits on the padded batch (right padding: causal attention keeps the pads
+    out of every real position; pad positions zeroed)."""
+    return np.asarray(model(jnp.asarray(IDS))) * MASK[..., None]
+
+
+def max_error(model, ref: Reference) -> float:
+    """Largest logit difference between ``model`` (jaxpar) and transformers."""
+    return float(np.abs(jaxpar_logits(model) - ref.logits).max())
+
+
+def jaxpar_generate(model) -> list[int]:
+    """jaxpar's greedy continuation of :data:`PROMPT` (``jaxpar.runs.generate``)."""
+    return generate(model, PROMPT, max_new_tokens=NEW_TOKENS)
+
+
+def check_round_trip(ref: Reference, model, out: Path) -> None:
+    """``model`` (loaded from ``ref``) saved by jaxpar holds exactly the original tensors
+    under the original names, and transformers reads the folder back as the same
+    architecture with identical logits."""
+    import transformers
+
+    hf.save(model, out, architecture=ref.architecture)
+    original, saved = load_file(ref.folder / "model.safetensors"), load_file(
+        out / "model.safetensors")
+    if model.config.tie_embeddings:
+        original.pop("lm_head.weight", None)
+    assert sorted(saved) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(back).__name__ == ref.architecture
+    np.testing.assert_array_equal(hf_logits(back), ref.logits)

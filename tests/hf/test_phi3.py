@@ -1,0 +1,76 @@
+"""Phi-3 (mini) in and out of Hugging Face against ``transformers``: a tiny random
+``Phi3ForCausalLM`` whose fused ``qkv_proj`` and ``gate_up_proj`` jaxpar splits into its
+own projections on load and fuses again on export; logits on a padded batch within
+1e-5, greedy generation equal, the export read back by transformers with identical
+logits and bit-exact tensors, and the Phi-3 options jaxpar cannot express named."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxpar import hf
+from jaxpar.errors import JaxparError
+from tests.hf import reference as ref_lib
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """The saved Phi-3 models: plain, and with a sliding window."""
+    root = tmp_path_factory.mktemp("phi3")
+    return {"plain": ref_lib.make_reference(root / "plain", "Phi3Config", "Phi3ForCausalLM"),
+            "window": ref_lib.make_reference(root / "window", "Phi3Config",
+                                             "Phi3ForCausalLM", sliding_window=4)}
+
+
+@pytest.mark.parametrize("variant", ["plain", "window"])
+def test_phi3_logits_and_generation_match_transformers(phi3, variant):
+    ref = phi3[variant]
+    model = hf.load(ref.folder)
+    assert model.config.sliding_window == (4 if variant == "window" else 0)
+    error = ref_lib.max_error(model, ref)
+    print(f"phi3 {variant}: max logit error {error:.2e}")
+    assert error < ref_lib.TOL
+    assert ref_lib.jaxpar_generate(model) == ref.generated
+
+
+def test_phi3_fused_projections_are_split_exactly(phi3):
+    from safetensors.numpy import load_file
+
+    ref = phi3["plain"]
+    model = hf.load(ref.folder)
+    stored = load_file(ref.folder / "model.safetensors")
+    qkv = stored["model.layers.1.self_attn.qkv_proj.weight"]  # (q + k + v rows, d_model)
+    wk = np.asarray(model.blocks.attn.wk.kernel.get_value()[1])  # (d_model, kv_heads, head)
+    np.testing.assert_array_equal(wk.reshape(64, -1).T, qkv[64:96])
+    gate_up = stored["model.layers.0.mlp.gate_up_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(model.blocks.mlp.w_up.kernel.get_value()[0]).T,
+                                  gate_up[96:])
+
+
+def test_phi3_round_trips_through_transformers(phi3, tmp_path):
+    for variant, ref in phi3.items():
+        ref_lib.check_round_trip(ref, hf.load(ref.folder), tmp_path / variant)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                           "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+     "rope type 'longrope' is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                           "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor=0.5 is not supported (jaxpar's decoder rotates "
+     "whole heads)"),
+])
+def test_phi3_options_jaxpar_cannot_express_are_named(phi3, tmp_path, changes, message):
+    folder = tmp_path / "edited"
+    shutil.copytree(phi3["plain"].folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(JaxparError) as err:
+        hf.load(folder)
+    assert message in str(err.value) and "\n" not in str(err.value)
