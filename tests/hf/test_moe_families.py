@@ -1,0 +1,146 @@
+"""Mixtral, Qwen3-MoE and Qwen2-MoE in and out of Hugging Face against ``transformers``:
+tiny random models onto jaxpar's mixture-of-experts layers. The routing is
+transformers': softmax over the experts, the top ``num_experts_per_tok``, renormalised
+only with ``norm_topk_prob`` (Mixtral always), and Qwen2-MoE's shared expert weighted by
+its sigmoid gate. transformers drops no token, so a loaded model is dropless
+(``expert_capacity=0``); the capacity path is compared too, with a capacity factor of
+``n_experts / experts_per_token``, which gives every expert a slot for every token of
+the sequence, so nothing is dropped either. Logits on a padded batch within 1e-5, greedy
+generation equal, the export read back by transformers bit-exact; a jaxpar MoE model
+exports too; the MoE keys jaxpar cannot express are named."""
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar import hf
+from jaxpar.errors import JaxparError
+from jaxpar.models.config import TransformerConfig
+from tests.hf import reference as ref_lib
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True)),
+    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64)),
+}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """family -> its saved reference model."""
+    root = tmp_path_factory.mktemp("moe")
+    return {name: ref_lib.make_reference(root / name, config, model, **options)
+            for name, (config, model, options) in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moe_logits_and_generation_match_transformers(moe, family):
+    ref = moe[family]
+    model = hf.load(ref.folder)
+    cfg = model.config
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.expert_capacity) == (4, 2, 0.0)
+    assert cfg.renormalize_gates == (family != "qwen3_moe_unnormalised" and
+                                     family != "qwen2_moe")
+    assert cfg.shared_expert_gate == (family == "qwen2_moe")
+    error = ref_lib.max_error(model, ref)
+    print(f"{family}: max logit error {error:.2e}")
+    assert error < ref_lib.TOL
+    assert ref_lib.jaxpar_generate(model) == ref.generated
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_capacity_path_that_drops_nothing_matches(moe, family):
+    """The capacity path, with capacity factor n_experts / k (every expert can take every
+    token of the sequence: nothing is dropped), computes the same logits."""
+    ref = moe[family]
+    loaded = hf.load(ref.folder)
+    cfg = dataclasses.replace(loaded.config, expert_capacity=4 / 2)
+    model = jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(loaded, nnx.Param))
+    assert ref_lib.max_error(model, ref) < ref_lib.TOL
+
+
+def test_moe_loads_sharded_over_experts(moe):
+    ref = moe["qwen2_moe"]
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(dict(fsdp=2, expert=2, tensor=2)),
+                                   "fsdp_tp")
+    model = hf.load(ref.folder, plan=plan)
+    w_gate = model.blocks.mlp.w_gate.kernel.get_value()  # (layers, expert, embed, mlp)
+    assert "expert" in str(w_gate.sharding.spec)
+    import jax
+    import jax.numpy as jnp
+
+    with plan.activate():
+        logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref_lib.IDS)))
+    assert np.abs(logits * ref_lib.MASK[..., None] - ref.logits).max() < ref_lib.TOL
+
+
+def test_moe_round_trips_through_transformers(moe, tmp_path):
+    for family, ref in moe.items():
+        ref_lib.check_round_trip(ref, hf.load(ref.folder), tmp_path / family)
+
+
+@pytest.mark.parametrize("options, arch", [
+    (dict(), "MixtralForCausalLM"),
+    (dict(qk_norm=True, renormalize_gates=False, expert_d_ff=32), "Qwen3MoeForCausalLM"),
+    (dict(n_shared_experts=2, shared_expert_gate=True, qkv_bias=True, expert_d_ff=32),
+     "Qwen2MoeForCausalLM"),
+])
+def test_jaxpar_moe_models_export_to_transformers(tmp_path, options, arch):
+    import torch
+    import transformers
+
+    cfg = TransformerConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            d_ff=96, max_seq_len=64, n_experts=4, experts_per_token=2,
+                            expert_capacity=0.0, init_std=0.1, **options)
+    model = jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(3))
+    out = hf.save(model, tmp_path / "moe")
+    assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        want = back(torch.tensor(ref_lib.IDS)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ref_lib.IDS)), want, atol=ref_lib.TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family, changes, message", [
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=48),
+     "shared_expert_intermediate_size=48 is not supported"),
+])
+def test_moe_options_jaxpar_cannot_express_are_named(moe, tmp_path, family, changes, message):
+    folder = tmp_path / "edited"
+    shutil.copytree(moe[family].folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(JaxparError) as err:
+        hf.load(folder)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_moe_comparison_can_fail(moe):
+    """Renormalising the top-k gates where transformers does not (and dropping tokens for
+    lack of capacity) changes the logits by far more than the tolerance."""
+    ref = moe["qwen3_moe_unnormalised"]
+    loaded = hf.load(ref.folder)
+    for change in (dict(renormalize_gates=True), dict(expert_capacity=0.5)):
+        model = jaxpar.models.Transformer(dataclasses.replace(loaded.config, **change),
+                                          rngs=nnx.Rngs(0))
+        nnx.update(model, nnx.state(loaded, nnx.Param))
+        assert ref_lib.max_error(model, ref) > 100 * ref_lib.TOL, change
