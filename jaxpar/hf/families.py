@@ -153,7 +153,6 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise JaxparError(f"{source}: {act_key}={act!r} is not supported (jaxpar has "
                           f"{', '.join(_ACTIVATIONS)})")
-    hf = variants.global_rope(arch, hf)
     tie = hf.get("tie_word_embeddings")
     if tie is not None and not isinstance(tie, bool):
         raise JaxparError(f"{source}: tie_word_embeddings={tie!r} must be true or false")
@@ -178,7 +177,7 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
         norm_eps=_positive_number(hf, "rms_norm_eps", source, 1e-6),
         tie_embeddings=tie if tie is not None else family.startswith("gemma"),
         mlp_activation=_ACTIVATIONS[act],
-        **_rope(hf, source),
+        **_rope(variants.global_rope(arch, hf), source),
     )
     if family == "qwen2":
         fields["qkv_bias"] = True

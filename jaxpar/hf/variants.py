@@ -184,6 +184,11 @@ def family_of_options(cfg: TransformerConfig) -> str | None:
     return None
 
 
+def _whole(value: float) -> float | int:
+    """``value`` as an int when it is one (transformers' strict configs want an int)."""
+    return int(value) if float(value).is_integer() else value
+
+
 def write_options(arch: str, cfg: TransformerConfig, hf: dict[str, Any]) -> None:
     """Add to the ``config.json`` dict ``hf`` the keys of ``arch``'s own options."""
     if arch == "Phi3ForCausalLM":  # (Phi-3's default pad id, 32000, is a row of its table)
@@ -207,7 +212,7 @@ def write_options(arch: str, cfg: TransformerConfig, hf: dict[str, Any]) -> None
     if arch in GEMMA2:
         every = cfg.global_every
         hf.update(hidden_activation=hf["hidden_act"], attention_bias=False,
-                  query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+                  query_pre_attn_scalar=_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
                   attn_logit_softcapping=cfg.attn_logit_softcap or None,
                   final_logit_softcapping=cfg.final_logit_softcap or None,
                   sliding_window=cfg.sliding_window or None)
