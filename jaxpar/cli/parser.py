@@ -98,7 +98,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
 def _add_hf(sub: argparse._SubParsersAction) -> None:
     convert = sub.add_parser("convert", help="a Hugging Face model folder -> a jaxpar run")
     convert.add_argument("--from-hf", required=True, help="folder with config.json and "
-                         "safetensors (Llama, Mistral, Qwen2, Qwen3, Gemma)")
+                         "safetensors (Llama, Mistral, Qwen2, Qwen3, Gemma, "
+                         "Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE)")
     convert.add_argument("--out", required=True, help="run folder to write")
     convert.add_argument("--devices", type=device_count, help="simulate N CPU devices")
     convert.add_argument("overrides", nargs="*", metavar="key=value",

@@ -1,8 +1,10 @@
 """Hugging Face ``config.json`` <-> :class:`~jaxpar.models.TransformerConfig`.
 
 One table per supported architecture says how its config keys map onto the reference
-decoder's fields; options the decoder cannot express (a bias on ``o_proj``, per-layer
-sliding windows, YaRN RoPE, ...) are errors that name the key, never silently dropped.
+decoder's fields (the families with options beyond Llama's through
+:mod:`jaxpar.hf.variants`); options the decoder cannot express (a bias on ``o_proj``,
+sliding windows in no regular pattern, YaRN RoPE, ...) are errors that name the key, never
+silently dropped.
 Both the ``rope_parameters`` dict of transformers 5 and the older ``rope_theta`` /
 ``rope_scaling`` keys are read; ``rope_theta`` / ``rope_scaling`` are written, which every
 transformers version reads.
@@ -138,6 +140,7 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
                           "jaxpar reads unquantized float checkpoints only")
     arch = architecture_of(hf, source)
     family = ARCHITECTURES[arch]
+    hf = variants.with_defaults(arch, hf)
     sizes = {}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):

@@ -17,6 +17,21 @@ from jaxpar.models.config import TransformerConfig
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA2 = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
+DEFAULTS = {
+    "MixtralForCausalLM": {"rope_theta": 1e6},
+    "Gemma2ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0, "sliding_window": 4096},
+    "Gemma3ForCausalLM": {"query_pre_attn_scalar": 256, "sliding_window": 4096,
+                          "rope_theta": 1e6},
+}
+"""What transformers' config classes take for keys a ``config.json`` leaves out, where
+that differs from the Llama core's defaults (a key present as null keeps its null)."""
+
+
+def with_defaults(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with :data:`DEFAULTS` for the keys it does not have."""
+    return {**DEFAULTS.get(arch, {}), **hf}
+
 
 def _int(hf: dict[str, Any], key: str, source: str, default: int | None = None) -> int | None:
     value = hf.get(key, default)
@@ -89,12 +104,12 @@ def _moe(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
     return fields
 
 
-def _pattern(hf: dict[str, Any], n_layers: int, source: str) -> int:
+def _pattern(arch: str, hf: dict[str, Any], n_layers: int, source: str) -> int:
     """``global_every`` of a Gemma 2 / 3 ``layer_types`` list (every N-th layer global)."""
     kinds = hf.get("layer_types")
     given = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
     if kinds is None:
-        return given or (2 if hf.get("model_type") == "gemma2" else 6)
+        return given or (2 if arch == "Gemma2ForCausalLM" else 6)
     if not isinstance(kinds, list) or len(kinds) != n_layers or not set(kinds) <= {
             "sliding_attention", "full_attention"}:
         raise JaxparError(f"{source}: layer_types={kinds!r} must list 'sliding_attention' or "
@@ -117,7 +132,7 @@ def _gemma(arch: str, hf: dict[str, Any], source: str, n_layers: int) -> dict[st
         query_pre_attn_scalar=_number(hf, "query_pre_attn_scalar", source))
     window = _int(hf, "sliding_window", source)
     if window:
-        fields.update(sliding_window=window, global_every=_pattern(hf, n_layers, source))
+        fields.update(sliding_window=window, global_every=_pattern(arch, hf, n_layers, source))
     if arch == "Gemma3ForCausalLM":
         fields["qk_norm"] = True
         local = (hf.get("rope_parameters") or {}).get("sliding_attention")

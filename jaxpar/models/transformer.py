@@ -7,7 +7,9 @@ q/k/v projections (Qwen2), RMSNorm on queries and keys (Qwen3), ``head_dim`` oth
 ``d_model / n_heads``, RoPE frequency scaling (``linear``, and Llama 3.1's ``llama3``),
 Gemma's ``(offset + w)`` norm scale, ``sqrt(d_model)`` embedding scale and GeGLU MLP,
 sliding-window attention (Mistral), layers alternating between a sliding window and global
-attention and attention logit soft-capping (Gemma 2 and 3).
+attention, attention and final logit soft-capping, norms after each sublayer, a
+``query_pre_attn_scalar`` attention scale and a local RoPE base (Gemma 2 and 3), and
+mixtures of experts (Mixtral, Qwen-MoE; :mod:`jaxpar.models.moe`).
 The decoder layers are created stacked (one weight array per kind, leading ``layers``
 axis) and applied with ``jax.lax.scan``, so compile time does not grow with depth.
 

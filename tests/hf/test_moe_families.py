@@ -144,3 +144,42 @@ def test_the_moe_comparison_can_fail(moe):
                                           rngs=nnx.Rngs(0))
         nnx.update(model, nnx.state(loaded, nnx.Param))
         assert ref_lib.max_error(model, ref) > 100 * ref_lib.TOL, change
+
+
+def test_a_moe_run_exports_from_the_command_line(tmp_path):
+    """``jaxpar export`` of a mixture-of-experts run (trained with a capacity factor)
+    writes a Mixtral folder: its weights are the run's, and transformers computes what the
+    dropless jaxpar model of that folder computes."""
+    import jax
+    import torch
+    import transformers
+
+    from jaxpar.checkpoint.checkpointer import Checkpointer
+    from jaxpar.cli import main
+    from jaxpar.config.assembly import assemble
+    from jaxpar.config.schema import load_config
+    from jaxpar.runs.generate import load_run_model
+
+    run = tmp_path / "run"
+    config = load_config(None, ["model.d_model=32", "model.n_layers=1", "model.d_ff=64",
+                                "model.n_experts=4", "model.init_std=0.1", "mesh.data=1",
+                                "mesh.fsdp=-1"])
+    trainer = assemble(config, devices=jax.devices()[:1]).trainer
+    with Checkpointer(run / "checkpoints", every=1, keep=1) as checkpointer:
+        checkpointer.save(trainer, config=config, force=True)
+    assert main(["export", "--run", str(run), "--to-hf", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "MixtralForCausalLM"]
+    exported, (trained, _) = hf.load(out), load_run_model(run)
+    assert trained.config.expert_capacity == 1.25 and exported.config.expert_capacity == 0
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(trained, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(exported, nnx.Param)),
+                                 strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()),
+                                      err_msg=str(path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    ids = ref_lib.IDS % trained.config.vocab_size
+    with torch.no_grad():
+        want = back(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(exported(ids)), want, atol=ref_lib.TOL, rtol=0)
