@@ -153,3 +153,55 @@ def test_a_view_that_does_not_split_the_shape_is_refused():
     bad = Tensor("w", "w", (6, 4), (4, 6), (1, 0), False)
     with pytest.raises(ValueError, match=r"view \(4, 6\) does not split shape \(6, 4\)"):
         source_slices(bad, (slice(0, 4), slice(0, 6)))
+
+
+FAMILY_LAYOUTS = {
+    "Phi3ForCausalLM": {},
+    "MixtralForCausalLM": dict(n_experts=4, expert_capacity=0.0),
+    "Qwen2MoeForCausalLM": dict(n_experts=4, expert_d_ff=8, n_shared_experts=2,
+                                shared_expert_gate=True, qkv_bias=True),
+    "Gemma2ForCausalLM": dict(post_norms=True, norm_offset=1.0, embed_scale=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(FAMILY_LAYOUTS))
+def test_every_parameter_of_the_new_families_has_its_tensor(arch):
+    cfg = dataclasses.replace(CFG, **FAMILY_LAYOUTS[arch])
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = {k: v.shape for k, v in flat_paths(nnx.state(model, nnx.Param)).items()}
+    listed = {t.path: t for t in tensors(cfg, arch)}
+    assert set(listed) == set(params)
+    for path, t in listed.items():
+        want = (cfg.n_layers, *t.jaxpar_shape) if t.per_layer else t.jaxpar_shape
+        assert params[path] == want, path
+        assert int(np.prod(t.shape)) * max(t.experts, 1) == int(np.prod(t.view)), path
+
+
+def test_fused_parts_read_only_their_rows():
+    """Phi-3's qkv_proj holds q, k and v one after the other: each part's slices are its
+    own rows of the stored tensor, and cover exactly the part of the view asked for."""
+    by_path = {t.path: t for t in tensors(CFG, "Phi3ForCausalLM")}
+    q, k, v = (by_path[f"blocks/attn/w{p}/kernel"] for p in "qkv")
+    assert (q.rows, k.rows, v.rows) == ((0, 18, 30), (18, 24, 30), (24, 30, 30))
+    assert q.stored_shape == k.stored_shape == (30, 12)
+    fused = np.random.default_rng(0).standard_normal((30, 12)).astype(np.float32)
+    for t in (q, k, v):
+        part = fused[t.rows[0]:t.rows[1]]
+        for index in [tuple(slice(0, n) for n in t.view),
+                      (slice(t.view[0] - 1, t.view[0]), slice(0, 6), slice(3, 9))]:
+            slices, finish = source_slices(t, index)
+            assert t.rows[0] <= slices[0].start and slices[0].stop <= t.rows[1]
+            np.testing.assert_array_equal(finish(fused[slices]),
+                                          part.reshape(t.view)[index])
+
+
+def test_per_expert_tensors_are_one_expert_each():
+    cfg = dataclasses.replace(CFG, n_experts=4)
+    w = {t.path: t for t in tensors(cfg, "MixtralForCausalLM")}["blocks/mlp/w_down/kernel"]
+    assert (w.name, w.shape, w.experts) == (
+        "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", (12, 20), 4)
+    assert layer_name(w, 1, 3) == "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    one = w.expert()
+    assert (one.view, one.perm, one.jaxpar_shape) == ((12, 20), (1, 0), (20, 12))
+    with pytest.raises(ValueError, match="read per expert"):
+        source_slices(w, tuple(slice(0, n) for n in w.view))
