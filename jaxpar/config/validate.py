@@ -280,7 +280,7 @@ def _check_sources(config: Config) -> None:
 
 
 _MOE_KNOBS = ("experts_per_token", "expert_d_ff", "expert_capacity", "n_shared_experts",
-              "router_aux_loss", "router_z_loss")
+              "router_aux_loss", "router_z_loss", "renormalize_gates")
 
 
 def _check_unused_model_knobs(config: Config) -> None:
