@@ -31,17 +31,30 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def _modules(model: Transformer) -> dict[str, layout.Tensor]:
+def _modules(model: Transformer, architecture: str | None = None
+             ) -> dict[str, layout.Tensor]:
     """jaxpar projection path (``blocks/attn/wq``) -> its kernel's :class:`layout.Tensor`,
     for the projections that are one Hugging Face module each (not a part of a fused
     projection, not experts stacked in jaxpar and apart in Hugging Face)."""
-    arch = families.family_of(model.config)
+    arch = architecture or families.family_of(model.config)
     return {t.path.rsplit("/", 1)[0]: t for t in layout.tensors(model.config, arch)
             if t.path.endswith("/kernel") and not t.rows and not t.experts}
 
 
+def _why(model: Transformer, owner: str, architecture: str | None) -> str:
+    """Why the projection ``owner`` has no PEFT module of its own, if it is one of the
+    model's: a part of a fused module, or experts."""
+    arch = architecture or families.family_of(model.config)
+    for t in layout.tensors(model.config, arch):
+        if t.path.rsplit("/", 1)[0] == owner and (t.rows or t.experts):
+            module = t.name.rsplit(".", 1)[0].format(i="{i}", j="{j}")
+            kind = "one part of the fused" if t.rows else "the experts, apart in"
+            return f" ({kind} {arch} module {module})"
+    return ""
+
+
 def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
-                  dtype: Any = jnp.float32) -> Path:
+                  dtype: Any = jnp.float32, architecture: str | None = None) -> Path:
     """Write the model's LoRA adapters as a PEFT adapter folder
     (``adapter_config.json`` + ``adapter_model.safetensors``).
 
@@ -51,6 +64,10 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
       base_model: recorded as ``base_model_name_or_path`` (e.g. the Hugging Face folder
         the base weights came from).
       dtype: dtype of the stored adapter weights.
+      architecture: the Hugging Face family of the base model (default: the one whose
+        options the config uses, as :func:`jaxpar.hf.save` picks it). Adapters on a
+        projection that family fuses with others (Phi-3's q/k/v and gate/up) or on
+        experts are refused: PEFT has no module for them alone.
     """
     if not isinstance(model, Transformer):
         raise JaxparError(f"save_adapters writes adapters of jaxpar's reference decoder, not "
@@ -58,7 +75,7 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
     found = adapted(model)
     if not found:
         raise JaxparError("the model has no LoRA adapters to save")
-    modules = _modules(model)
+    modules = _modules(model, architecture)
     cfg = model.config
     schedule = getattr(model, "pipeline_schedule", None)
     tensors: dict[str, np.ndarray] = {}
@@ -66,8 +83,9 @@ def save_adapters(model: Transformer, path: str | Path, *, base_model: str = "",
     out_dtype = np.dtype(jnp.dtype(dtype))
     for owner, lp in found:
         if owner not in modules:
-            raise JaxparError(f"adapter on {owner}: PEFT has no module for it (adapters on "
-                              f"{', '.join(sorted(modules))} can be exported)")
+            why = _why(model, owner, architecture)
+            raise JaxparError(f"adapter on {owner}: PEFT has no module for it{why} (adapters "
+                              f"on {', '.join(sorted(modules))} can be exported)")
         t = modules[owner]
         hf_module = t.name.rsplit(".", 1)[0]
         targets.append(hf_module.rsplit(".", 1)[-1])

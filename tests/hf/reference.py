@@ -119,3 +119,27 @@ def check_round_trip(ref: Reference, model, out: Path) -> None:
     back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(back).__name__ == ref.architecture
     np.testing.assert_array_equal(hf_logits(back), ref.logits)
+
+
+def check_peft(ref: Reference, model, out: Path, **save_options: Any) -> float:
+    """Random LoRA adapters on ``model`` (loaded from ``ref``, adapters applied) saved as a
+    PEFT folder, which ``peft`` loads onto the transformers model: the logits agree with
+    jaxpar's within :data:`TOL` and differ from the base model's. Returns the error."""
+    import peft
+    import torch
+    import transformers
+
+    import jaxpar
+
+    rng = np.random.default_rng(0)
+    for _, lp in jaxpar.lora.adapted(model):  # B starts at zero, which would hide mistakes
+        b = lp.lora_b.get_value()
+        lp.lora_b.set_value(jnp.asarray(0.5 * rng.standard_normal(b.shape), jnp.float32))
+    want = jaxpar_logits(model)
+    hf.save_adapters(model, out, base_model=str(ref.folder), **save_options)
+    base = transformers.AutoModelForCausalLM.from_pretrained(ref.folder, dtype=torch.float32)
+    got = hf_logits(peft.PeftModel.from_pretrained(base, out).eval())
+    assert np.abs(got - ref.logits).max() > 100 * TOL  # the adapters matter
+    error = float(np.abs(got - want).max())
+    assert error < TOL
+    return error

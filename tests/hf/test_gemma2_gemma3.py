@@ -117,3 +117,12 @@ def test_gemma_options_jaxpar_cannot_express_are_named(gemma, tmp_path, changes,
     with pytest.raises(JaxparError) as err:
         hf.load(folder)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gemma_lora_exports_for_peft(gemma, family, tmp_path):
+    pytest.importorskip("peft")
+    model = hf.load(gemma[family].folder)
+    jaxpar.lora.apply(model, rank=4, alpha=8.0)  # attention and MLP
+    error = ref_lib.check_peft(gemma[family], model, tmp_path / "adapters")
+    print(f"{family} + PEFT: max logit error {error:.2e}")

@@ -183,3 +183,36 @@ def test_a_moe_run_exports_from_the_command_line(tmp_path):
     with torch.no_grad():
         want = back(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(exported(ids)), want, atol=ref_lib.TOL, rtol=0)
+
+
+def test_moe_saved_in_bf16_shards_reads_back(moe, tmp_path):
+    """Per-expert tensors spread over several safetensors files, stored as bf16: jaxpar
+    and transformers read the folder alike."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    model = hf.load(moe["qwen3_moe"].folder)
+    out = hf.save(model, tmp_path / "sharded", max_shard_bytes=40_000, dtype=jnp.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in index["weight_map"]
+    again = hf.load(out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    np.testing.assert_allclose(ref_lib.jaxpar_logits(again), ref_lib.hf_logits(back),
+                               atol=ref_lib.TOL, rtol=0)
+
+
+def test_moe_lora_on_attention_exports_for_peft_and_on_experts_is_refused(moe, tmp_path):
+    pytest.importorskip("peft")
+    ref = moe["qwen2_moe"]
+    model = hf.load(ref.folder)
+    jaxpar.lora.apply(model, target="attn/w[qkvo]$", rank=4, alpha=8.0)
+    ref_lib.check_peft(ref, model, tmp_path / "attention")
+    experts = hf.load(ref.folder)
+    jaxpar.lora.apply(experts, rank=4, alpha=8.0)  # the default target: experts too
+    with pytest.raises(JaxparError, match=r"^adapter on blocks/mlp/w_(gate|up|down): PEFT has "
+                                          r"no module for it \(the experts, apart in "
+                                          r"Qwen2MoeForCausalLM module model.layers.\{i\}.mlp."
+                                          r"experts.\{j\}"):
+        hf.save_adapters(experts, tmp_path / "experts")

@@ -92,3 +92,22 @@ def test_phi3_loads_sharded_and_pipelined(phi3):
             logits = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ref_lib.IDS)))
         error = np.abs(logits * ref_lib.MASK[..., None] - ref.logits).max()
         assert error < ref_lib.TOL, axes
+
+
+def test_phi3_lora_exports_for_peft_where_a_module_is_its_own(phi3, tmp_path):
+    """Adapters on o_proj and down_proj are Phi-3 modules of their own; an adapter on q, k,
+    v, gate or up would be one part of a fused module, which PEFT cannot adapt alone."""
+    pytest.importorskip("peft")
+    import jaxpar
+
+    ref = phi3["plain"]
+    model = hf.load(ref.folder)
+    jaxpar.lora.apply(model, target="(attn/wo|mlp/w_down)$", rank=4, alpha=8.0)
+    ref_lib.check_peft(ref, model, tmp_path / "own", architecture="Phi3ForCausalLM")
+    fused = hf.load(ref.folder)
+    jaxpar.lora.apply(fused, rank=4, alpha=8.0)
+    with pytest.raises(JaxparError, match=r"^adapter on blocks/(attn/w[qkv]|mlp/w_(gate|up)): "
+                                          r"PEFT has no module for it \(one part of the fused "
+                                          r"Phi3ForCausalLM module model.layers.\{i\}.(self_attn"
+                                          r".qkv_proj|mlp.gate_up_proj)\)"):
+        hf.save_adapters(fused, tmp_path / "fused", architecture="Phi3ForCausalLM")
