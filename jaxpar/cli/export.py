@@ -17,7 +17,7 @@ from jaxpar.adapters import lora
 from jaxpar.cli.convert import writer_lock
 from jaxpar.config.schema import hf_folder
 from jaxpar.errors import JaxparError
-from jaxpar.hf.families import to_hf
+from jaxpar.hf.families import read_config, to_hf
 from jaxpar.hf.own_weights import save_own_weights
 from jaxpar.models.transformer import Transformer
 from jaxpar.runs.generate import check_run, load_run_model, run_config
@@ -89,14 +89,31 @@ def _export(run: str | Path, target: Path, *, merge_lora: bool, adapters: bool,
                           f"{'--merge-lora' if merge_lora else '--adapters'}")
     base = hf_folder(config.init_from)
     tokenizer = config.data.tokenizer or (base if base and _has_tokenizer(base) else None)
+    arch = _base_architecture(base, model)
     if adapters:
-        hf.save_adapters(model, target, base_model=str(base or ""), dtype=jnp.dtype(dtype))
+        hf.save_adapters(model, target, base_model=str(base or ""), dtype=jnp.dtype(dtype),
+                         architecture=arch)
         if tokenizer:
             hf.convert.copy_tokenizer(tokenizer, target)
         return target
     if has_adapters:
         lora.merge(model, dtype=jnp.float32)
-    return hf.save(model, target, dtype=jnp.dtype(dtype), tokenizer=tokenizer)
+    return hf.save(model, target, dtype=jnp.dtype(dtype), tokenizer=tokenizer,
+                   architecture=arch)
+
+
+def _base_architecture(base: Path | None, model: Transformer) -> str | None:
+    """The architecture of the Hugging Face folder the run started from, when it still
+    expresses the model (a run from Phi-3 is exported as Phi-3, not as the Llama its
+    options also describe); None (the options choose) otherwise."""
+    if base is None or not (base / "config.json").is_file():
+        return None
+    try:
+        _, arch = read_config(base)
+        to_hf(model.config, arch)
+    except JaxparError:
+        return None
+    return arch
 
 
 def _export_own(model: Any, config: Any, target: Path, *, has_adapters: bool,

@@ -111,3 +111,24 @@ def test_phi3_lora_exports_for_peft_where_a_module_is_its_own(phi3, tmp_path):
                                           r"Phi3ForCausalLM module model.layers.\{i\}.(self_attn"
                                           r".qkv_proj|mlp.gate_up_proj)\)"):
         hf.save_adapters(fused, tmp_path / "fused", architecture="Phi3ForCausalLM")
+
+
+def test_a_run_from_phi3_exports_as_phi3(phi3, tmp_path):
+    """``jaxpar convert`` then ``jaxpar export``: the run started from a Phi-3 folder is
+    written back as Phi-3 (its fused tensors bit-exact), not as the Llama its options also
+    describe."""
+    from jaxpar.cli import main
+
+    ref = phi3["plain"]
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["convert", "--from-hf", str(ref.folder), "--out", str(run)]) == 0
+    assert main(["export", "--run", str(run), "--to-hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Phi3ForCausalLM"]
+    from safetensors.numpy import load_file
+
+    original, saved = load_file(ref.folder / "model.safetensors"), load_file(
+        out / "model.safetensors")
+    assert sorted(saved) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
