@@ -77,12 +77,13 @@ def test_the_gemma_comparison_can_fail(gemma, family, change):
     assert ref_lib.max_error(model, ref) > 100 * ref_lib.TOL
 
 
-def test_gemma_loads_sharded(gemma):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gemma_loads_sharded(gemma, family):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    ref = gemma["gemma3"]
+    ref = gemma[family]
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(dict(fsdp=4, tensor=2)), "fsdp_tp")
     model = hf.load(ref.folder, plan=plan)
     with plan.activate():

@@ -76,8 +76,9 @@ def test_moe_capacity_path_that_drops_nothing_matches(moe, family):
     assert ref_lib.max_error(model, ref) < ref_lib.TOL
 
 
-def test_moe_loads_sharded_over_experts(moe):
-    ref = moe["qwen2_moe"]
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_moe_loads_sharded_over_experts(moe, family):
+    ref = moe[family]
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(dict(fsdp=2, expert=2, tensor=2)),
                                    "fsdp_tp")
     model = hf.load(ref.folder, plan=plan)
