@@ -217,3 +217,19 @@ def test_moe_lora_on_attention_exports_for_peft_and_on_experts_is_refused(moe, t
                                           r"Qwen2MoeForCausalLM module model.layers.\{i\}.mlp."
                                           r"experts.\{j\}"):
         hf.save_adapters(experts, tmp_path / "experts")
+
+
+def test_moe_converts_from_the_command_line_with_a_capacity(moe, tmp_path):
+    """``jaxpar convert`` of a MoE folder: dropless by default, and a capacity factor may
+    be set as an override (here one that drops nothing: the logits stay transformers')."""
+    from jaxpar.cli import main
+    from jaxpar.runs.generate import load_run_model
+
+    ref = moe["qwen2_moe"]
+    for capacity in (None, 2.0):
+        run = tmp_path / f"run-{capacity}"
+        extra = [] if capacity is None else [f"model.expert_capacity={capacity}"]
+        assert main(["convert", "--from-hf", str(ref.folder), "--out", str(run), *extra]) == 0
+        model, _ = load_run_model(run)
+        assert model.config.expert_capacity == (capacity or 0.0)
+        assert ref_lib.max_error(model, ref) < ref_lib.TOL
