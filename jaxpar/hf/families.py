@@ -190,7 +190,8 @@ def to_jaxpar(hf: dict[str, Any], source: str = "config.json") -> tuple[Transfor
         fields["sliding_window"] = _positive_int(hf, "sliding_window", source)
     if family == "gemma":
         fields.update(norm_offset=1.0, embed_scale=True)
-    fields.update(variants.read_options(arch, hf, source, sizes["num_hidden_layers"]))
+    fields.update(variants.read_options(arch, hf, source, sizes["num_hidden_layers"],
+                                        head_dim))
     if fields.get("query_pre_attn_scalar") == head_dim:  # the usual scale: stored as 0
         fields["query_pre_attn_scalar"] = 0.0
     try:
@@ -296,7 +297,8 @@ def merge_model(hf_cfg: TransformerConfig, model: TransformerConfig, given: Any 
 
 def family_of(cfg: TransformerConfig) -> str:
     """The architecture a jaxpar decoder config is saved as: the one family whose options
-    it uses (Llama when it uses none; Phi-3, which has Llama's options, only on request)."""
+    it uses (Llama when it uses none; Phi-3, which has Llama's options, only on request or
+    for a partial ``rotary_dim``)."""
     arch = variants.family_of_options(cfg)
     if arch is not None:
         pass
@@ -343,6 +345,8 @@ def _canonical(cfg: TransformerConfig) -> TransformerConfig:
         cfg = dataclasses.replace(cfg, expert_d_ff=cfg.d_ff)
     if cfg.query_pre_attn_scalar == cfg.head_dim:
         cfg = dataclasses.replace(cfg, query_pre_attn_scalar=0.0)
+    if cfg.rotary_dim == cfg.head_dim:
+        cfg = dataclasses.replace(cfg, rotary_dim=0)
     return cfg
 
 

@@ -59,14 +59,25 @@ def _flag(hf: dict[str, Any], key: str, source: str, default: bool) -> bool:
     return value
 
 
-def partial_rotary(hf: dict[str, Any], source: str) -> None:
-    """Refuse rotary embeddings on part of each head (``partial_rotary_factor`` < 1)."""
-    for where, mapping in (("", hf), ("rope_parameters.", hf.get("rope_parameters") or {}),
-                           ("rope_scaling.", hf.get("rope_scaling") or {})):
+def partial_rotary(arch: str, hf: dict[str, Any], source: str, head_dim: int) -> int:
+    """The ``rotary_dim`` of ``partial_rotary_factor`` (0: the whole head), which only
+    Phi-3 among the families honours: elsewhere a factor below 1 is refused."""
+    for where, mapping in (("rope_parameters.", hf.get("rope_parameters") or {}),
+                           ("rope_scaling.", hf.get("rope_scaling") or {}), ("", hf)):
         value = mapping.get("partial_rotary_factor") if isinstance(mapping, dict) else None
-        if value not in (None, 1, 1.0):
+        if value in (None, 1, 1.0):
+            continue
+        if arch != "Phi3ForCausalLM":
             raise JaxparError(f"{source}: {where}partial_rotary_factor={value!r} is not "
-                              "supported (jaxpar's decoder rotates whole heads)")
+                              f"supported ({arch} rotates whole heads)")
+        dim = (int(head_dim * value) if isinstance(value, int | float)
+               and not isinstance(value, bool) and 0 < value < 1 else 1)
+        if dim % 2:
+            raise JaxparError(f"{source}: {where}partial_rotary_factor={value!r} is not "
+                              f"supported (it must rotate an even number of head_dim="
+                              f"{head_dim}'s dimensions)")
+        return dim
+    return 0
 
 
 def _moe(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -159,15 +170,17 @@ def global_rope(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
-def read_options(arch: str, hf: dict[str, Any], source: str, n_layers: int
+def read_options(arch: str, hf: dict[str, Any], source: str, n_layers: int, head_dim: int
                  ) -> dict[str, Any]:
     """Decoder fields of the options of ``arch`` beyond the Llama core (read from ``hf``).
 
     Raises:
       JaxparError: for a key whose value the decoder cannot express, naming it.
     """
-    partial_rotary(hf, source)
     fields: dict[str, Any] = {}
+    rotary_dim = partial_rotary(arch, hf, source, head_dim)
+    if rotary_dim:
+        fields["rotary_dim"] = rotary_dim
     if arch == "Phi3ForCausalLM" and hf.get("sliding_window"):
         fields["sliding_window"] = _int(hf, "sliding_window", source)
     if arch in MOE:
@@ -196,6 +209,8 @@ def family_of_options(cfg: TransformerConfig) -> str | None:
                               "or 3, which need norm_offset=1, embed_scale=true and "
                               "post_norms=true together")
         return "Gemma3ForCausalLM" if cfg.qk_norm else "Gemma2ForCausalLM"
+    if cfg.rotary_dim and cfg.rotary_dim != cfg.head_dim:
+        return "Phi3ForCausalLM"
     return None
 
 
@@ -208,6 +223,11 @@ def write_options(arch: str, cfg: TransformerConfig, hf: dict[str, Any]) -> None
     """Add to the ``config.json`` dict ``hf`` the keys of ``arch``'s own options."""
     if arch == "Phi3ForCausalLM":  # (Phi-3's default pad id, 32000, is a row of its table)
         hf.update(sliding_window=cfg.sliding_window or None, pad_token_id=None)
+        if cfg.rotary_dim and cfg.rotary_dim != cfg.head_dim:  # as transformers reads it back
+            factor = cfg.rotary_dim / cfg.head_dim
+            if int(cfg.head_dim * factor) != cfg.rotary_dim:
+                factor = (cfg.rotary_dim + 0.5) / cfg.head_dim
+            hf["partial_rotary_factor"] = factor
     if arch in MOE:
         hf.update(num_experts_per_tok=cfg.experts_per_token,
                   router_aux_loss_coef=cfg.router_aux_loss, output_router_logits=False)

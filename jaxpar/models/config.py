@@ -117,6 +117,9 @@ class TransformerConfig:
     post_norms: bool = False
     """A second RMSNorm on the output of each sublayer before it joins the residual
     stream (Gemma 2 and 3: ``x + norm(attn(norm(x)))``, the same for the MLP)."""
+    rotary_dim: int = 0
+    """Dimensions of each head that RoPE rotates, the first ones, the others passed
+    through (Phi-3's ``partial_rotary_factor x head_dim``); 0: the whole head."""
     rope_local_theta: float = 0.0
     """RoPE base of the sliding-window layers of ``global_every`` (Gemma 3: 10000), plain
     RoPE without ``rope_scaling`` there; 0: every layer uses ``rope_theta`` and its
@@ -226,6 +229,9 @@ class TransformerConfig:
             )
         if self.head_dim % 2:
             raise JaxparError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise JaxparError(f"model.rotary_dim={self.rotary_dim}: must be an even number of "
+                              f"dimensions, at most head_dim={self.head_dim} (0: all of them)")
 
     def layer_window(self, layer: int) -> int:
         """The attention window of decoder layer ``layer`` (counting from 0): 0 (the whole
@@ -233,6 +239,11 @@ class TransformerConfig:
         if self.global_every and (layer + 1) % self.global_every == 0:
             return 0
         return self.sliding_window
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (``rotary_dim``, else ``head_dim``)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def moe_d_ff(self) -> int:

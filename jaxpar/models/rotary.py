@@ -19,8 +19,9 @@ __all__ = ["apply_rotary", "rope_frequencies", "rotary_tables"]
 
 
 def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
-    """Rotation frequency of each of the ``head_dim // 2`` pairs, after ``rope_scaling``."""
-    h = cfg.head_dim
+    """Rotation frequency of each of the ``rope_dim // 2`` pairs (``head_dim // 2`` unless
+    ``rotary_dim`` says otherwise), after ``rope_scaling``."""
+    h = cfg.rope_dim
     freqs = 1.0 / cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
     if cfg.rope_scaling == "linear":
         return freqs / cfg.rope_factor

@@ -121,6 +121,7 @@ class Attention(nnx.Module):
         scalar = cfg.query_pre_attn_scalar
         self.q_scale = math.sqrt(h / scalar) if scalar and scalar != h else 0.0
         self.local_rope = bool(cfg.rope_local_theta)
+        self.rotary_dim = cfg.rotary_dim if cfg.rotary_dim != h else 0
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array,
@@ -136,11 +137,11 @@ class Attention(nnx.Module):
         q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, sin, cos)
+        q = self._rotate(q, sin, cos)
         if self.q_scale:
             q = q * jnp.asarray(self.q_scale, q.dtype)
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rotary(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
+        k = constrain(self._rotate(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(self.wv(x), ("batch", "seq", "kv_heads", "head_dim"))
         if is_global is None or not self.window:
             o = self._attend(q, k, v, segments, self.window)
@@ -149,6 +150,14 @@ class Attention(nnx.Module):
                              lambda: self._attend(q, k, v, segments, self.window))
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
         return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
+
+    def _rotate(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        """RoPE on the first ``rotary_dim`` dimensions of each head (all of them when it
+        is 0), the rest passed through."""
+        if not self.rotary_dim:
+            return apply_rotary(x, sin, cos)
+        r = self.rotary_dim
+        return jnp.concatenate([apply_rotary(x[..., :r], sin, cos), x[..., r:]], axis=-1)
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
                 segments: jax.Array | None, window: int) -> jax.Array:
@@ -349,7 +358,7 @@ class Transformer(nnx.Module):
         sin, cos = rotary_tables(x.shape[1], self.config.head_dim, positions=positions,
                                  freqs=rope_frequencies(self.config))
         if self.config.rope_local_theta:  # the local layers' tables beside the global ones
-            local = rotary_tables(x.shape[1], self.config.head_dim,
+            local = rotary_tables(x.shape[1], self.config.rope_dim,
                                   self.config.rope_local_theta, positions=positions)
             sin, cos = jnp.stack([sin, local[0]]), jnp.stack([cos, local[1]])
         call = self._block_call(block_fn) or (lambda block, h, *args: block(h, *args))

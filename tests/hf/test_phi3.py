@@ -20,18 +20,22 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
-    """The saved Phi-3 models: plain, and with a sliding window."""
+    """The saved Phi-3 models: plain, with a sliding window, and with rotary embeddings on
+    half of each head (``partial_rotary_factor``, as Phi-4-mini has)."""
     root = tmp_path_factory.mktemp("phi3")
     return {"plain": ref_lib.make_reference(root / "plain", "Phi3Config", "Phi3ForCausalLM"),
             "window": ref_lib.make_reference(root / "window", "Phi3Config",
-                                             "Phi3ForCausalLM", sliding_window=4)}
+                                             "Phi3ForCausalLM", sliding_window=4),
+            "partial": ref_lib.make_reference(root / "partial", "Phi3Config",
+                                              "Phi3ForCausalLM", partial_rotary_factor=0.5)}
 
 
-@pytest.mark.parametrize("variant", ["plain", "window"])
+@pytest.mark.parametrize("variant", ["plain", "window", "partial"])
 def test_phi3_logits_and_generation_match_transformers(phi3, variant):
     ref = phi3[variant]
     model = hf.load(ref.folder)
     assert model.config.sliding_window == (4 if variant == "window" else 0)
+    assert model.config.rotary_dim == (8 if variant == "partial" else 0)
     error = ref_lib.max_error(model, ref)
     print(f"phi3 {variant}: max logit error {error:.2e}")
     assert error < ref_lib.TOL
@@ -62,9 +66,9 @@ def test_phi3_round_trips_through_transformers(phi3, tmp_path):
                            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
      "rope type 'longrope' is not supported"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                           "partial_rotary_factor": 0.5}),
-     "rope_parameters.partial_rotary_factor=0.5 is not supported (jaxpar's decoder rotates "
-     "whole heads)"),
+                           "partial_rotary_factor": 0.3125}),
+     "rope_parameters.partial_rotary_factor=0.3125 is not supported (it must rotate an even "
+     "number of head_dim=16's dimensions)"),
 ])
 def test_phi3_options_jaxpar_cannot_express_are_named(phi3, tmp_path, changes, message):
     folder = tmp_path / "edited"
@@ -132,3 +136,21 @@ def test_a_run_from_phi3_exports_as_phi3(phi3, tmp_path):
     assert sorted(saved) == sorted(original)
     for name, value in original.items():
         np.testing.assert_array_equal(saved[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("variant, change", [("window", dict(sliding_window=0)),
+                                             ("partial", dict(rotary_dim=0))])
+def test_the_phi3_comparison_can_fail(phi3, variant, change):
+    """The window and the partial rotation each move the logits by far more than the
+    tolerance."""
+    import dataclasses
+
+    from flax import nnx
+
+    import jaxpar
+
+    loaded = hf.load(phi3[variant].folder)
+    model = jaxpar.models.Transformer(dataclasses.replace(loaded.config, **change),
+                                      rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(loaded, nnx.Param))
+    assert ref_lib.max_error(model, phi3[variant]) > 100 * ref_lib.TOL

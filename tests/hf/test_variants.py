@@ -18,7 +18,7 @@ SMALL = TransformerConfig(vocab_size=96, d_model=64, n_layers=4, n_heads=4, n_kv
 GEMMA = dict(norm_offset=1.0, embed_scale=True, post_norms=True, tie_embeddings=True,
              mlp_activation="gelu_tanh")
 VARIANTS = {
-    "Phi3ForCausalLM": dict(sliding_window=16),
+    "Phi3ForCausalLM": dict(sliding_window=16, rotary_dim=12),
     "MixtralForCausalLM": dict(n_experts=8, experts_per_token=2, expert_capacity=0.0),
     "Qwen3MoeForCausalLM": dict(n_experts=8, experts_per_token=2, expert_d_ff=32,
                                 expert_capacity=0.0, qk_norm=True, renormalize_gates=False),
@@ -40,7 +40,7 @@ def hf(arch: str, **changes) -> dict:
 @pytest.mark.parametrize("arch", list(VARIANTS))
 def test_written_configs_read_back_the_same(arch):
     cfg = dataclasses.replace(SMALL, **VARIANTS[arch])
-    assert family_of(cfg) == (arch if arch != "Phi3ForCausalLM" else "MistralForCausalLM")
+    assert family_of(cfg) == arch
     written = to_hf(cfg, arch)
     assert written["architectures"] == [arch]
     back, back_arch = to_jaxpar(json.loads(json.dumps(written)))
@@ -72,8 +72,8 @@ def test_family_keys_read():
 
 
 @pytest.mark.parametrize("arch, changes, message", [
-    ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75),
-     "partial_rotary_factor=0.75 is not supported (jaxpar's decoder rotates whole heads)"),
+    ("LlamaForCausalLM", dict(partial_rotary_factor=0.75),
+     "partial_rotary_factor=0.75 is not supported (LlamaForCausalLM rotates whole heads)"),
     ("Phi3ForCausalLM", dict(rope_scaling={"type": "longrope", "short_factor": [1.0]}),
      "rope type 'longrope' is not supported"),
     ("MixtralForCausalLM", {}, "no number of experts (num_local_experts / num_experts)"),
