@@ -92,6 +92,12 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("--int8", action="store_true",
                         help="LLM.int8 inference: int8 projection weights, input features "
                              "beyond 6.0 multiplied in floats (the output head stays float)")
+    sample.add_argument("--chat", action="store_true",
+                        help="--prompt is a user message: render it with the chat template "
+                             "of the run's data.tokenizer (a Hugging Face folder) and a "
+                             "generation prompt, print the reply, stop at its end of turn")
+    sample.add_argument("--system", default=None,
+                        help="with --chat: a system message before the user's")
     sample.set_defaults(command="sample")
 
 

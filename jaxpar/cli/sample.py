@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxpar.adapters import quant
+from jaxpar.data.chat import ChatTokenizer
 from jaxpar.errors import JaxparError
 from jaxpar.runs import generate as gen
 from jaxpar.runs.generate import check_run
@@ -18,6 +19,10 @@ def command(args: argparse.Namespace) -> int:
     tokenizer has no text for print nothing and are counted in one warning line at the
     end. ``--max-tokens`` is bounded by what the model attends to after the prompt
     (``model.max_seq_len``); without it, 64 or what room is left.
+
+    With ``--chat`` the prompt is a user message (after ``--system``, if given) rendered
+    with the chat template of the run's ``data.tokenizer`` and its generation prompt; the
+    reply alone is printed, ending at the family's EOS or end-of-turn token.
     """
     if not args.prompt:
         raise JaxparError("--prompt is empty: give the text to continue")
@@ -27,10 +32,23 @@ def command(args: argparse.Namespace) -> int:
         raise JaxparError(f"--temperature {args.temperature}: must be 0 (greedy) or positive")
     if args.top_k < 0:
         raise JaxparError(f"--top-k {args.top_k}: must be 0 (every token) or positive")
+    if args.system is not None and not args.chat:
+        raise JaxparError("--system is a chat's system message: add --chat")
     check_run(args.run)
     config = gen.run_config(args.run)
     codec = gen.TextCodec.for_config(config)
-    ids = gen.prompt_ids(codec, args.prompt, "--prompt")
+    stops: tuple[int, ...] = ()
+    if args.chat:
+        if not config.data.tokenizer:
+            raise JaxparError(f"--chat renders the prompt with a chat template, but the run "
+                              f"{args.run!r} reads bytes (no data.tokenizer)")
+        chat = ChatTokenizer.load(config.data.tokenizer, "the run's data.tokenizer")
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None
+                    else []) + [{"role": "user", "content": args.prompt}]
+        ids = chat.prompt_ids(messages)
+        stops = chat.stop_ids
+    else:
+        ids = gen.prompt_ids(codec, args.prompt, "--prompt")
 
     def budget(room: tuple[int, str] | None) -> int | None:
         """--max-tokens checked against the room after the prompt (None: not known yet)."""
@@ -56,10 +74,13 @@ def command(args: argparse.Namespace) -> int:
         max_tokens = budget(gen.context_room(config, len(ids), model))
     tokens = gen.generate_iter(model, ids, max_new_tokens=max_tokens,
                                temperature=args.temperature, top_k=args.top_k,
-                               seed=args.seed, eos_id=codec.eos_id)
+                               seed=args.seed, eos_id=None if args.chat else codec.eos_id)
     stream = gen.TextStream(codec, ids)
-    print(args.prompt, end="", flush=True)
+    if not args.chat:  # a chat prints the reply alone
+        print(args.prompt, end="", flush=True)
     for token in tokens:
+        if token in stops:  # the end of the assistant's turn: generation stops here
+            break
         piece = stream.push(token)
         if piece:
             print(piece, end="", flush=True)

@@ -265,6 +265,12 @@ class DataConfig:
     """Documents tokenized as read: rows without segment ids, attention running across
     documents (each still ended by EOS), for a model whose ``__call__`` takes no
     ``segment_ids``; the run says so in one warning line."""
+    chat: bool = False
+    """Supervised fine-tuning on conversations: ``source`` is a ``.jsonl`` file (or a
+    folder of them) of ``{"messages": [{"role", "content"}, ...]}`` records, rendered with
+    the chat template of ``tokenizer`` (a Hugging Face tokenizer folder), one
+    conversation a row, the loss on the assistant's turns only
+    (:mod:`jaxpar.data.conversations`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,8 +203,10 @@ def _check_relations(config: Config) -> None:
     check_url(config.init_from, "init_from")
     if config.init_from.startswith(HF_PREFIX):
         refuse_url(config.init_from[len(HF_PREFIX):], "init_from hf:")
-    documents = uses_documents(d.source, d.sources, d.tokenizer)
-    shards = not documents and (bool(d.sources) or names_shards(d.source))
+    if d.chat:
+        _check_chat(config)
+    documents = not d.chat and uses_documents(d.source, d.sources, d.tokenizer)
+    shards = not d.chat and not documents and (bool(d.sources) or names_shards(d.source))
     _check_data_knobs(config, documents, shards)
     if documents:
         _check_documents(config)
@@ -244,6 +246,32 @@ def _check_relations(config: Config) -> None:
     elif config.init_from and hf is None and not Path(config.init_from).expanduser().is_dir():
         raise _bad("init_from", config.init_from, "is not a folder (give a run folder or its "
                    "checkpoints/ folder, or hf:PATH for a Hugging Face model)")
+
+
+def _check_chat(config: Config) -> None:
+    """``data.chat``: conversations in ``data.source`` (a .jsonl file or a folder), the
+    template of ``data.tokenizer``, segments kept apart by the loader itself."""
+    d = config.data
+    if not d.tokenizer:
+        raise JaxparError("data.chat=true renders conversations with a chat template: set "
+                          "data.tokenizer to a Hugging Face tokenizer folder (tokenizer.json "
+                          "and tokenizer_config.json with its chat_template)")
+    if d.sources:
+        raise JaxparError("data.chat=true reads the conversations of data.source; "
+                          "data.sources mixes token shards or documents: drop it")
+    if d.eos_id != -1 or d.cross_document:
+        raise JaxparError("data.chat=true puts one conversation in a row, kept apart from "
+                          "its padding: drop data.eos_id and data.cross_document")
+    if d.source == "stdlib" or not (Path(d.source).is_dir()
+                                    or Path(d.source).suffix == ".jsonl"):
+        raise _bad("data.source", d.source, "with data.chat=true, must be a .jsonl file of "
+                   "conversations or a folder of them")
+    if config.mesh.stage > 1:
+        raise JaxparError("data.chat=true with mesh.stage > 1 is not supported yet (the "
+                          "rows are packed): set mesh.stage to 1")
+    if config.mesh.context > 1 and config.plan.context_balance:
+        raise JaxparError("data.chat=true under context parallelism needs the natural "
+                          "sequence order: set plan.context_balance=false")
 
 
 def _check_data_knobs(config: Config, documents: bool, shards: bool) -> None:

@@ -487,7 +487,8 @@ class Transformer(nnx.Module):
             return None
         return head
 
-    def next_token_loss(self, tokens: jax.Array, segment_ids: jax.Array | None = None
+    def next_token_loss(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                        loss_mask: jax.Array | None = None
                         ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]] | None:
         """Mean next-token cross-entropy on ``tokens`` ``(batch, seq + 1)`` computed
         ``loss_chunk`` positions at a time (see :mod:`jaxpar.parallel.loss`; from the full logits
@@ -502,7 +503,8 @@ class Transformer(nnx.Module):
 
         ``segment_ids`` ``(batch, seq + 1)``: the documents of packed rows; attention
         stays inside each, and a target in another document than its input (the first
-        token after an end of document) does not count."""
+        token after an end of document) does not count. ``loss_mask`` ``(batch, seq + 1)``
+        (with ``segment_ids``): only the targets it marks count (a chat's assistant turns)."""
         schedule = getattr(self, "pipeline_schedule", None)
         if schedule is not None and segment_ids is not None:
             raise JaxparError("packed documents (data.eos_id) with pipeline stages "
@@ -517,6 +519,8 @@ class Transformer(nnx.Module):
             return None
         inputs_seg = None if segment_ids is None else segment_ids[:, :-1]
         mask = None if segment_ids is None else segment_ids[:, 1:] == segment_ids[:, :-1]
+        if mask is not None and loss_mask is not None:
+            mask = mask & (loss_mask[:, 1:] > 0)
         # Hidden states in the layout's order (balanced under context parallelism), the
         # targets taken in the same order: the mean over positions does not mind.
         x, aux = self.hidden_states_with_aux(tokens[:, :-1], segment_ids=inputs_seg,

@@ -1,11 +1,12 @@
 """What a run reads: the config's data as this process's loader of batches.
 
-Three kinds, by what ``data`` names: one corpus in memory (the built-in text, a file or
+Four kinds, by what ``data`` names: one corpus in memory (the built-in text, a file or
 folder of text, one token file: :class:`~jaxpar.data.loader.TokenLoader`); token shards
 (a glob or folder of ``.bin``/``.npy``, local or in a bucket, or ``data.sources`` of them:
 :class:`~jaxpar.data.mixture.MixtureLoader`); documents tokenized as read (``.jsonl``,
 Parquet, Arrow, ArrayRecord, Hugging Face ``datasets`` folders with ``data.tokenizer``:
-:class:`~jaxpar.data.streams.DocumentLoader`).
+:class:`~jaxpar.data.streams.DocumentLoader`); and conversations for supervised
+fine-tuning (``data.chat``: :class:`~jaxpar.data.conversations.ChatLoader`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import jax
 import numpy as np
 
 from jaxpar.config.schema import Config
+from jaxpar.data.chat import ChatTokenizer
+from jaxpar.data.conversations import ChatLoader, pad_id, read_conversations
 from jaxpar.data.documents import open_documents, uses_documents
 from jaxpar.data.loader import TokenLoader, load_tokens, split_holdout
 from jaxpar.data.mixture import MixtureLoader, Source
@@ -54,11 +57,34 @@ def load_corpus(config: Config) -> np.ndarray:
 
 
 def reads_shards(config: Config) -> bool:
-    """Whether the run reads token shards or documents in shuffled epochs
-    (``data.sources``, a glob or folder of shards, document files) rather than one corpus
-    in memory."""
-    return (bool(config.data.sources) or names_shards(config.data.source)
+    """Whether the run reads token shards, documents or conversations in shuffled epochs
+    (``data.sources``, a glob or folder of shards, document files, ``data.chat``) rather
+    than one corpus in memory."""
+    return (config.data.chat or bool(config.data.sources) or names_shards(config.data.source)
             or reads_documents(config))
+
+
+def chat_loader(config: Config, *, holdout: bool = False) -> ChatLoader:
+    """This process's :class:`ChatLoader` over ``data.source``'s conversations rendered
+    with ``data.tokenizer``'s chat template: the first ``1 - data.holdout_fraction`` of
+    them for training, the rest held out."""
+    data, train = config.data, config.train
+    fitting_tokenizer(config)  # the vocabulary against model.vocab_size, in one line
+    chat = ChatTokenizer.load(data.tokenizer)
+    conversations = read_conversations(data.source, chat, train.seq_len + 1)
+    cut = int(len(conversations) * (1.0 - data.holdout_fraction))
+    part = conversations[cut:] if holdout else conversations[:cut]
+    if not part:
+        what = "held-out part" if holdout else "training part"
+        raise JaxparError(f"data.source {data.source!r}: the {what} of its "
+                          f"{len(conversations)} conversations is empty "
+                          f"(data.holdout_fraction={data.holdout_fraction}): add "
+                          "conversations or change the fraction")
+    loader = ChatLoader(part, pad_id(chat), train.global_batch, train.seq_len,
+                        seed=train.seed + (1 if holdout else 0),
+                        process_index=jax.process_index(), process_count=jax.process_count())
+    loader.vocab_check(config.model.vocab_size)
+    return loader
 
 
 def reads_documents(config: Config) -> bool:
@@ -116,11 +142,14 @@ def shard_loader(config: Config, *, holdout: bool = False) -> MixtureLoader:
 
 def make_loader(config: Config, *, holdout: bool = False,
                 tokens: np.ndarray | None = None
-                ) -> TokenLoader | MixtureLoader | DocumentLoader:
+                ) -> TokenLoader | MixtureLoader | DocumentLoader | ChatLoader:
     """This process's loader over the training tokens (or, with ``holdout``, over the
     held-out tail of the corpus: ``data.holdout_fraction``). ``tokens``: the corpus, when
     :func:`load_corpus` has read it already. Token shards get a :func:`shard_loader`,
-    documents a :func:`document_loader`."""
+    documents a :func:`document_loader`, conversations (``data.chat``) a
+    :func:`chat_loader`."""
+    if config.data.chat:
+        return chat_loader(config, holdout=holdout)
     if reads_documents(config):
         return document_loader(config, holdout=holdout)
     if reads_shards(config):

@@ -51,15 +51,21 @@ def is_packed(batch: Any) -> bool:
 
 
 def packed_lm_loss(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array,
-                   rngs: nnx.Rngs | None = None) -> jax.Array:
+                   rngs: nnx.Rngs | None = None, loss_mask: jax.Array | None = None
+                   ) -> jax.Array:
     """:func:`lm_loss` on packed rows: the model keeps the documents apart (attention
     and positions), and a target in another document than its input does not count.
+    With ``loss_mask`` ``(batch, seq + 1)`` (a chat batch, :mod:`jaxpar.data.conversations`),
+    only the targets it marks count besides (the assistant's tokens).
 
-    The model takes the documents as ``next_token_loss(tokens, segment_ids=...)``, or as
-    ``model(inputs, segment_ids=...)`` (``(batch, seq)`` ids, one per document)."""
+    The model takes the documents as ``next_token_loss(tokens, segment_ids=...)`` (and
+    ``loss_mask=...``), or as ``model(inputs, segment_ids=...)`` (``(batch, seq)`` ids,
+    one per document)."""
     own = getattr(model, "next_token_loss", None)
-    if callable(own) and _takes(own, "segment_ids"):
-        loss = own(tokens, segment_ids=segment_ids)
+    if callable(own) and _takes(own, "segment_ids") and (
+            loss_mask is None or _takes(own, "loss_mask")):
+        extra = {} if loss_mask is None else {"loss_mask": loss_mask}
+        loss = own(tokens, segment_ids=segment_ids, **extra)
         if loss is not None:
             return loss
     if not _takes(model.__call__, "segment_ids"):
@@ -71,8 +77,10 @@ def packed_lm_loss(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array,
                           "tokenized as read)")
     kwargs = {"rngs": rngs} if rngs is not None and takes_rngs(model.__call__) else {}
     logits = model(tokens[:, :-1], segment_ids=segment_ids[:, :-1], **kwargs)
-    return loss_lib.cross_entropy(logits, tokens[:, 1:],
-                                  segment_ids[:, 1:] == segment_ids[:, :-1])
+    mask = segment_ids[:, 1:] == segment_ids[:, :-1]
+    if loss_mask is not None:
+        mask = mask & (loss_mask[:, 1:] > 0)
+    return loss_lib.cross_entropy(logits, tokens[:, 1:], mask)
 
 
 def _takes(fn: Callable, name: str) -> bool:
@@ -93,7 +101,8 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) 
     ``next_token_loss(tokens)`` method that returns a scalar (rather than None), that is
     the loss (the reference :class:`~jaxpar.models.Transformer` does so with
     ``model.loss_chunk > 0``, never materialising the full logits; see :mod:`jaxpar.parallel.loss`).
-    A packed batch (``{"tokens", "segment_ids"}``) goes to :func:`packed_lm_loss`.
+    A packed batch (``{"tokens", "segment_ids"}``, and ``"loss_mask"`` for chat data)
+    goes to :func:`packed_lm_loss`.
 
     Raises:
       JaxparError: when the batch is not a 2-D array of token ids, the model cannot be
@@ -102,7 +111,8 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, rngs: nnx.Rngs | None = None) 
     """
     if is_packed(tokens):
         check_tokens(tokens["tokens"])
-        return packed_lm_loss(model, tokens["tokens"], tokens["segment_ids"], rngs)
+        return packed_lm_loss(model, tokens["tokens"], tokens["segment_ids"], rngs,
+                              tokens.get("loss_mask"))
     check_tokens(tokens)
     own = getattr(model, "next_token_loss", None)
     if callable(own) and (loss := own(tokens)) is not None:

@@ -1,0 +1,220 @@
+"""Chat templates (jaxpar.data.chat) against ``transformers``' ``apply_chat_template``,
+token for token, on the Llama 3, Gemma, Qwen2 (ChatML) and Phi-3 templates; the
+assistant-only mask against the assistant contents' character spans and against
+``transformers``' own ``{% generation %}`` mask; the conversation reader's one-line
+errors; the loader's rows; the masked loss's gradient."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.data.chat import ChatTokenizer
+from jaxpar.data.conversations import ChatLoader, pad_id, read_conversations
+from jaxpar.errors import JaxparError
+from jaxpar.training.objective import lm_loss
+from tests.data.chat_families import CONVERSATIONS, FAMILIES, save_family, tokenizer_object
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """family -> its tokenizer folder (one BPE trained for all)."""
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = tokenizer_object()
+    return {family: save_family(family, root / family, tokenizer) for family in FAMILIES}
+
+
+def _reference(folder, conversation, add_generation_prompt):
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                  tokenize=True, return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ids_equal_apply_chat_template(folders, family):
+    chat = ChatTokenizer.load(str(folders[family]))
+    compared = 0
+    for conversation in CONVERSATIONS:
+        for generation_prompt in (False, True):
+            try:
+                want = _reference(folders[family], conversation, generation_prompt)
+            except Exception as exc:  # Gemma has no system role: both refuse
+                with pytest.raises(JaxparError, match=str(exc)):
+                    chat.render(conversation, generation_prompt)
+                continue
+            got, _ = chat.encode(chat.render(conversation, generation_prompt))
+            assert got == want, (family, conversation, generation_prompt)
+            compared += 1
+    assert compared >= 4
+    # A generation prompt is what the model is asked with: the rendered turn opener.
+    assert chat.prompt_ids(CONVERSATIONS[2][:3]) == _reference(
+        folders[family], CONVERSATIONS[2][:3], True)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_assistant_mask_covers_assistant_content_only(folders, family):
+    chat = ChatTokenizer.load(str(folders[family]))
+    stop_tokens = {chat.tokenizer.id_to_token(i) for i in chat.stop_ids}
+    for conversation in CONVERSATIONS:
+        if family == "gemma" and conversation[0]["role"] == "system":
+            continue
+        text = chat.render(conversation)
+        ids, offsets = chat.encode(text)
+        _, mask = chat.conversation(conversation)
+        # Each message's (trimmed) content, found in order in the text.
+        at, spans = 0, []
+        for message in conversation:
+            content = message["content"].strip()
+            start = text.index(content, at)
+            at = start + len(content)
+            spans.append((message["role"], start, at))
+        for role, start, end in spans:
+            inside = [t for t, (s, e) in enumerate(offsets) if s < end and e > start]
+            assert inside
+            assert all(mask[t] == (role == "assistant") for t in inside), (role, text)
+            if role == "assistant":  # the turn's end token is learned too
+                after = next(t for t, (s, e) in enumerate(offsets)
+                             if s >= end and text[s:e].strip())
+                assert mask[after] and chat.tokenizer.id_to_token(ids[after]) in (
+                    stop_tokens | {"<|eot_id|>"}), text[end:]
+        # Nothing outside the assistant turns but their end: no opener, no user text.
+        assert sum(mask) < len(mask)
+        for t in np.flatnonzero(mask):
+            s, e = offsets[t]
+            assert any(s < b + 24 and e > a for r, a, b in spans if r == "assistant")
+
+
+def test_mask_equals_transformers_generation_mask(folders, tmp_path):
+    """ChatML with ``{% generation %}`` around the assistant's turn: transformers' own
+    ``return_assistant_tokens_mask`` is jaxpar's mask."""
+    template = (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+        "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+        "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+        "{% else %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+        "'<|im_end|>' + '\n'}}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    hf = transformers.AutoTokenizer.from_pretrained(str(folders["qwen2"]))
+    hf.chat_template = template
+    hf.save_pretrained(str(tmp_path))
+    chat = ChatTokenizer.load(str(tmp_path))
+    for conversation in CONVERSATIONS:
+        want = hf.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        ids, mask = chat.conversation(conversation)
+        assert ids == want["input_ids"]
+        assert mask == want["assistant_masks"]
+
+
+def test_stop_ids_are_the_eos_and_end_of_turn(folders):
+    tokens = {family: {ChatTokenizer.load(str(folders[family])).tokenizer.id_to_token(i)
+                       for i in ChatTokenizer.load(str(folders[family])).stop_ids}
+              for family in FAMILIES}
+    assert tokens == {"llama3": {"<|eot_id|>"}, "gemma": {"<eos>", "<end_of_turn>"},
+                      "qwen2": {"<|im_end|>"}, "phi3": {"<|endoftext|>", "<|end|>"}}
+
+
+def _jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("family, record, culprit", [
+    ("llama3", {"text": "hi"}, ':2: the record has no "messages"'),
+    ("llama3", "{not json", ":2: not JSON"),
+    ("llama3", {"messages": [{"role": "robot", "content": "x"}]},
+     ":2: message 1 has the unknown role 'robot'"),
+    ("llama3", {"messages": [{"role": "user"}]}, ':2: message 1 has no text "content"'),
+    ("llama3", {"messages": [{"role": "user", "content": "x"}]}, ":2: no assistant message"),
+    ("gemma", {"messages": [{"role": "system", "content": "x"},
+                            {"role": "assistant", "content": "y"}]},
+     ":2: the chat template refuses the conversation: System role not supported"),
+    ("llama3", {"messages": [{"role": "user", "content": "cat " * 80},
+                             {"role": "assistant", "content": "ok"}]},
+     r":2: the conversation is \d+ tokens, more than train.seq_len \+ 1 = 64"),
+])
+def test_bad_conversations_name_file_and_line(folders, tmp_path, family, record, culprit):
+    good = {"messages": CONVERSATIONS[0]}
+    path = _jsonl(tmp_path / "chat.jsonl", [good, record])
+    chat = ChatTokenizer.load(str(folders[family]))
+    with pytest.raises(JaxparError, match=culprit) as info:
+        read_conversations(path, chat, 64)
+    assert "\n" not in str(info.value) and f"{tmp_path / 'chat.jsonl'}:2" in str(info.value)
+
+
+def test_no_template_is_one_line(tmp_path):
+    tokenizer_object().save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(JaxparError, match="no chat template"):
+        ChatTokenizer.load(str(tmp_path))
+
+
+def test_loader_rows_pad_and_mask_deterministically(folders, tmp_path):
+    chat = ChatTokenizer.load(str(folders["qwen2"]))
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS] + [""])
+    conversations = read_conversations(path, chat, 96)
+    assert len(conversations) == 3
+    loader = ChatLoader(conversations, pad_id(chat), 4, 95, seed=3)
+    batch = loader.batch(5)
+    assert {k: v.shape for k, v in batch.items()} == {
+        k: (4, 96) for k in ("tokens", "segment_ids", "loss_mask")}
+    for tokens, segments, mask in zip(batch["tokens"], batch["segment_ids"],
+                                      batch["loss_mask"], strict=True):
+        n = int((segments == 0).sum())
+        match = [i for i, (ids, _) in enumerate(conversations) if len(ids) == n
+                 and (ids == tokens[:n]).all()]
+        assert match and (conversations[match[0]][1] == mask[:n]).all()
+        assert (tokens[n:] == pad_id(chat)).all() and not mask[n:].any()
+    again = ChatLoader(conversations, pad_id(chat), 4, 95, seed=3).batch(5)
+    assert all((batch[k] == again[k]).all() for k in batch)
+    # One epoch of 3 rows holds each conversation once.
+    firsts = [tuple(loader.row(i)[0]) for i in range(3)]
+    assert len(set(firsts)) == 3
+
+
+def test_masked_loss_ignores_everything_but_the_assistant(folders):
+    """Changing the tokens after the last assistant turn (the closing user message)
+    changes neither the loss nor its gradient; without the mask both change (so the
+    check can fail), and the loss is the hand-masked mean of the per-token losses."""
+    from jaxpar.models import Transformer, TransformerConfig
+
+    chat = ChatTokenizer.load(str(folders["llama3"]))
+    ids, mask = chat.conversation(CONVERSATIONS[2])  # ends with a user message
+    ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    last = int(np.flatnonzero(mask)[-1])
+    assert last < len(ids) - 4
+    other = ids.copy()
+    other[last + 1:] = (ids[last + 1:] + 7) % 300
+    config = TransformerConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=4,
+                               n_kv_heads=2, d_ff=64, max_seq_len=128)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+
+    def batch(tokens, with_mask=True):
+        out = {"tokens": jnp.asarray(tokens[None]),
+               "segment_ids": jnp.zeros((1, len(tokens)), jnp.int32)}
+        return {**out, "loss_mask": jnp.asarray(mask[None])} if with_mask else out
+
+    @nnx.jit
+    def loss_and_grad(m, b):
+        return nnx.value_and_grad(lambda m: lm_loss(m, b))(m)
+
+    (la, ga), (lb, gb) = loss_and_grad(model, batch(ids)), loss_and_grad(model, batch(other))
+    assert float(la) == pytest.approx(float(lb), abs=1e-6)
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.abs(a - b).max(), ga, gb))
+    assert max(float(d) for d in diffs) < 1e-6
+    (ua, gua), (ub, gub) = (loss_and_grad(model, batch(ids, False)),
+                            loss_and_grad(model, batch(other, False)))
+    assert abs(float(ua) - float(ub)) > 1e-3
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.abs(a - b).max(), gua, gub))
+    assert max(float(d) for d in diffs) > 1e-4
+    logits = model(jnp.asarray(ids[None, :-1]))
+    logp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
+    nll = -np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]]
+    want = float((nll * mask[1:]).sum() / mask[1:].sum())
+    assert float(la) == pytest.approx(want, rel=1e-5)
