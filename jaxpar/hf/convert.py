@@ -46,7 +46,9 @@ _IGNORED = ("rotary_emb.inv_freq",)
 """Stored buffers that are not parameters."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
+                   "tokenizer.model", "chat_template.jinja")
+"""The tokenizer files copied along (``chat_template.jinja``: where newer ``transformers``
+saves the chat template)."""
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
