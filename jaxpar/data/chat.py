@@ -125,6 +125,9 @@ class ChatTokenizer:
     def __post_init__(self) -> None:
         try:
             self._compiled = _compile(self.template)
+        except ImportError:
+            raise JaxparError(f"{self.name}: chat templates are rendered with jinja2, which "
+                              "is not installed: pip install 'jinja2>=3.1.6'") from None
         except Exception as exc:  # a jinja2.TemplateSyntaxError
             raise JaxparError(f"{self.name}: the chat template does not compile: "
                               f"{' '.join(str(exc).split())}") from None
