@@ -109,3 +109,9 @@ def test_chat_without_tokenizer_is_refused(tmp_path, capsys):
     assert code == 2
     assert "data.chat=true renders conversations with a chat template" in (
         capsys.readouterr().err)
+
+
+def test_system_without_chat_is_refused(tmp_path, capsys):
+    assert main(["sample", "--run", str(tmp_path), "--prompt", "ab", "--system", "x"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxpar: error: --system is a chat's system message: add --chat\n")
