@@ -115,3 +115,25 @@ def test_system_without_chat_is_refused(tmp_path, capsys):
     assert main(["sample", "--run", str(tmp_path), "--prompt", "ab", "--system", "x"]) == 2
     assert capsys.readouterr().err == (
         "jaxpar: error: --system is a chat's system message: add --chat\n")
+
+
+def test_first_step_loss_is_the_assistant_only_loss(chat_run):
+    """The run's step-1 loss (LoRA B = 0: the base model) is the mean next-token loss of
+    transformers' logits over the assistant's targets of batch 0, not over all targets."""
+    from jaxpar.data.conversations import ChatLoader, pad_id, read_conversations
+
+    folder, data, run = chat_run
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    chat = ChatTokenizer.load(str(folder))
+    batch = ChatLoader(read_conversations(str(data), chat, 96), pad_id(chat), 4, 95,
+                       seed=0).batch(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(batch["tokens"][:, :-1])).logits.double()
+    nll = -torch.log_softmax(logits, -1).gather(
+        -1, torch.tensor(batch["tokens"][:, 1:, None]).long())[..., 0].numpy()
+    same = batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1]
+    assistant = same & (batch["loss_mask"][:, 1:] > 0)
+    assert first["step"] == 1
+    assert first["loss"] == pytest.approx(nll[assistant].mean(), abs=2e-4)
+    assert abs(first["loss"] - nll[same & (batch["segment_ids"][:, 1:] == 0)].mean()) > 0.01
