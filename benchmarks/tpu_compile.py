@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -113,12 +114,18 @@ def run_config(run: dict, devices_per_chip: int = 1) -> Config:
     })
 
 
-def _target(run: dict):
-    from jaxpar.analysis.targets import topology_for, tpu_target
+def run_topology(run: dict) -> str:
+    """The run's slice as a TPU target name, e.g. ``tpu-v4:4x4x4``."""
+    from jaxpar.analysis.targets import topology_for
 
     kind, count = run["chips"].split(":")
-    slices = run.get("slices", 1)
-    return tpu_target(f"{kind}:{topology_for(kind, int(count) // slices)}", slices)
+    return f"{kind}:{topology_for(kind, int(count) // run.get('slices', 1))}"
+
+
+def _target(run: dict):
+    from jaxpar.analysis.targets import tpu_target
+
+    return tpu_target(run_topology(run), run.get("slices", 1))
 
 
 def _hlo_path(hlo_dir: Path, run: dict) -> Path:
@@ -329,6 +336,27 @@ def save(path: Path, rows: list[dict]) -> None:
     path.write_text(json.dumps(merged, indent=1))
 
 
+def write_configs(runs: list[dict], folder: Path) -> list[Path]:
+    """Each run's jaxpar config as ``folder/<name>.yaml`` (spaces and dots as ``_``), its
+    first line a comment with the ``jaxpar compile`` command that compiles it."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for run in runs:
+        target = _target(run)
+        config = run_config(run, len(target.devices) // target.chips)
+        slices = run.get("slices", 1)
+        topology = run_topology(run)
+        path = folder / (re.sub(r"[^\w-]+", "_", run["name"]).strip("_") + ".yaml")
+        command = (f"# jaxpar compile --config {path} --target {topology}"
+                   + (f" --slices {slices}" if slices > 1 else "") + "\n")
+        path.write_text(command + yaml.safe_dump(config.to_dict(), sort_keys=False))
+        written.append(path)
+        print(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated row indices of published_runs.yaml")
@@ -340,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hlo", metavar="DIR", type=Path,
                         help="keep each compiled program's HLO here (gzipped); with "
                              "--replan, read the compiler's collectives anew from it")
+    parser.add_argument("--write-configs", metavar="DIR", type=Path,
+                        help="write each chosen run's jaxpar config here as NAME.yaml "
+                             "(with its target in the first line) and stop: for `jaxpar "
+                             "compile --config ... --target ...` with overrides")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler needs no TPU
     runs = _published().load_runs()
@@ -355,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         by_name = {r["name"]: r for r in runs}
         chosen = [by_name[n] for n in DEFAULT]
+    if args.write_configs:
+        write_configs(chosen, args.write_configs)
+        return 0
     rows = []
     for run in chosen:
         rows.append(measure(run, args.hlo))

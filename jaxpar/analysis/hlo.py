@@ -495,23 +495,28 @@ def flops(compiled: Any) -> float:
 _ARRAY = re.compile(r"^\w+\[([\d,]*)\]")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_\w+->\w+")
 _WINDOW = re.compile(r"window=\{size=([\dx]+)(?: pad=([\d_x]+))?")
+_LHS_DILATE = re.compile(r"window=\{[^}]*\blhs_dilate=([\dx]+)")
 
 
 def _conv_dot(rest: str) -> tuple[list[int], int]:
     """A TPU ``convolution`` that computes a ``dot_general``: (the lhs dimensions it
     contracts, the window positions each output sums over). The lhs's feature dimension
     (``f`` in ``dim_labels``) is contracted; a spatial dimension is contracted over its
-    window unless the window is padded by its size minus one on both sides, the form in
-    which the TPU compiler writes a batch dimension (each output sees one position)."""
+    window, save for the two forms in which the TPU compiler writes a batch dimension
+    (each output sees one position): a window padded by its size minus one on both
+    sides, and an lhs dilated by the window's size. A window over an lhs dilated by ``d``
+    sums the ``ceil(size / d)`` positions that are not holes."""
     labels = _DIM_LABELS.search(rest)
     contracting = [labels[1].index("f")] if labels and "f" in labels[1] else []
     window = 1
     if w := _WINDOW.search(rest):
         sizes = _ints(w[1].replace("x", ","))
         pads = w[2].split("x") if w[2] else ["0_0"] * len(sizes)
-        for size, pad in zip(sizes, pads, strict=False):
+        dilated = _LHS_DILATE.search(rest)
+        dilations = _ints(dilated[1].replace("x", ",")) if dilated else [1] * len(sizes)
+        for size, pad, dilation in zip(sizes, pads, dilations, strict=False):
             lo, hi = (int(x) for x in pad.split("_"))
-            window *= 1 if (lo, hi) == (size - 1, size - 1) else size
+            window *= 1 if (lo, hi) == (size - 1, size - 1) else -(-size // max(dilation, 1))
     return contracting, window
 
 

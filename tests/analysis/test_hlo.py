@@ -198,6 +198,31 @@ def test_matmul_flops_weights_each_dot_by_how_often_it_runs():
                                    "loops": 3, "loops_without_trip_count": 1}
 
 
+# The TPU compiler writes dot_generals as convolutions. Attention's batched matmuls, as it
+# wrote them for a 22B-shaped layer on v4 (batch 16 x 24 heads, q.k over head_dim 256):
+# the batch dimensions as a window either padded by its size minus one, or over an lhs
+# dilated by its size; each output sees one position of them.
+CONVOLUTIONS = """\
+HloModule convs, is_scheduled=true
+
+ENTRY %main (q: bf16[16,24,1024,256], k: bf16[16,24,256,1024], x: bf16[16384,6144], w: bf16[6144,16384]) -> f32[16,24,1024,1024] {
+  %q = bf16[16,24,1024,256]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %k = bf16[16,24,256,1024]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %x = bf16[16384,6144]{1,0:T(8,128)(2,1)} parameter(2)
+  %w = bf16[6144,16384]{1,0:T(8,128)(2,1)} parameter(3)
+  %mlp = bf16[16384,16384]{1,0:T(8,128)(2,1)} convolution(%x, %w), dim_labels=bf_io->bf, metadata={op_name="dot_general"}
+  %padded = f32[16,24,1024,1024]{3,2,1,0:T(8,128)} convolution(%q, %k), window={size=16x24 pad=15_15x23_23 rhs_reversal=1x1}, dim_labels=01bf_01io->01bf, metadata={op_name="dot_general"}
+  ROOT %dilated = f32[16,24,1024,1024]{2,3,1,0:T(8,128)} convolution(%q, %k), window={size=16x24 stride=15x23 lhs_dilate=16x24}, dim_labels=01bf_01io->01bf, metadata={op_name="vmap(BTNH,BSNH->BNTS)/dot_general"}
+}
+"""  # noqa: E501
+
+
+def test_matmul_flops_of_the_tpu_compilers_convolutions():
+    mlp = 2 * 16384 * 16384 * 6144
+    scores = 2 * 16 * 24 * 1024 * 1024 * 256  # not times the 384 batch positions
+    assert matmul_flops(CONVOLUTIONS)["flops"] == mlp + 2 * scores
+
+
 def test_matmul_flops_multiplies_loop_bodies_by_trip_count(devices):
     import jax
     import jax.numpy as jnp
