@@ -28,7 +28,7 @@ docs: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM) docs
 	$(VENV)/bin/ruff check jaxpar tests benchmarks examples notebooks docs/hooks
-	JAXPAR_DOCS_SITE=site $(PY) -m pytest -q -n 2 --durations=25
+	JAXPAR_DOCS_SITE=site $(PY) -m pytest -q -n 2 --dist worksteal --durations=40
 
 bench: $(STAMP)
 	$(PY) benchmarks/memory.py

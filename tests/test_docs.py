@@ -83,6 +83,7 @@ def test_what_is_shown_without_running_is_listed_with_its_reason():
              for p in pages() for b in page_blocks(p) if b.note.startswith("not run:")]
     assert all(reason for _, reason in shown), shown
     assert sorted(page for page, _ in shown) == [
+        "docs/benchmarks/tpu-compile.md",  # a 22B-wide step compiled for 64 TPU v4 chips
         "docs/benchmarks/vs-maxtext.md",  # installs MaxText from PyPI, then minutes
         "docs/get-started/first-run.md",  # make train's 200 steps (run below cut to 4)
         "docs/get-started/install.md",  # a second install (make test does it)
