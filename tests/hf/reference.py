@@ -46,21 +46,28 @@ class Reference:
     generated: list[int]
 
 
+def random_model(config_cls: str, model_cls: str, **config: Any) -> Any:
+    """A ``transformers`` model of ``model_cls`` built from ``config_cls(**config)``,
+    float32, seeded, with its norms and biases moved away from their initial values."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+    model = model.float().eval()
+    with torch.no_grad():  # norms and biases away from their init too
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
 def make_reference(folder: Path, config_cls: str, model_cls: str, **options: Any
                    ) -> Reference:
     """A random ``transformers`` model (``config_cls(**SIZES, **options)``) saved to
     ``folder``, its logits on the padded batch and its greedy continuation of
     :data:`PROMPT`."""
-    import torch
-    import transformers
-
-    config = getattr(transformers, config_cls)(**{**SIZES, **options})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # norms and biases away from their init too
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.3)
+    model = random_model(config_cls, model_cls, **{**SIZES, **options})
     model.save_pretrained(folder)
     return Reference(folder, model_cls, hf_logits(model), hf_generate(model))
 

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 import jaxpar
 from jaxpar import hf
 from jaxpar.errors import JaxparError
+from tests.hf.reference import random_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,13 +49,7 @@ def _reference(model) -> np.ndarray:
 def make_hf_model(folder, family: str, **overrides):
     """A random transformers model of ``family`` saved to ``folder``; returns it."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**SIZES, **extra, **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # norms and biases away from their init too
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.3)
+    model = random_model(config_cls, model_cls, **{**SIZES, **extra, **overrides})
     model.save_pretrained(folder)
     return model
 
