@@ -320,7 +320,6 @@ def _element_uses(module: Module, instr: Instruction) -> list[list[str]]:
     return parts
 
 
-
 def _all_reduce_parts(module: Module, instr: Instruction) -> list[tuple[str, int]]:
     """What an all-reduce is part of, element by element of a combined one, with each
     element's bytes: ``all-gather`` when what it sums was made by a
