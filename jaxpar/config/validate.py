@@ -249,8 +249,9 @@ def _check_relations(config: Config) -> None:
 
 
 def _check_chat(config: Config) -> None:
-    """``data.chat``: conversations in ``data.source`` (a .jsonl file or a folder), the
-    template of ``data.tokenizer``, segments kept apart by the loader itself."""
+    """``data.chat``: conversations in ``data.source`` (a .jsonl file or a folder, local or
+    in a bucket, whose objects are listed when read), the template of ``data.tokenizer``,
+    segments kept apart by the loader itself."""
     d = config.data
     if not d.tokenizer:
         raise JaxparError("data.chat=true renders conversations with a chat template: set "
@@ -262,7 +263,7 @@ def _check_chat(config: Config) -> None:
     if d.eos_id != -1 or d.cross_document:
         raise JaxparError("data.chat=true puts one conversation in a row, kept apart from "
                           "its padding: drop data.eos_id and data.cross_document")
-    if d.source == "stdlib" or not (Path(d.source).is_dir()
+    if d.source == "stdlib" or not (is_remote(d.source) or Path(d.source).is_dir()
                                     or Path(d.source).suffix == ".jsonl"):
         raise _bad("data.source", d.source, "with data.chat=true, must be a .jsonl file of "
                    "conversations or a folder of them")

@@ -1,7 +1,8 @@
 """Supervised fine-tuning data: conversations rendered with the family's chat template,
 the loss on the assistant's turns only.
 
-``data.chat: true`` reads ``data.source``, a ``.jsonl`` file (or a folder of them, sorted)
+``data.chat: true`` reads ``data.source``, a ``.jsonl`` file (or a folder of them, sorted;
+either may be in a ``gs://`` or ``s3://`` bucket, or a glob there)
 holding a conversation per line, ``{"messages": [{"role": "user", "content": "..."},
 {"role": "assistant", "content": "..."}, ...]}`` (roles: :data:`~jaxpar.data.chat.ROLES`;
 blank lines are skipped), with ``data.tokenizer`` a Hugging Face tokenizer folder that
@@ -37,13 +38,18 @@ import numpy as np
 
 from jaxpar.data.chat import ROLES, ChatTokenizer
 from jaxpar.errors import JaxparError
+from jaxpar.storage.remote import is_remote, read_object, remote_files
 
 
-def chat_files(source: str) -> list[Path]:
-    """The ``.jsonl`` file ``source``, or a folder's ``.jsonl`` files (recursively, sorted).
+def chat_files(source: str) -> list[Path] | list[str]:
+    """The ``.jsonl`` file ``source``, or a folder's ``.jsonl`` files (recursively, sorted);
+    in a bucket (``gs://``, ``s3://``), the object, a folder's ``.jsonl`` objects or a
+    glob's matches, as URLs.
 
     Raises:
-      JaxparError: when there is none."""
+      JaxparError: when there is none, or the bucket cannot be read."""
+    if is_remote(source):
+        return remote_files(source, (".jsonl",), "data.source")
     root = Path(source).expanduser()
     if root.is_dir():
         files = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
@@ -54,6 +60,19 @@ def chat_files(source: str) -> list[Path]:
     if not root.is_file():
         raise JaxparError(f"data.source {source!r} does not exist")
     return [root]
+
+
+def _lines(source: str, file: Path | str) -> list[str]:
+    """The lines of one conversation file, local or in a bucket (one line on failure)."""
+    try:
+        if isinstance(file, str):
+            return read_object(file, "data.source").decode("utf-8").splitlines()
+        return file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise JaxparError(f"data.source {source!r}: {str(file)!r} is not UTF-8") from None
+    except OSError as exc:
+        raise JaxparError(f"data.source {source!r}: cannot read {str(file)!r}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def _messages(record: object, where: str) -> list[dict]:
@@ -85,14 +104,7 @@ def read_conversations(source: str, chat: ChatTokenizer, limit: int
         docstring)."""
     out = []
     for file in chat_files(source):
-        try:
-            lines = file.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise JaxparError(f"data.source {source!r}: {str(file)!r} is not UTF-8") from None
-        except OSError as exc:
-            raise JaxparError(f"data.source {source!r}: cannot read {str(file)!r}: "
-                              f"{exc.strerror or exc}") from None
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(_lines(source, file), 1):
             if not line.strip():
                 continue
             where = f"data.source {source!r}: {file}:{number}"

@@ -202,3 +202,33 @@ def test_bad_gcs_paths_fail_in_one_line_within_a_bound(gcs, tmp_path):
     finally:
         os.environ["STORAGE_EMULATOR_HOST"] = saved
         remote.configure_clients()
+
+
+def test_chat_conversations_are_read_from_the_bucket_as_from_a_folder(gcs, tmp_path):
+    """``data.chat`` with ``data.source`` in ``gs://``: a folder's ``.jsonl`` objects (and a
+    glob's) give the conversations the same files give on disk; a bad line is named by its
+    URL and line; a folder without conversations is one line."""
+    from jaxpar.data.chat import ChatTokenizer
+    from jaxpar.data.conversations import read_conversations
+    from tests.data.chat_families import CONVERSATIONS, save_family, tokenizer_object
+
+    chat = ChatTokenizer.load(str(save_family("qwen2", tmp_path / "tok", tokenizer_object())))
+    local = tmp_path / "convs"
+    local.mkdir()
+    for i, conversation in enumerate(CONVERSATIONS):
+        text = json.dumps({"messages": conversation}) + "\n"
+        (local / f"part-{i}.jsonl").write_text(text)
+        gcs.pipe_file(f"{BUCKET}/chat/part-{i}.jsonl", text.encode())
+    want = read_conversations(str(local), chat, 128)
+    for source in (f"gs://{BUCKET}/chat", f"gs://{BUCKET}/chat/part-*.jsonl"):
+        got = read_conversations(source, chat, 128)
+        assert len(got) == len(want) == len(CONVERSATIONS)
+        for (ids, mask), (want_ids, want_mask) in zip(got, want, strict=True):
+            assert (ids == want_ids).all() and (mask == want_mask).all()
+    gcs.pipe_file(f"{BUCKET}/chat/part-9.jsonl", b'{"messages": []}\n')
+    with pytest.raises(JaxparError, match=rf"gs://{BUCKET}/chat/part-9.jsonl:1: "):
+        read_conversations(f"gs://{BUCKET}/chat", chat, 128)
+    gcs.pipe_file(f"{BUCKET}/notes/readme.txt", b"no conversations here")
+    with pytest.raises(JaxparError, match="holds no .jsonl object") as info:
+        read_conversations(f"gs://{BUCKET}/notes", chat, 128)
+    assert "\n" not in str(info.value)
