@@ -422,9 +422,7 @@ class Transformer(nnx.Module):
             out = jnp.einsum("bse,ve->bsv", x, self.embed[...].astype(x.dtype))
         else:
             out = self.lm_head(x)
-        cap = self.config.final_logit_softcap
-        if cap:  # Gemma 2: cap * tanh(logits / cap)
-            out = jnp.tanh(out / jnp.asarray(cap, out.dtype)) * jnp.asarray(cap, out.dtype)
+        out = attention_lib.soft_cap(out, self.config.final_logit_softcap)
         return constrain(out, ("batch", "seq", "vocab"))
 
     def hidden_states(self, tokens: jax.Array, *, dtype=None, block_fn=None,

@@ -127,8 +127,9 @@ def _check_softcap(softcap: float) -> float:
     return softcap
 
 
-def _cap(scores: jax.Array, softcap: float) -> jax.Array:
-    """``softcap * tanh(scores / softcap)``, or ``scores`` unchanged when ``softcap`` is 0."""
+def soft_cap(scores: jax.Array, softcap: float) -> jax.Array:
+    """``softcap * tanh(scores / softcap)``, or ``scores`` unchanged when ``softcap`` is 0
+    (Gemma 2's attention scores and final logits)."""
     return softcap * jnp.tanh(scores / softcap) if softcap else scores
 
 
@@ -144,7 +145,7 @@ def explicit_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int 
     if n % kvh:
         raise JaxparError(f"{n} query heads do not group over {kvh} kv heads")
     qg = q.reshape(b, s, kvh, n // kvh, h).astype(jnp.float32) * h ** -0.5
-    scores = _cap(jnp.einsum("bqkgh,bckh->bkgqc", qg, k.astype(jnp.float32)), softcap)
+    scores = soft_cap(jnp.einsum("bqkgh,bckh->bkgqc", qg, k.astype(jnp.float32)), softcap)
     keep = _mask(0, s, s, window, segments, segments)  # (batch or 1, q, keys)
     scores = jnp.where(keep[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
