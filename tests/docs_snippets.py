@@ -23,7 +23,8 @@ devices:
 
 A comment before a block changes that: ``<!-- exits 2 -->`` (the commands must end with
 that status: a documented refusal) and ``<!-- not run: why -->`` (shown only; the reason
-is required and the tests list these). Command: ``python tests/docs_snippets.py PAGE``.
+is required and the tests list these). Command: ``python tests/docs_snippets.py PAGE``
+(with ``DOCS_SNIPPET_TIMES=1`` it also says on stderr how long each block took).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ DOCS = ROOT / "docs"
 LINKED = ("configs", "examples", "benchmarks", "notebooks", "tests", "Makefile",
           "pyproject.toml", "jaxpar")
 TOLERANCE = 0.05  # relative, for every number of a quoted output
+TIMES_ENV = "DOCS_SNIPPET_TIMES"
 _FENCE = re.compile(r"(?:<!--\s*(?P<note>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)[^\n]*\n"
                     r"(?P<body>.*?)^```[ \t]*$", re.S | re.M)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.I)
@@ -319,7 +322,9 @@ def run_page(path: Path, work: Path, forker: Forker | None = None) -> list[str]:
     env = dict(os.environ)
     shown_only: list[str] = []
     namespace: dict = {"__name__": "__main__"}
+    timed = bool(os.environ.get(TIMES_ENV))
     for block in page_blocks(path):
+        started = time.monotonic()
         where = f"{path.relative_to(ROOT)}:{block.line}"
         if block.note.startswith("not run:"):
             reason = block.note.removeprefix("not run:").strip()
@@ -356,6 +361,8 @@ def run_page(path: Path, work: Path, forker: Forker | None = None) -> list[str]:
                     f"{said[-4000:]}")
         if block.output is not None:
             check_output(block.output, printed, where)
+        if timed:
+            print(f"{where} ({block.lang}): {time.monotonic() - started:.1f} s", file=sys.stderr)
     return shown_only
 
 
