@@ -473,9 +473,8 @@ class Transformer(nnx.Module):
         kernel ``(embed, vocab)`` in its compute layout (the tied embedding transposed), the
         head module itself when it is wrapped (LoRA, int8), or None when it cannot be
         applied chunk by chunk (a LoRA head with active dropout would draw a new mask per
-        chunk, and ``model.final_logit_softcap`` caps the full logits)."""
-        if self.config.final_logit_softcap:
-            return None
+        chunk). ``model.final_logit_softcap`` is not part of it: the chunked loss caps
+        each chunk's logits (its ``softcap``)."""
         if self.config.tie_embeddings:
             return constrain(self.embed[...].T, ("embed", "vocab"))
         head = self.lm_head
@@ -532,7 +531,8 @@ class Transformer(nnx.Module):
             plan = current_plan()
             out_dtype = plan.precision.output if plan is not None else jnp.float32
             loss = loss_lib.chunked_cross_entropy(self.final_norm(x), head, targets,
-                                                  chunk=chunk, dtype=out_dtype, mask=mask)
+                                                  chunk=chunk, dtype=out_dtype, mask=mask,
+                                                  softcap=self.config.final_logit_softcap)
         if not aux:
             return loss
         metrics = {name: value / self.config.n_layers for name, value in aux.items()}

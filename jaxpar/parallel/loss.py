@@ -113,7 +113,8 @@ _summed_nll.defvjp(_summed_nll_fwd, _summed_nll_bwd)
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, chunk: int,
-                          dtype=jnp.float32, mask: jax.Array | None = None) -> jax.Array:
+                          dtype=jnp.float32, mask: jax.Array | None = None,
+                          softcap: float = 0.0) -> jax.Array:
     """Mean cross-entropy of ``softmax(hidden @ kernel)`` against ``targets``, by chunks.
 
     Args:
@@ -128,6 +129,10 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
         output dtype); the sum over positions is accumulated in float32.
       mask: optional ``(batch, seq)`` booleans: the positions that count (a target in
         another document than its input, say, does not).
+      softcap: when nonzero, each chunk's logits are capped to ``softcap * tanh(logits /
+        softcap)`` in the projection's dtype before the cast to ``dtype`` (Gemma 2's final
+        logit soft-capping, as :meth:`jaxpar.models.Transformer.logits` caps the full
+        logits).
 
     Returns:
       The float32 mean over all ``batch x seq`` positions (those ``mask`` keeps).
@@ -153,7 +158,11 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
                        policy=jax.checkpoint_policies.save_only_these_names(_LSE))
     def chunk_loss(h, t, keep, kernel):
         h = constrain(h, ("batch", "seq", "embed"))
-        logits = _project(head if kernel is None else kernel, h).astype(dtype)
+        logits = _project(head if kernel is None else kernel, h)
+        if softcap:
+            cap = jnp.asarray(softcap, logits.dtype)
+            logits = jnp.tanh(logits / cap) * cap
+        logits = logits.astype(dtype)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         t = constrain(t, ("batch", "seq"))
         return _summed_nll(logits, t, jnp.broadcast_to(keep, t.shape))

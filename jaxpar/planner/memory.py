@@ -117,6 +117,27 @@ def _moe_saved(spec: ModelSpec, loc: Local, act: int, routing: bool) -> float:
     return out
 
 
+def _gemma_saved(spec: ModelSpec, loc: Local, act: int, backend: str = "tpu") -> float:
+    """Bytes per local token Gemma's extra layer parts add to what ``remat=none`` saves
+    (by the block's VJP residuals, ``jax.ad_checkpoint.print_saved_residuals``, and
+    XLA:CPU's compiled temp, ``tests/planner/test_gemma_memory.py``): ``post_norms``, two
+    more norms over the residual stream, each its float32 input and normalised input
+    (``2 x 2 x 4`` bytes per ``d_model`` element, the residual stream's share);
+    ``qk_norm``, the same over the queries and keys plus the normalised ones in the
+    compute dtype; a GeGLU (``gelu_tanh``) MLP two more ``d_ff``-sized tensors than
+    SwiGLU's (the tanh approximation's cube and tanh: five intermediates to SiLU's three),
+    in float32 on XLA:CPU. Measured on XLA:CPU per token of a d_model 64 model: post
+    norms 1175 bytes (counted 1024), query and key norms 1972 (1920), GeGLU 2048 (2048).
+    The other policies recompute them."""
+    dr = spec.d_model / loc.residual_split
+    out = 16 * dr if spec.post_norms else 0.0
+    if spec.qk_norm:
+        out += (2 * 4 + act) * (loc.heads + loc.kv_heads) * spec.head_dim
+    if spec.mlp_activation.startswith("gelu") and not loc.slots:
+        out += 2 * (4 if backend == "cpu" else act) * loc.d_ff
+    return out
+
+
 def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
                            attention: str = "xla", backend: str = "tpu") -> float:
     """Bytes per layer kept from the forward pass for the backward pass.
@@ -136,7 +157,9 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     and the partial outputs it merged per step.
 
     The ``d_model``-sized tensors but the TPU compiler's matmul inputs are the residual
-    stream's, split over ``tensor`` under sequence parallelism. A mixture of experts
+    stream's, split over ``tensor`` under sequence parallelism. Gemma's norms after each
+    sublayer and on queries and keys, and its GeGLU, add to what ``none`` keeps
+    (:func:`_gemma_saved`). A mixture of experts
     replaces the ``d_ff`` terms by its routed slots and shared experts and adds the
     dispatch buffers (:func:`_moe_saved`).
     """
@@ -155,6 +178,13 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         scores, probs = _ring_carry(loc, spec, act) if remat in _KEEPS_LAYER else 0, 0
     elif attention == "allgather":  # f32 probabilities and the gathered keys and values
         scores, probs = n * seq * 4 + 2 * k * h * act * loc.context, 0
+    elif spec.attn_logit_softcap:
+        # Capped scores (XLA's attention; splash, the TPU's, caps inside its kernel): the
+        # f32 scores, their tanh, the capped and shifted scores and the f32 probabilities
+        # by the VJP's residuals; XLA:CPU keeps eight f32 score-sized tensors a layer
+        # (fitted: tests/planner/test_gemma_memory.py's model, capped and windowed, was
+        # 2.0 MiB of 17.4 over the planner with four).
+        scores, probs = 8 * n * seq * 4, 0
     else:
         scores, probs = n * seq * 4, n * seq * act
     if remat == "none":
@@ -164,7 +194,8 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         # 3B, tensor 4 with sequence parallelism, 11.7 GiB saved a device.
         stream = act * 2 * d + 4 * 4 * dr if backend == "tpu" else act * 6 * dr
         per_token = (scores + probs + act * (6 * f + 2 * n * h + 2 * k * h) + stream
-                     + _moe_saved(spec, loc, act, True))
+                     + _moe_saved(spec, loc, act, True)
+                     + _gemma_saved(spec, loc, act, backend))
     elif remat.startswith(OFFLOAD) and "layer_input" in offloaded_names(remat):
         per_token = 0.0  # the block input, the only thing kept, is in host memory
     elif remat == "full" or remat.startswith(OFFLOAD):

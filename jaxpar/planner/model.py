@@ -72,7 +72,10 @@ class ModelSpec:
     attention and the loss (the :class:`~jaxpar.models.TransformerConfig` fields of those
     names), which sets how much of its memory grows with ``seq x seq`` and ``seq x vocab``;
     ``sliding_window`` and ``global_every`` which layers see only a window of keys (what
-    kernels that skip masked blocks then compute).
+    kernels that skip masked blocks then compute). ``post_norms`` (a norm after each
+    sublayer too), ``qk_norm`` (norms on queries and keys), ``mlp_activation`` and
+    ``attn_logit_softcap`` (Gemma's) add to what a layer saves for the backward pass (see
+    :mod:`jaxpar.planner.memory`); ``final_logit_softcap`` caps the logits.
     """
 
     tensors: tuple[Tensor, ...]
@@ -95,6 +98,11 @@ class ModelSpec:
     expert_d_ff: int = 0
     n_shared_experts: int = 0
     capacity_factor: float = 0.0
+    post_norms: bool = False
+    qk_norm: bool = False
+    mlp_activation: str = "silu"
+    final_logit_softcap: float = 0.0
+    attn_logit_softcap: float = 0.0
     tracer: Any = dataclasses.field(default=None, compare=False, repr=False)
     """For a model jaxpar did not write, read from a run config: its
     :class:`jaxpar.planner.traced.StepTracer`, whose traced step gives the activation
@@ -192,7 +200,10 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
                      name=f"transformer d{d} L{L}", attention=cfg.attention,
                      attention_block=cfg.attention_block, loss_chunk=cfg.loss_chunk,
                      sliding_window=cfg.sliding_window,
-                     global_every=getattr(cfg, "global_every", 0), **_moe_fields(cfg))
+                     global_every=getattr(cfg, "global_every", 0), post_norms=cfg.post_norms,
+                     qk_norm=cfg.qk_norm, mlp_activation=cfg.mlp_activation,
+                     final_logit_softcap=cfg.final_logit_softcap,
+                     attn_logit_softcap=cfg.attn_logit_softcap, **_moe_fields(cfg))
 
 
 def _moe_tensors(cfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], tuple]]:

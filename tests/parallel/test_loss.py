@@ -77,10 +77,13 @@ def test_matches_optax_on_plain_logits(chunk):
     _assert_trees_close(got_grads, want_grads, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tie,chunk,gemma", [(False, 5, False), (True, 8, True)])
-def test_model_chunked_equals_full_logits(tie, chunk, gemma):
+@pytest.mark.parametrize("tie,chunk,gemma,cap", [(False, 5, False, 0.0), (True, 8, True, 0.0),
+                                                 (True, 8, True, 0.5)])
+def test_model_chunked_equals_full_logits(tie, chunk, gemma, cap):
+    """Gemma 2's final logit soft-cap (``cap``, small enough to bind) is applied chunk by
+    chunk: the chunked loss runs with it (before, it fell back to the full logits)."""
     extra = {"norm_offset": 1.0, "embed_scale": True} if gemma else {}
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie, **extra)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, final_logit_softcap=cap, **extra)
     tokens = _tokens()
     want, want_grads = _loss_and_grads(cfg, tokens)
     got, got_grads = _loss_and_grads(dataclasses.replace(cfg, loss_chunk=chunk), tokens)
@@ -93,7 +96,8 @@ def test_model_chunked_equals_full_logits(tie, chunk, gemma):
     scale = model.final_norm.scale[...] + cfg.norm_offset
     x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * scale
     w = model.embed[...].T if tie else model.lm_head.kernel[...]
-    reference = optax.softmax_cross_entropy_with_integer_labels(x @ w, tokens[:, 1:]).mean()
+    logits = x @ w if not cap else cap * jnp.tanh((x @ w) / cap)
+    reference = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     np.testing.assert_allclose(got, reference, rtol=2e-6)
 
 
