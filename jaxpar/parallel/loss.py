@@ -25,6 +25,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.attention import soft_cap
 from jaxpar.sharding.plan import constrain, current_plan
 
 Head = jax.Array | Callable[[jax.Array], jax.Array]
@@ -158,10 +159,7 @@ def chunked_cross_entropy(hidden: jax.Array, head: Head, targets: jax.Array, *, 
                        policy=jax.checkpoint_policies.save_only_these_names(_LSE))
     def chunk_loss(h, t, keep, kernel):
         h = constrain(h, ("batch", "seq", "embed"))
-        logits = _project(head if kernel is None else kernel, h)
-        if softcap:
-            cap = jnp.asarray(softcap, logits.dtype)
-            logits = jnp.tanh(logits / cap) * cap
+        logits = soft_cap(_project(head if kernel is None else kernel, h), softcap)
         logits = logits.astype(dtype)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         t = constrain(t, ("batch", "seq"))
