@@ -117,6 +117,20 @@ def _moe_saved(spec: ModelSpec, loc: Local, act: int, routing: bool) -> float:
     return out
 
 
+def _moe_unbatched_saved(spec: ModelSpec, loc: Local) -> float:
+    """Bytes per local token a mixture-of-experts layer keeps under
+    ``dots_with_no_batch_dims_saveable``: the f32 router logits (``n_experts``), the
+    router's matmul being the layer's only one without a batch dimension beside the
+    shared experts' (counted with the dense MLP's widths). The experts' einsums
+    (``ebcd,edf->ebcf``: the expert is a batch dimension) and the dispatch and combine
+    einsums (batched over the sequence) are recomputed in the backward pass, not saved
+    (``jax.ad_checkpoint.print_saved_residuals`` on :class:`jaxpar.models.moe.MoE`). The
+    TPU compiler keeps to this: Mixtral 8x7B on v5p-64 (fsdp 8 x expert 8, 4 layers)
+    saves per layer q, the attention output and the two ``d_model`` projections' outputs
+    in bf16, and no expert-sized tensor."""
+    return 4.0 * spec.n_experts if loc.slots else 0.0
+
+
 def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
                            attention: str = "xla", backend: str = "tpu") -> float:
     """Bytes per layer kept from the forward pass for the backward pass.
@@ -138,7 +152,8 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     The ``d_model``-sized tensors but the TPU compiler's matmul inputs are the residual
     stream's, split over ``tensor`` under sequence parallelism. A mixture of experts
     replaces the ``d_ff`` terms by its routed slots and shared experts and adds the
-    dispatch buffers (:func:`_moe_saved`).
+    dispatch buffers (:func:`_moe_saved`); under ``dots_with_no_batch_dims_saveable``
+    only its shared experts and router logits (:func:`_moe_unbatched_saved`).
     """
     d, h = spec.d_model, spec.head_dim
     n, k, f = loc.heads, loc.kv_heads, loc.ff_per_token
@@ -173,8 +188,12 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         per_token = (scores + act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f)
                      + _moe_saved(spec, loc, act, False))
     elif remat == "dots_with_no_batch_dims_saveable":
-        per_token = (act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f)
-                     + _moe_saved(spec, loc, act, False))
+        # A mixture of experts' routed matmuls all have a batch dimension (the expert, or
+        # the sequence for the dispatch and combine einsums): none of their outputs is
+        # kept, only the shared experts' and the router's (see _moe_unbatched_saved).
+        f_kept = loc.shared_ff if loc.slots else f
+        per_token = (act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f_kept)
+                     + _moe_unbatched_saved(spec, loc))
     else:  # save_attention_and_mlp_outputs
         per_token = act * 3 * dr
     if remat == "offload_dots":
