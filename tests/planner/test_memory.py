@@ -241,3 +241,38 @@ def test_1f1b_activations_stay_flat_as_microbatches_grow_while_circular_grows():
     assert saved("circular", 16) > 3 * saved("circular", 4)
     assert saved("1f1b", 16) < 1.6 * saved("1f1b", 4)
     assert saved("1f1b", 4) < saved("circular", 4) / 2
+
+
+def test_moe_saves_no_routed_expert_tensor_under_dots_with_no_batch_dims():
+    """The experts' einsums are batched over the expert, the dispatch and combine ones over
+    the sequence: under dots_with_no_batch_dims_saveable a mixture of experts keeps the
+    attention's matmul outputs and its f32 router logits, no expert-sized tensor (as the
+    TPU compiler's memory report shows for Mixtral on v5p-64); dots_saveable keeps them."""
+    cfg = dataclasses.replace(TINY, n_experts=4, experts_per_token=2, expert_d_ff=128)
+    cand = Candidate.make({"data": 2, "expert": 4}, remat="dots_with_no_batch_dims_saveable",
+                          zero_stage=3)
+    moe = _memory(cand, cfg=cfg)["activation_bytes"]
+    # bf16 heads x head_dim twice, k and v, two d_model-wide; f32 logits over 4 experts.
+    per_token = 2 * (2 * 4 * 16 + 2 * 2 * 16 + 2 * 64) + 4 * 4
+    assert moe == pytest.approx(2 * 2 * 64 * per_token)  # 2 layers x 2 sequences x 64 tokens
+    saving = _memory(dataclasses.replace(cand, remat="dots_saveable"), cfg=cfg)
+    assert saving["activation_bytes"] > 4 * moe
+
+
+def test_tpu_accumulates_expert_gradients_in_their_zero3_shards():
+    """Gradient accumulation's f32 sum: on the TPU compiler under ZeRO-3 the routed experts'
+    is laid out like their stored shards (Qwen3-30B-A3B on v5p-64), the rest in the base
+    layout; XLA:CPU and ZeRO below 3 keep the base layout for every tensor."""
+    cfg = dataclasses.replace(TINY, n_experts=4, experts_per_token=2, expert_d_ff=128)
+    spec = from_transformer(cfg)
+    cand = Candidate.make({"data": 2, "expert": 4}, zero_stage=3, microbatches=2)
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
+    one = dataclasses.replace(cand, microbatches=1)
+    added = _memory(cand, cfg=cfg)["grad_bytes"] - _memory(one, cfg=cfg)["grad_bytes"]
+    experts = [p for p in lay.placed if "expert" in p.tensor.names]
+    assert experts and all(p.zero < p.base for p in experts)
+    want = 4 * sum(p.zero if p in experts else p.base for p in lay.placed)
+    assert added == pytest.approx(want)
+    cpu = (_memory(cand, backend="cpu", cfg=cfg)["grad_bytes"]
+           - _memory(one, backend="cpu", cfg=cfg)["grad_bytes"])
+    assert cpu == pytest.approx(4 * lay.total("base"))
