@@ -182,10 +182,10 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     The ``d_model``-sized tensors but the TPU compiler's matmul inputs are the residual
     stream's, split over ``tensor`` under sequence parallelism. Gemma's norms after each
     sublayer and on queries and keys, and its GeGLU, add to what ``none`` keeps
-    (:func:`_gemma_saved`). A mixture of experts
-    replaces the ``d_ff`` terms by its routed slots and shared experts and adds the
-    dispatch buffers (:func:`_moe_saved`); under ``dots_with_no_batch_dims_saveable``
-    only its shared experts and router logits (:func:`_moe_unbatched_saved`).
+    (:func:`_gemma_saved`). A mixture of experts replaces the ``d_ff`` terms by its
+    routed slots and shared experts and adds the dispatch buffers (:func:`_moe_saved`);
+    under ``dots_with_no_batch_dims_saveable`` only its shared experts and router logits
+    (:func:`_moe_unbatched_saved`).
     """
     d, h = spec.d_model, spec.head_dim
     n, k, f = loc.heads, loc.kv_heads, loc.ff_per_token

@@ -75,7 +75,7 @@ class ModelSpec:
     kernels that skip masked blocks then compute). ``post_norms`` (a norm after each
     sublayer too), ``qk_norm`` (norms on queries and keys), ``mlp_activation`` and
     ``attn_logit_softcap`` (Gemma's) add to what a layer saves for the backward pass (see
-    :mod:`jaxpar.planner.memory`); ``final_logit_softcap`` caps the logits.
+    :mod:`jaxpar.planner.memory`).
     """
 
     tensors: tuple[Tensor, ...]
@@ -101,7 +101,6 @@ class ModelSpec:
     post_norms: bool = False
     qk_norm: bool = False
     mlp_activation: str = "silu"
-    final_logit_softcap: float = 0.0
     attn_logit_softcap: float = 0.0
     tracer: Any = dataclasses.field(default=None, compare=False, repr=False)
     """For a model jaxpar did not write, read from a run config: its
@@ -202,7 +201,6 @@ def from_transformer(cfg: TransformerConfig, *, stages: int = 1) -> ModelSpec:
                      sliding_window=cfg.sliding_window,
                      global_every=getattr(cfg, "global_every", 0), post_norms=cfg.post_norms,
                      qk_norm=cfg.qk_norm, mlp_activation=cfg.mlp_activation,
-                     final_logit_softcap=cfg.final_logit_softcap,
                      attn_logit_softcap=cfg.attn_logit_softcap, **_moe_fields(cfg))
 
 
