@@ -58,7 +58,7 @@ __all__ = ["CAUSAL_SKIPPING", "CONTEXT_ATTENTION", "DTYPE_BYTES", "FLASH_ATTENTI
            "MOE_IMBALANCE", "OPTIMIZER_MOMENTS", "Candidate", "Estimate", "attention_kind",
            "causal_fraction", "check_divisible", "collectives", "estimate", "hardware_flops",
            "layer_working_bytes", "loss_working_bytes", "memory", "model_flops",
-           "saved_activation_bytes", "working_set_bytes"]
+           "saved_activation_bytes", "step_time_floor", "working_set_bytes"]
 
 @dataclasses.dataclass
 class Estimate:
@@ -330,44 +330,12 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     n = cand.n_devices
     chip = machine.chip
     mflops = model_flops(spec, global_batch, seq)
-    attention = attention_kind(spec, cand, backend, seq)
-    dense, expert = flops_parts(spec, global_batch, seq, cand.remat, context=cand.context,
-                                attention=attention)
-    # Expert work is split over every axis but context, whose shards repeat it.
-    hflops = dense / n + expert * cand.context / n
-    stages = cand.sizes.get("stage", 1)
-    pipe_m = pipe_microbatches(cand, stages) if stages > 1 else 1
-    micro = cand.microbatches * pipe_m
-    opt_elems = lay.total("zero") if cand.zero_stage >= 1 else lay.total("base")
-    breakdown: dict[str, float] = {}
-    if spec.is_transformer:
-        loc = local_sizes(spec, lay, cand, global_batch, seq)
-        times = roofline.compute_times(
-            spec, loc, cand, chip, attention=attention,
-            causal=causal_fraction(spec, seq, attention, cand.context),
-            recomputed=recomputed_parts(cand.remat), local_state=opt_elems,
-            local_grads=lay.total("compute"))
-        runs = micro * spec.n_layers / stages
-        c_f, c_b, c_h = runs * times.layer_fwd, runs * times.layer_bwd, micro * times.head
-        if stages > 1 and scheduled_backward(cand):
-            # A 1F1B backward reruns its chunk's forward pass from the stored input.
-            c_b += c_f
-            breakdown["compute 1F1B forward recomputation"] = c_f
-            hflops += (flops_parts(spec, global_batch, seq, "full", context=cand.context,
-                                   attention=attention)[0] - dense) / n
-        for part, t in times.parts.items():
-            if t:
-                breakdown[f"compute {part}"] = runs * t
-        breakdown["compute embedding, head and loss"] = c_h
-        update = times.update
-    else:  # a generic model: FLOPs at the matmul rate, a third forward
-        rate = (chip.matmul_flops_f32 if dtype_bytes(cand.precision) >= 4 else chip.peak_flops)
-        total = hflops / (rate * chip.matmul_efficiency)
-        c_f, c_b, c_h = total / 3, 2 * total / 3, 0.0
-        breakdown["compute matmuls"] = total
-        update = roofline.update_time(chip, cand, opt_elems, lay.total("compute"))
+    work = _compute(spec, lay, cand, chip, global_batch, seq, backend)
+    c_f, c_b, c_h, update = work.c_f, work.c_b, work.c_h, work.update
+    loc, attention, micro, stages = work.loc, work.attention, work.micro, work.stages
+    breakdown = work.breakdown
     off = _offload_times(spec, lay, cand, chip, loc if spec.is_transformer else None,
-                         c_f=c_f, c_b=c_b, update=update, opt_elems=opt_elems, seq=seq,
+                         c_f=c_f, c_b=c_b, update=update, opt_elems=work.opt_elems, seq=seq,
                          attention=attention, microbatches=micro)
     comm: dict[str, float] = {}
     by_phase = dict.fromkeys(PHASES, 0.0)
@@ -404,24 +372,112 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     core = compute + by_phase["exposed"] + x_f + x_b + off.layers
     if off.device_update is not None:  # the update runs on the host
         update = off.device_update
-    bubble = 0.0
+    bubble = _bubble(spec, cand)
     if stages > 1:
-        repeats = pipe_repeats(cand, spec.n_layers, stages)
-        bubble = (stages - 1) / (repeats * pipe_m + stages - 1)
         breakdown["pipeline bubble"] = core * bubble / (1 - bubble)
     breakdown["optimizer update"] = update
     breakdown.update(off.breakdown)
     step = core / (1 - bubble) + update + by_phase["update"] + off.step
     if chip.saved_bw:  # XLA:CPU: storing and reloading the scan's saved activations
-        inflight = pipe_m if stages > 1 and not scheduled_backward(cand) else 1
+        inflight = work.pipe_m if stages > 1 and not scheduled_backward(cand) else 1
         saved = mem["activation_bytes"] / inflight * micro / chip.saved_bw
         breakdown["saved activations"] = saved
         step += saved
     mfu = mflops / (step * chip.peak_flops * n) if step > 0 else 0.0
     fits = _fits(mem, chip, hbm_headroom)
-    return Estimate(cand, mem, rows, hflops, mflops / n, compute + update, comm, bubble, step,
+    return Estimate(cand, mem, rows, work.hflops, mflops / n, compute + update, comm, bubble, step,
                     mfu, fits, chip.hbm_bytes, global_batch=global_batch, seq=seq,
                     breakdown=breakdown, host_capacity_bytes=chip.host_pool_bytes)
+
+
+def step_time_floor(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: int,
+                    seq: int, *, backend: str | None = None) -> float:
+    """A lower bound of :func:`estimate`'s ``step_time_s`` for ``cand``, at a fraction of
+    its cost: the computation alone, stretched by the pipeline bubble. Everything else
+    the step formula adds (exposed collectives and host transfers, the update, saved
+    activations' traffic) is zero or more, so no estimate of ``cand`` is faster; the
+    search skips pricing a candidate whose floor is slower than every plan it could
+    displace."""
+    backend = backend or chip_backend(machine.chip)
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage, cand.vocab_over_fsdp)
+    work = _compute(spec, lay, cand, machine.chip, global_batch, seq, backend)
+    return (work.c_f + work.c_b + work.c_h) / (1 - _bubble(spec, cand))
+
+
+@dataclasses.dataclass
+class _Work:
+    """The computation of one step on one device (see :func:`estimate`): the seconds of
+    the layers' forward and backward passes, of the embedding, head and loss, and of the
+    optimizer update; executed FLOPs; and what the rest of the estimate reads."""
+
+    c_f: float
+    c_b: float
+    c_h: float
+    update: float
+    hflops: float
+    breakdown: dict[str, float]
+    stages: int
+    pipe_m: int
+    micro: int
+    opt_elems: float
+    attention: str
+    loc: Any
+
+
+def _compute(spec: ModelSpec, lay: Layout, cand: Candidate, chip: Chip, global_batch: int,
+             seq: int, backend: str) -> _Work:
+    """The roofline seconds of ``cand``'s computation (the ``C`` terms of
+    :func:`estimate`), with the FLOPs and the breakdown's compute rows."""
+    n = cand.n_devices
+    attention = attention_kind(spec, cand, backend, seq)
+    dense, expert = flops_parts(spec, global_batch, seq, cand.remat, context=cand.context,
+                                attention=attention)
+    # Expert work is split over every axis but context, whose shards repeat it.
+    hflops = dense / n + expert * cand.context / n
+    stages = cand.sizes.get("stage", 1)
+    pipe_m = pipe_microbatches(cand, stages) if stages > 1 else 1
+    micro = cand.microbatches * pipe_m
+    opt_elems = lay.total("zero") if cand.zero_stage >= 1 else lay.total("base")
+    breakdown: dict[str, float] = {}
+    loc = None
+    if spec.is_transformer:
+        loc = local_sizes(spec, lay, cand, global_batch, seq)
+        times = roofline.compute_times(
+            spec, loc, cand, chip, attention=attention,
+            causal=causal_fraction(spec, seq, attention, cand.context),
+            recomputed=recomputed_parts(cand.remat), local_state=opt_elems,
+            local_grads=lay.total("compute"))
+        runs = micro * spec.n_layers / stages
+        c_f, c_b, c_h = runs * times.layer_fwd, runs * times.layer_bwd, micro * times.head
+        if stages > 1 and scheduled_backward(cand):
+            # A 1F1B backward reruns its chunk's forward pass from the stored input.
+            c_b += c_f
+            breakdown["compute 1F1B forward recomputation"] = c_f
+            hflops += (flops_parts(spec, global_batch, seq, "full", context=cand.context,
+                                   attention=attention)[0] - dense) / n
+        for part, t in times.parts.items():
+            if t:
+                breakdown[f"compute {part}"] = runs * t
+        breakdown["compute embedding, head and loss"] = c_h
+        update = times.update
+    else:  # a generic model: FLOPs at the matmul rate, a third forward
+        rate = (chip.matmul_flops_f32 if dtype_bytes(cand.precision) >= 4 else chip.peak_flops)
+        total = hflops / (rate * chip.matmul_efficiency)
+        c_f, c_b, c_h = total / 3, 2 * total / 3, 0.0
+        breakdown["compute matmuls"] = total
+        update = roofline.update_time(chip, cand, opt_elems, lay.total("compute"))
+    return _Work(c_f, c_b, c_h, update, hflops, breakdown, stages, pipe_m, micro, opt_elems,
+                 attention, loc)
+
+
+def _bubble(spec: ModelSpec, cand: Candidate) -> float:
+    """The pipeline bubble's share of the step, ``(p - 1) / (r m + p - 1)`` (0 without
+    stages)."""
+    stages = cand.sizes.get("stage", 1)
+    if stages <= 1:
+        return 0.0
+    repeats = pipe_repeats(cand, spec.n_layers, stages)
+    return (stages - 1) / (repeats * pipe_microbatches(cand, stages) + stages - 1)
 
 
 def _transfers(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,

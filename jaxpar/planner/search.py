@@ -15,8 +15,9 @@ parallelism), both context attention kinds (with a context axis), and the fewest
 gradient-accumulation microbatches that fit in HBM (more only cost time). A microbatch
 count is first checked for memory alone and priced in full only where it fits (or is
 needed to report the leanest plans); policies dominated by a lighter one that fitted are
-capped. A dense 7B on a v5p pod plans in about 10 s, a 70B on 128 H100s (16 nodes, more
-splits across them) in about a minute on one core.
+capped. Branch and bound: once enough plans fit, a candidate whose computation alone
+(:func:`jaxpar.planner.cost.step_time_floor`) is slower than every plan it could displace
+is not priced; the ranking is the same as without it, at a fraction of the estimates.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxpar.errors import JaxparError
 from jaxpar.planner import offload as offload_lib
 from jaxpar.planner.catalog import Machine
-from jaxpar.planner.cost import Candidate, Estimate, check_divisible, device_memory, estimate
+from jaxpar.planner.cost import (
+    Candidate,
+    Estimate,
+    check_divisible,
+    device_memory,
+    estimate,
+    step_time_floor,
+)
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
 from jaxpar.sharding.mesh import MESH_AXES
@@ -45,6 +53,10 @@ activations into HBM, and context parallelism would only add key/value traffic."
 MIN_CONTEXT_SHARD = 1024
 """Fewest positions of a sequence one context shard holds (smaller shards leave attention
 blocks too small to keep a chip busy)."""
+TIE_MARGIN = 0.01
+"""How much slower than the plan it would displace a candidate's computation alone must
+be for the search to skip pricing it: more than :func:`_rank`'s tie step (0.5% of the
+fastest plan), so a skipped candidate could not have tied into the ranking."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,6 +159,9 @@ class SearchResult:
     evaluated: int
     rejected: dict[str, int]
     baselines: dict[str, Estimate | None] = dataclasses.field(default_factory=dict)
+    skipped: int = 0
+    """Of ``evaluated``, the candidates not priced: slower on computation alone than
+    every plan they could displace."""
 
 
 class _Baseline:
@@ -193,13 +208,44 @@ class _Found:
         default_factory=lambda: {"context": _Baseline(), "expert": _Baseline()})
     specs: dict[int, ModelSpec] = dataclasses.field(default_factory=dict)
     evaluated: int = 0
+    keep: int = 2
+    prune: bool = True
+    skipped: int = 0
+    mesh_best: dict[tuple, float] = dataclasses.field(default_factory=dict)
+    listed: dict[tuple, int] = dataclasses.field(default_factory=dict)  # mesh: its turn
+    _kth: float = math.inf
+
+    def admit(self, key: tuple, est: Estimate) -> None:
+        """A fitting plan, the fastest of its knob set."""
+        self.best[key] = est
+        mesh = key[:2]
+        if est.step_time_s < self.mesh_best.get(mesh, math.inf):
+            self.mesh_best[mesh] = est.step_time_s
+            times = sorted(self.mesh_best.values())
+            self._kth = times[self.keep - 1] if len(times) >= self.keep else math.inf
+
+    def bar(self, spec: ModelSpec, cand: Candidate) -> float:
+        """The step time ``cand`` must beat to change the result: the ``keep``-th fastest
+        mesh's (the search returns the fastest plan of each mesh), and for a plan without
+        a context (or, of a mixture of experts, an expert) axis the fastest such plan
+        (the baseline its winner is compared with); inf while too few plans fit."""
+        if not self.prune:
+            return math.inf
+        bar = self._kth
+        axes = [("context", cand.context)] + ([("expert", cand.expert)] if spec.is_moe else [])
+        for axis, size in axes:
+            if size == 1:
+                fastest = self.baselines[axis].fastest
+                bar = max(bar, fastest.step_time_s if fastest else math.inf)
+        return bar * (1 + TIE_MARGIN)
 
 
 def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
            seq: int, *, precision: str = "bfloat16", optimizer: str = "adamw",
            quantize: str = "none",
            top: int = 5, pipeline: bool = True, contexts: Sequence[int] | None = None,
-           experts: Sequence[int] | None = None, offload: str = "never") -> SearchResult:
+           experts: Sequence[int] | None = None, offload: str = "never",
+           prune: bool = True) -> SearchResult:
     """Rank candidates; ``spec_for(stages)`` gives the model in the layout for that many
     pipeline stages (the reference transformer stores stacked layers as (repeat, stage)).
     ``contexts`` and ``experts`` restrict the sizes of those mesh axes; ``offload`` (one
@@ -207,10 +253,11 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     setting of :data:`jaxpar.planner.offload.STATES` is tried with the remat policies
     and :data:`jaxpar.planner.offload.REMATS`, in a second pass. Plans that offload
     carry ``notes["no_offload"]``: the fastest plan without offload, or when none fits
-    the one needing the least memory."""
+    the one needing the least memory. ``prune=False`` prices every candidate (the same
+    plans, slower: see the module docstring)."""
     if offload not in OFFLOAD_MODES:
         raise JaxparError(f"offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
-    found = _Found()
+    found = _Found(keep=max(top, 2), prune=prune)
     args = (spec_for, machine, global_batch, seq, found)
     kw = {"precision": precision, "optimizer": optimizer, "quantize": quantize,
           "pipeline": pipeline,
@@ -227,7 +274,7 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
     # parallelism before none: the same bytes as plain tensor parallelism, less memory).
     per_mesh: dict[tuple, Estimate] = {}
-    for key, est in found.best.items():
+    for key, est in sorted(found.best.items(), key=lambda kv: found.listed[kv[0][:2]]):
         mesh_key = key[:2]
         if mesh_key not in per_mesh or est.step_time_s < per_mesh[mesh_key].step_time_s:
             per_mesh[mesh_key] = est
@@ -235,7 +282,7 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     if not ranked:  # the leanest plans without offload (with it, host memory may not fit)
         ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
     result = SearchResult(ranked[:max(top, 2)], found.evaluated, found.rejected,
-                          {k: b.best for k, b in found.baselines.items()})
+                          {k: b.best for k, b in found.baselines.items()}, found.skipped)
     for est in result.plans:
         est.notes.update({k: v for k, v in result.baselines.items() if v is not None})
         cand = est.candidate
@@ -258,11 +305,20 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
     (``(offload_optimizer, host_update, offload_params)``) and each of ``remats``, into
     ``found``; ``skip_plain`` leaves out what a pass without offload has evaluated."""
     base = spec_for(1)
-    for ici, dcn in meshes(base, machine, stages=pipeline, seq=seq, global_batch=global_batch,
-                           contexts=contexts, experts=experts):
+    listed = list(meshes(base, machine, stages=pipeline, seq=seq, global_batch=global_batch,
+                         contexts=contexts, experts=experts))
+    for i, (ici, dcn) in enumerate(listed):
+        found.listed.setdefault((tuple(ici.items()), tuple(dcn.items())), i)
         stages = ici["stage"] * dcn["stage"]
         if stages not in found.specs:
             found.specs[stages] = spec_for(stages)
+    if found.prune:  # the promising meshes first: the bar drops early
+        listed.sort(key=lambda m: _mesh_floor(found.specs[m[0]["stage"] * m[1]["stage"]],
+                                              machine, global_batch, seq, *m,
+                                              precision=precision, quantize=quantize,
+                                              optimizer=optimizer))
+    for ici, dcn in listed:
+        stages = ici["stage"] * dcn["stage"]
         spec = found.specs[stages]
         dp_max = ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"] * ici["expert"]
         if global_batch % dp_max:
@@ -303,6 +359,19 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                                 fitted[remat] = mb
 
 
+def _mesh_floor(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
+                ici: dict[str, int], dcn: dict[str, int], **knobs: str) -> float:
+    """The computation of a mesh's lightest setting (no remat, one microbatch): the
+    order the search visits meshes in; inf where that setting cannot run."""
+    stages = ici["stage"] * dcn["stage"]
+    cand = Candidate.make(ici, dcn, rules="fsdp_tp", microbatches=1, remat="none",
+                          pipeline_microbatches=stages if stages > 1 else 0, **knobs)
+    dp = math.prod(cand.sizes[a] for a in ("data", "fsdp", "expert"))
+    if global_batch % dp or check_divisible(spec, cand, global_batch, seq):
+        return math.inf
+    return step_time_floor(spec, machine, cand, global_batch, seq)
+
+
 def _schedules(n_layers: int, stages: int) -> list[tuple[str, int]]:
     """Pipeline schedules to try, as (kind, repeats): the circular one (smallest bubble,
     every microbatch's activations kept), 1F1B (about ``stages`` microbatches' inputs
@@ -339,7 +408,7 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
     """Evaluate one mesh and knob set at 1, 2, 4, ... microbatches until it fits;
     returns how many candidates were evaluated and the microbatches that fitted (0:
     none did)."""
-    rejected, best, baselines = found.rejected, found.best, found.baselines
+    rejected, baselines = found.rejected, found.baselines
     evaluated = 0
     mb = 1
     while mb <= micro_cap:
@@ -363,6 +432,20 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
                     break
                 mb *= 2
                 continue
+        # Bound: once the result has its plans, what does not fit, or fits but computes
+        # slower than every plan it could displace, cannot change it.
+        bar = found.bar(spec, cand)
+        fitting = any(fits for _, fits in mems)
+        if bar < math.inf and (not fitting or all(
+                step_time_floor(spec, machine, c, global_batch, seq) > bar
+                for c in (cand, twin) if c is not None)):
+            found.skipped += 1 + (twin is not None)
+            if fitting:
+                return evaluated, mb
+            if all(_stops(m, machine.chip.hbm_bytes) for m, _ in mems):
+                break
+            mb *= 2
+            continue
         est = estimate(spec, machine, cand, global_batch, seq, device_bytes=mems[0][0])
         if twin is not None:  # the vocabulary over fsdp too: when it moves less
             other = estimate(spec, machine, twin, global_batch, seq, device_bytes=mems[1][0])
@@ -378,7 +461,7 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
                    cand.pipeline_repeats, cand.sequence_parallel,
                    cand.context_attention, cand.offload_optimizer, cand.host_update,
                    cand.offload_params)
-            best[key] = est
+            found.admit(key, est)
             return evaluated, mb
         if mb == 1 and not cand.offloads:
             found.overflow.append(est)

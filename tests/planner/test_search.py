@@ -10,6 +10,7 @@ import pytest
 
 from jaxpar.models import TransformerConfig
 from jaxpar.planner import BUILTIN, parse_chips, plan
+from jaxpar.planner.api import resolve_model
 from jaxpar.planner.model import from_transformer
 from jaxpar.planner.search import (
     context_sizes,
@@ -186,3 +187,25 @@ def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory
     plans = plan("configs/llama-70b.yaml", chips="h100:32", global_batch=64, seq=8192)
     kinds = {(p.candidate.pipeline_schedule, p.candidate.remat) for p in plans}
     assert ("interleaved_1f1b", "none") in kinds and any(k == "circular" for k, _ in kinds)
+
+
+@pytest.mark.parametrize("model, chips, slices, batch, seq, offload", [
+    ("configs/llama-8b.yaml", "tpu-v6e:8", 2, 32, 8192, "never"),  # stages, DCN
+    ("configs/llama-70b.yaml", "tpu-v5p:64", 1, 16, 65536, "never"),  # context baseline
+    (MIXTRAL, "h100:32", 1, 128, 4096, "never"),  # expert baseline, nodes
+    ("configs/llama-8b.yaml", "h100:8", 1, 32, 4096, "always"),  # the offload pass
+])
+def test_the_bound_skips_pricing_but_not_plans(model, chips, slices, batch, seq, offload):
+    """Branch and bound returns what pricing every candidate returns: the same plans in
+    the same order with the same figures, and the same baselines for the reasons."""
+    resolved = resolve_model(model)
+    machine = parse_chips(chips, slices=slices)
+    bounded, full = (search(resolved.spec_for, machine, batch, seq, top=3, offload=offload,
+                            prune=prune) for prune in (True, False))
+    assert full.skipped == 0 and bounded.skipped > bounded.evaluated / 3
+    assert bounded.rejected == full.rejected and all(p.fits for p in full.plans)
+    assert [(p.candidate, p.step_time_s, p.memory) for p in bounded.plans] == [
+        (p.candidate, p.step_time_s, p.memory) for p in full.plans]
+    assert {k: b and b.candidate for k, b in bounded.baselines.items()} == {
+        k: b and b.candidate for k, b in full.baselines.items()}
+    assert [p.notes.keys() for p in bounded.plans] == [p.notes.keys() for p in full.plans]
