@@ -15,8 +15,9 @@ from jaxpar.planner import offload as offload_lib
 from jaxpar.planner.catalog import Chip, Machine, parse_chips
 from jaxpar.planner.cost import Candidate, Estimate
 from jaxpar.planner.cost import estimate as _estimate
+from jaxpar.planner.explain import reason
 from jaxpar.planner.model import ModelSpec, from_nnx, from_transformer
-from jaxpar.planner.search import reason, search
+from jaxpar.planner.search import search
 from jaxpar.planner.traced import StepTracer
 from jaxpar.sharding.annotations import annotate
 from jaxpar.sharding.mesh import MESH_AXES

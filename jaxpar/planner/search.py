@@ -40,7 +40,6 @@ from jaxpar.planner.cost import (
 )
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
-from jaxpar.sharding.mesh import MESH_AXES
 
 REMATS = ("none", "dots_with_no_batch_dims_saveable", "save_attention_and_mlp_outputs", "full")
 """Remat policies tried, each recomputing a superset of the one before."""
@@ -160,8 +159,10 @@ class SearchResult:
     rejected: dict[str, int]
     baselines: dict[str, Estimate | None] = dataclasses.field(default_factory=dict)
     skipped: int = 0
-    """Of ``evaluated``, the candidates not priced: slower on computation alone than
-    every plan they could displace."""
+    """Of ``evaluated``, the fitting candidates not priced: slower on computation alone
+    than every plan they could displace."""
+    priced: int = 0
+    """Candidates priced in full (:func:`jaxpar.planner.cost.estimate`)."""
 
 
 class _Baseline:
@@ -211,9 +212,29 @@ class _Found:
     keep: int = 2
     prune: bool = True
     skipped: int = 0
+    priced: int = 0
     mesh_best: dict[tuple, float] = dataclasses.field(default_factory=dict)
     listed: dict[tuple, int] = dataclasses.field(default_factory=dict)  # mesh: its turn
+    deferred: list[tuple[ModelSpec, Candidate, Candidate | None, bool]] = dataclasses.field(
+        default_factory=list)
+    lean_bytes: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"context": math.inf, "expert": math.inf})
     _kth: float = math.inf
+
+    def axes_left_out(self, spec: ModelSpec, cand: Candidate) -> list[str]:
+        """The baselines ``cand`` belongs to: ``context`` without a context axis,
+        ``expert`` without an expert axis (a mixture of experts only)."""
+        return [axis for axis, size in [("context", cand.context)]
+                + ([("expert", cand.expert)] if spec.is_moe else []) if size == 1]
+
+    def defer(self, spec: ModelSpec, cand: Candidate, twin: Candidate | None,
+              total_bytes: float, overflow: bool) -> None:
+        """A candidate that fits neither way, priced later only if the result needs it:
+        when nothing fits (``overflow``: a first microbatch count without offload, among
+        the leanest plans), or for a baseline none of whose plans fits."""
+        self.deferred.append((spec, cand, twin, overflow))
+        for axis in self.axes_left_out(spec, cand):
+            self.lean_bytes[axis] = min(self.lean_bytes[axis], total_bytes)
 
     def admit(self, key: tuple, est: Estimate) -> None:
         """A fitting plan, the fastest of its knob set."""
@@ -232,12 +253,45 @@ class _Found:
         if not self.prune:
             return math.inf
         bar = self._kth
-        axes = [("context", cand.context)] + ([("expert", cand.expert)] if spec.is_moe else [])
-        for axis, size in axes:
-            if size == 1:
-                fastest = self.baselines[axis].fastest
-                bar = max(bar, fastest.step_time_s if fastest else math.inf)
+        for axis in self.axes_left_out(spec, cand):
+            fastest = self.baselines[axis].fastest
+            bar = max(bar, fastest.step_time_s if fastest else math.inf)
         return bar * (1 + TIE_MARGIN)
+
+    def price(self, spec: ModelSpec, machine: Machine, cand: Candidate,
+              twin: Candidate | None, global_batch: int, seq: int,
+              mems: list[tuple[dict[str, float], bool]] | None = None) -> Estimate:
+        """The estimate of ``cand`` or of its twin with the vocabulary over fsdp too:
+        the one that fits when only one does, else the faster (``mems``: their
+        :func:`~jaxpar.planner.cost.device_memory`, when known)."""
+        est = estimate(spec, machine, cand, global_batch, seq,
+                       device_bytes=mems[0][0] if mems else None)
+        self.priced += 1
+        if twin is not None:
+            other = estimate(spec, machine, twin, global_batch, seq,
+                             device_bytes=mems[1][0] if mems else None)
+            self.priced += 1
+            if (other.fits, -other.step_time_s) > (est.fits, -est.step_time_s):
+                est = other
+        return est
+
+    def settle(self, machine: Machine, global_batch: int, seq: int, *,
+               overflow: bool) -> None:
+        """Price the deferred candidates the result needs: with ``overflow``, when
+        nothing fits, the first microbatch counts (the leanest plans come from them);
+        and those of a baseline that has no fitting plan."""
+        short = {axis for axis, b in self.baselines.items() if b.fastest is None}
+        for spec, cand, twin, first in self.deferred:
+            lacking = [a for a in self.axes_left_out(spec, cand) if a in short]
+            wanted = overflow and first and not self.best
+            if not (wanted or lacking):
+                continue
+            est = self.price(spec, machine, cand, twin, global_batch, seq)
+            for axis in lacking:
+                self.baselines[axis].offer(est)
+            if wanted:
+                self.overflow.append(est)
+        self.deferred.clear()
 
 
 def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch: int,
@@ -263,6 +317,7 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
           "pipeline": pipeline,
           "contexts": contexts, "experts": experts}
     _search_pass(*args, states=((0.0, False, False),), remats=REMATS, **kw)
+    found.settle(machine, global_batch, seq, overflow=True)
     plain = _Baseline()
     for est in [*found.best.values(), *found.overflow]:
         plain.offer(est)
@@ -270,6 +325,7 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     if offload == "always" or (offload == "auto" and not found.best):
         _search_pass(*args, states=offload_lib.STATES, remats=REMATS + offload_lib.REMATS,
                      skip_plain=True, **kw)
+        found.settle(machine, global_batch, seq, overflow=False)
     # The fastest knobs per mesh, so the ranking compares layouts, not near-twins; of
     # equally fast ones the first tried (lower ZeRO stage, lighter remat, sequence
     # parallelism before none: the same bytes as plain tensor parallelism, less memory).
@@ -282,7 +338,8 @@ def search(spec_for: Callable[[int], ModelSpec], machine: Machine, global_batch:
     if not ranked:  # the leanest plans without offload (with it, host memory may not fit)
         ranked = sorted(overflow, key=lambda e: e.memory_per_device_bytes)
     result = SearchResult(ranked[:max(top, 2)], found.evaluated, found.rejected,
-                          {k: b.best for k, b in found.baselines.items()}, found.skipped)
+                          {k: b.best for k, b in found.baselines.items()}, found.skipped,
+                          found.priced)
     for est in result.plans:
         est.notes.update({k: v for k, v in result.baselines.items() if v is not None})
         cand = est.candidate
@@ -408,7 +465,6 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
     """Evaluate one mesh and knob set at 1, 2, 4, ... microbatches until it fits;
     returns how many candidates were evaluated and the microbatches that fitted (0:
     none did)."""
-    rejected, baselines = found.rejected, found.baselines
     evaluated = 0
     mb = 1
     while mb <= micro_cap:
@@ -416,58 +472,42 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
         why = check_divisible(spec, cand, global_batch, seq)
         if why:
             key = why.split(" not ")[0] if " not " in why else why
-            rejected[key] = rejected.get(key, 0) + 1
+            found.rejected[key] = found.rejected.get(key, 0) + 1
             break
         twin = (dataclasses.replace(cand, vocab_over_fsdp=True) if cand.sizes["fsdp"] > 1
                 else None)
         evaluated += 1 + (twin is not None)
-        # Memory first (a fraction of an estimate's cost): a microbatch count that fits
-        # neither way, past the first, is priced no further when nothing would use it.
+        # Memory first (a fraction of an estimate's cost). What fits neither way is priced
+        # only if the result turns out to need it (see _Found.settle); past the first
+        # microbatch count, only when it is the leanest yet of a baseline.
         mems = [device_memory(spec, machine, c, global_batch, seq)
                 for c in (cand, twin) if c is not None]
-        if mb > 1 and not any(fits for _, fits in mems):
-            stops = {_stops(m, machine.chip.hbm_bytes) for m, _ in mems}
-            if len(stops) == 1 and not any(_leaner(found, spec, cand, m) for m, _ in mems):
-                if stops.pop():
-                    break
-                mb *= 2
-                continue
-        # Bound: once the result has its plans, what does not fit, or fits but computes
-        # slower than every plan it could displace, cannot change it.
-        bar = found.bar(spec, cand)
-        fitting = any(fits for _, fits in mems)
-        if bar < math.inf and (not fitting or all(
-                step_time_floor(spec, machine, c, global_batch, seq) > bar
-                for c in (cand, twin) if c is not None)):
-            found.skipped += 1 + (twin is not None)
-            if fitting:
-                return evaluated, mb
+        if not any(fits for _, fits in mems):
+            lean = min(m["total_bytes"] for m, _ in mems)
+            if mb == 1 or any(lean < found.lean_bytes[a]
+                              for a in found.axes_left_out(spec, cand)):
+                found.defer(spec, cand, twin, lean, overflow=mb == 1 and not cand.offloads)
             if all(_stops(m, machine.chip.hbm_bytes) for m, _ in mems):
                 break
             mb *= 2
             continue
-        est = estimate(spec, machine, cand, global_batch, seq, device_bytes=mems[0][0])
-        if twin is not None:  # the vocabulary over fsdp too: when it moves less
-            other = estimate(spec, machine, twin, global_batch, seq, device_bytes=mems[1][0])
-            if other.step_time_s < est.step_time_s and (other.fits or not est.fits):
-                est, cand = other, other.candidate
-        if cand.context == 1:
-            baselines["context"].offer(est)
-        if cand.expert == 1 and spec.is_moe:
-            baselines["expert"].offer(est)
-        if est.fits:
-            key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
-                   cand.pipeline_microbatches, cand.pipeline_schedule,
-                   cand.pipeline_repeats, cand.sequence_parallel,
-                   cand.context_attention, cand.offload_optimizer, cand.host_update,
-                   cand.offload_params)
-            found.admit(key, est)
+        # Bound: once the result has its plans, a candidate computing slower than every
+        # plan it could displace cannot change it (it fits: the heavier policies capped).
+        bar = found.bar(spec, cand)
+        if bar < math.inf and all(
+                step_time_floor(spec, machine, c, global_batch, seq) > bar
+                for c in (cand, twin) if c is not None):
+            found.skipped += 1 + (twin is not None)
             return evaluated, mb
-        if mb == 1 and not cand.offloads:
-            found.overflow.append(est)
-        if _stops(est.memory, est.hbm_bytes):
-            break
-        mb *= 2
+        est = found.price(spec, machine, cand, twin, global_batch, seq, mems)
+        for axis in found.axes_left_out(spec, cand):
+            found.baselines[axis].offer(est)
+        key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
+               cand.pipeline_microbatches, cand.pipeline_schedule, cand.pipeline_repeats,
+               cand.sequence_parallel, cand.context_attention, cand.offload_optimizer,
+               cand.host_update, cand.offload_params)
+        found.admit(key, est)
+        return evaluated, mb
     return evaluated, 0
 
 
@@ -482,17 +522,6 @@ def _stops(mem: dict[str, float], hbm_bytes: float) -> bool:
     return mem["total_bytes"] - shrinking >= hbm_bytes
 
 
-def _leaner(found: _Found, spec: ModelSpec, cand: Candidate, mem: dict[str, float]) -> bool:
-    """Whether a plan needing ``mem`` would be the leanest yet of a baseline it belongs to
-    (context=1, or expert=1 of a mixture of experts), which then needs its estimate."""
-    axes = [("context", cand.context)] + ([("expert", cand.expert)] if spec.is_moe else [])
-    for axis, size in axes:
-        lean = found.baselines[axis].leanest
-        if size == 1 and (lean is None or mem["total_bytes"] < lean.memory_per_device_bytes):
-            return True
-    return False
-
-
 def _rank(estimates: list[Estimate]) -> list[Estimate]:
     """By step time, in steps of 0.5% of the fastest plan's; plans in the same step are
     ordered by total communication (hidden or not: less traffic is the safer bet when the
@@ -502,147 +531,3 @@ def _rank(estimates: list[Estimate]) -> list[Estimate]:
     unit = min(e.step_time_s for e in estimates) / 200 or 1e-12
     return sorted(estimates, key=lambda e: (round(e.step_time_s / unit),
                                             sum(e.comm_s.values())))
-
-
-# --- explanation --------------------------------------------------------------------------
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.1f} GiB"
-
-
-def _where(key: str, cand: Candidate) -> str:
-    # The key joins axis names with "x" ("fsdpxtensor"), which "expert" and "context"
-    # also contain: match the names instead of splitting.
-    joined = key.split(" ", 1)[1] if " " in key else ""
-    axes = [a for a in MESH_AXES if a in joined]
-    dcn = dict(cand.dcn)
-    return "DCN" if any(dcn.get(a, 1) > 1 for a in axes) else "ICI"
-
-
-def _activations(est: Estimate) -> float:
-    return est.memory["activation_bytes"] + est.memory["working_bytes"]
-
-
-def _context_note(est: Estimate) -> str:
-    cand, base = est.candidate, est.notes.get("context")
-    c, kind = cand.context, cand.context_attention
-    how = ("key/value blocks passed round a ring, overlapped with attention"
-           if kind == "ring" else "keys and values all-gathered in every layer")
-    split = (f"{c}-way context parallelism ({how}) splits the activations to "
-             f"{_gib(_activations(est))} per device")
-    if base is None:
-        return (f"{split}; no layout without it was possible (every device would need a "
-                f"whole sequence of the {est.global_batch} in the batch)")
-    if not base.fits:
-        return (f"activations at seq {est.seq} do not fit without context parallelism (the "
-                f"leanest context=1 plan, {base.candidate.describe()}, needs "
-                f"{_gib(base.memory_per_device_bytes)} of {_gib(0.9 * base.hbm_bytes)} usable"
-                f"); {split}, {_gib(est.memory_per_device_bytes)} in all")
-    gain = 1 - est.step_time_s / base.step_time_s if base.step_time_s else 0.0
-    why = ""
-    if base.candidate.remat != cand.remat:
-        why = (f": shorter sequence shards let it run remat {cand.remat} where that plan "
-               f"needs remat {base.candidate.remat} to fit")
-    return (f"{split}; {gain * 100:.0f}% faster than the best context=1 plan "
-            f"({base.candidate.describe()}, {base.step_time_s:.3f} s){why}")
-
-
-def _expert_note(est: Estimate) -> str:
-    cand, base = est.candidate, est.notes.get("expert")
-    e = cand.expert
-    a2a = sum(t for k, t in est.comm_s.items() if k.startswith("all-to-all"))
-    text = (f"{e}-way expert parallelism keeps 1/{e} of the experts on each device "
-            f"({_gib(est.memory['expert_state_bytes'])} of expert weights and optimizer "
-            f"state) and moves tokens to them by all-to-all ({a2a:.3f} s a step)")
-    if base is None:
-        return text
-    if not base.fits:
-        return (f"{text}; without it the leanest plan ({base.candidate.describe()}) needs "
-                f"{_gib(base.memory_per_device_bytes)} per device")
-    gain = 1 - est.step_time_s / base.step_time_s if base.step_time_s else 0.0
-    return (f"{text}; {gain * 100:.0f}% faster than the best expert=1 plan "
-            f"({base.candidate.describe()}, {base.step_time_s:.3f} s, "
-            f"{_gib(base.memory['expert_state_bytes'])} of expert state)")
-
-
-def _sp_note(est: Estimate) -> str:
-    twin = est.notes.get("no_sp")
-    tp = est.candidate.sizes["tensor"]
-    text = (f"sequence parallelism splits the residual stream over tensor={tp} "
-            f"(reduce-scatter + all-gather: the all-reduce's bytes)")
-    if twin is None:
-        return text
-    return (f"{text}: activations {_gib(_activations(est))} instead of "
-            f"{_gib(_activations(twin))} per device")
-
-
-def parallelism_notes(est: Estimate) -> list[str]:
-    """Why ``est`` uses context, expert or sequence parallelism, one clause each (empty
-    when it uses none of them)."""
-    cand = est.candidate
-    notes = []
-    if cand.context > 1:
-        notes.append(_context_note(est))
-    if cand.expert > 1:
-        notes.append(_expert_note(est))
-    if cand.sequence_parallel and cand.sizes["tensor"] > 1:
-        notes.append(_sp_note(est))
-    return notes
-
-
-def reason(winner: Estimate, runner: Estimate | None) -> str:
-    """One line on why ``winner`` beats ``runner``: step time, memory class, and the time
-    component that differs most (compute, bubble, or a named collective over ICI/DCN);
-    then, when the winner uses them, why context, expert or sequence parallelism
-    (:func:`parallelism_notes`), and what host offload moves and costs
-    (:func:`jaxpar.planner.offload.offload_note`)."""
-    notes = parallelism_notes(winner) if winner.fits else []
-    if winner.fits and winner.candidate.offloads:
-        notes.append(offload_lib.offload_note(winner))
-    return "; ".join([_versus(winner, runner), *notes])
-
-
-def _versus(winner: Estimate, runner: Estimate | None) -> str:
-    if not winner.fits:
-        return "nothing fits; this plan needs the least memory"
-    if runner is None:
-        return "the only plan that fits"
-    gain = 1 - winner.step_time_s / runner.step_time_s if runner.step_time_s else 0.0
-    if abs(gain) < 0.005:
-        cw, cr = sum(winner.comm_s.values()), sum(runner.comm_s.values())
-        tie = (f"ties with {runner.candidate.describe()} on step time (communication "
-               f"hidden under compute)")
-        mems = (f"{_gib(winner.memory_per_device_bytes)} vs "
-                f"{_gib(runner.memory_per_device_bytes)} per device")
-        if cr > cw * 1.005:
-            return (f"{tie} and spends {(1 - cw / cr) * 100:.1f}% less time in collectives "
-                    f"({cw:.3f} s vs {cr:.3f} s), {mems}")
-        return (f"{tie} and in collectives ({cw:.3f} s each): a coin toss between the two "
-                f"by this model; {mems}")
-    mw, mr = winner.memory_per_device_bytes, runner.memory_per_device_bytes
-    ratio = mw / mr if mr else 1.0
-    mem = ("same memory class" if 0.8 <= ratio <= 1.25 else
-           f"{_gib(mw)} vs {_gib(mr)} per device")
-    parts: dict[str, tuple[float, float, str]] = {
-        "compute": (winner.compute_s, runner.compute_s, "compute (remat or FLOPs)"),
-        "bubble": (winner.bubble * winner.step_time_s, runner.bubble * runner.step_time_s,
-                   "pipeline bubble"),
-    }
-    if winner.candidate.offloads or runner.candidate.offloads:
-        parts["offload"] = (winner.offload_s, runner.offload_s, "exposed host offload time")
-    for key in sorted(set(winner.comm_s) | set(runner.comm_s)):  # ties: a fixed order
-        w, r = winner.comm_s.get(key, 0.0), runner.comm_s.get(key, 0.0)
-        owner = winner.candidate if w >= r else runner.candidate
-        parts[key] = (w, r, f"{key} time over {_where(key, owner)}")
-    name, (w, r, label) = max(parts.items(), key=lambda kv: abs(kv[1][1] - kv[1][0]))
-    if r > w:
-        detail = f"{(1 - w / r) * 100:.0f}% less {label}" if r else label
-    else:
-        detail = f"{label} {(w / r - 1) * 100 if r else 100:.0f}% higher but outweighed"
-    return (f"{gain * 100:.1f}% faster than {runner.candidate.describe()} "
-            f"(zero {runner.candidate.zero_stage}, remat {runner.candidate.remat}): "
-            f"{mem}, {detail}")
-
-
-def tokens_per_s(est: Estimate, global_batch: int, seq: int) -> float:
-    """Training throughput of a plan."""
-    return global_batch * seq / est.step_time_s if est.step_time_s else math.inf

@@ -1,8 +1,7 @@
 """The search: which context and expert sizes and which meshes it tries, that it ranks
-fitting plans by step time (and falls back to the leanest when nothing fits), and the
-one-line reasons it gives; plus whole searches on published model sizes."""
+fitting plans by step time (and falls back to the leanest when nothing fits), that its
+bound skips pricing but never a plan; plus whole searches on published model sizes."""
 
-import dataclasses
 import math
 import time
 
@@ -12,14 +11,7 @@ from jaxpar.models import TransformerConfig
 from jaxpar.planner import BUILTIN, parse_chips, plan
 from jaxpar.planner.api import resolve_model
 from jaxpar.planner.model import from_transformer
-from jaxpar.planner.search import (
-    context_sizes,
-    expert_sizes,
-    meshes,
-    reason,
-    search,
-    tokens_per_s,
-)
+from jaxpar.planner.search import context_sizes, expert_sizes, meshes, search
 from tests.planner.cases import MIXTRAL, TINY
 
 
@@ -152,18 +144,6 @@ def test_when_nothing_fits_the_leanest_plans_come_first():
     assert plans[0].reason == "nothing fits; this plan needs the least memory"
 
 
-def test_reasons_compare_the_winner_with_the_runner_up():
-    result = search(lambda s: from_transformer(TINY, stages=s), parse_chips("h100:8"), 16,
-                    128)
-    first, second = result.plans[:2]
-    assert reason(first, None) == "the only plan that fits"
-    text = reason(first, second)
-    assert f"than {second.candidate.describe()} (zero {second.candidate.zero_stage}" in text
-    assert reason(dataclasses.replace(first, fits=False), second) == (
-        "nothing fits; this plan needs the least memory")
-    assert tokens_per_s(first, 16, 128) == pytest.approx(16 * 128 / first.step_time_s)
-
-
 def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory():
     """Llama-2-70B on 4 x 8 H100 at 8k tokens: on one mesh, the 1F1B schedules keep far
     fewer activations than the circular one, pay a larger bubble (fewer chunks a stage)
@@ -202,7 +182,7 @@ def test_the_bound_skips_pricing_but_not_plans(model, chips, slices, batch, seq,
     machine = parse_chips(chips, slices=slices)
     bounded, full = (search(resolved.spec_for, machine, batch, seq, top=3, offload=offload,
                             prune=prune) for prune in (True, False))
-    assert full.skipped == 0 and bounded.skipped > bounded.evaluated / 3
+    assert full.skipped == 0 and bounded.skipped > 0 and bounded.priced < full.priced / 2
     assert bounded.rejected == full.rejected and all(p.fits for p in full.plans)
     assert [(p.candidate, p.step_time_s, p.memory) for p in bounded.plans] == [
         (p.candidate, p.step_time_s, p.memory) for p in full.plans]
