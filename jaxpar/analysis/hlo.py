@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.analysis.loops import (
+    PASS_THROUGH,
     TUPLE_INDEX,
     Instruction,
     Module,
@@ -268,8 +269,7 @@ def _once_per_async_fusion(module: Module, found: list[Collective]) -> list[Coll
             if at_start or channel not in started]
 
 
-_SLICE_PASS = {"copy", "bitcast", "reshape", "copy-done", "copy-start", "get-tuple-element",
-               "all-reduce-done", "convert"}
+_SLICE_PASS = PASS_THROUGH | {"get-tuple-element"}
 
 
 def _slices_only(module: Module, name: str, depth: int = 0) -> bool:

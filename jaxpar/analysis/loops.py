@@ -33,8 +33,9 @@ _KNOWN_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
 """A ``get-tuple-element``'s element number."""
 _DIRECTION = re.compile(r"\bdirection=(\w+)")
-_PASS_THROUGH = {"copy", "bitcast", "convert", "reshape", "copy-start", "copy-done",
-                 "all-reduce-done", "opt-barrier"}
+PASS_THROUGH = frozenset({"copy", "bitcast", "convert", "reshape", "copy-start", "copy-done",
+                          "all-reduce-done", "opt-barrier"})
+"""Ops whose result holds their first operand's values (copied, recast or regrouped)."""
 _APPLIERS = {"all-reduce", "all-reduce-start", "reduce-scatter", "reduce", "reduce-window",
              "scatter", "select-and-scatter", "sort", "map"}
 """Ops whose ``to_apply`` computation combines elements (not run in their place)."""
@@ -158,7 +159,7 @@ def _source(module: Module, name: str, env: dict[str, str]) -> Instruction | Non
         instr = module.by_name.get(name)
         if instr is None:
             return None
-        if instr.op in _PASS_THROUGH and instr.operands:
+        if instr.op in PASS_THROUGH and instr.operands:
             name = instr.operands[0]
         elif instr.op == "parameter" and name in env:
             name = env[name]
