@@ -14,12 +14,20 @@ adding special tokens (the template writes them), so its ids equal ``apply_chat_
 token for token.
 
 The assistant turns of a conversation (for a loss on them only) are found by rendering:
-turn ``i`` spans from the end of the conversation before it rendered with
-``add_generation_prompt=True`` (the prompt that opens an assistant turn) to where the
-conversation up to it, rendered alone, stops agreeing with the whole: its content and
+turn ``i`` spans from where the conversation before it, rendered with
+``add_generation_prompt=True`` (the prompt that opens an assistant turn), stops agreeing
+with the whole to where the conversation up to it, rendered alone, does: its content and
 what closes it (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``<|end|>``), which
-the model must learn to write to stop. A token counts when it overlaps such a span (as
+the model must learn to write to stop. Templates that render a turn otherwise once later
+turns follow (Qwen3 writes an assistant turn's reasoning, ``<think>...</think>``, only
+after the last user message, and a non-thinking generation prompt's empty block only at
+the end) are met: the turn is the longest tail of its lone rendering that the whole text
+holds where the turn starts. A token counts when it overlaps such a span (as
 ``transformers``' ``return_assistant_tokens_mask`` reads its spans).
+
+A conversation may carry ``tools`` (function schemas, for templates that list them) and
+template options (``enable_thinking`` and the like): they reach the template as
+``apply_chat_template(..., tools=..., **options)`` passes them.
 """
 
 from __future__ import annotations
@@ -163,16 +171,20 @@ class ChatTokenizer:
         return cls(tokenizer, template, special, _stop_ids(tokenizer, folder, special, template),
                    name=f"{what}={spec!r}")
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, as ``apply_chat_template(..., tokenize=False)``.
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, *,
+               tools: Sequence[dict] | None = None, options: dict[str, Any] | None = None
+               ) -> str:
+        """The conversation as text, as ``apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=..., tools=tools, **options)``.
 
         Raises:
           JaxparError: when the template raises (``raise_exception``) or fails."""
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._compiled.render(messages=plain, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special)
+            return self._compiled.render(**{
+                **self.special, **(options or {}), "messages": plain,
+                "tools": list(tools) if tools else None, "documents": None,
+                "add_generation_prompt": add_generation_prompt})
         except Exception as exc:  # TemplateError from raise_exception, or any other
             why = " ".join(str(exc).split()) or type(exc).__name__
             raise JaxparError(f"the chat template refuses the conversation: {why}") from None
@@ -182,49 +194,74 @@ class ChatTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return list(encoding.ids), list(encoding.offsets)
 
-    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                   options: dict[str, Any] | None = None) -> list[int]:
         """The ids that ask the model for the next assistant turn of ``messages``."""
-        return self.encode(self.render(messages, add_generation_prompt=True))[0]
+        return self.encode(self.render(messages, True, tools=tools, options=options))[0]
 
-    def assistant_spans(self, messages: Sequence[dict], text: str) -> list[tuple[int, int]]:
+    def assistant_spans(self, messages: Sequence[dict], text: str, *,
+                        tools: Sequence[dict] | None = None,
+                        options: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """The character spans of ``text`` (the whole conversation rendered) that the
-        assistant writes: each assistant turn's content and what closes it.
+        assistant writes: each assistant turn's content and what closes it (see the
+        module docstring).
 
         Raises:
           JaxparError: when the template renders the start of the conversation otherwise
-            than the whole does, so that a turn cannot be placed."""
+            than the whole does, or a turn so that no part of it is found in the whole,
+            so that the turn cannot be placed."""
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[:i + 1])
-            if not text.startswith(prompt):
+            before = self.render(messages[:i], tools=tools, options=options)
+            prompt = self.render(messages[:i], True, tools=tools, options=options)
+            start = _agreeing(prompt, text)
+            if start < len(prompt) and (start < len(before) or not text.startswith(before)):
                 raise JaxparError(f"message {i + 1}: the chat template renders the "
-                                  "conversation before this assistant turn (with its "
-                                  "generation prompt) otherwise than the whole conversation "
-                                  "begins, so the turn cannot be found for the loss")
-            end = len(prompt)
-            limit = min(len(upto), len(text))
-            while end < limit and upto[end] == text[end]:
-                end += 1
-            if end > len(prompt):
-                spans.append((len(prompt), end))
+                                  "conversation before this assistant turn otherwise than "
+                                  "the whole conversation begins, so the turn cannot be "
+                                  "found for the loss")
+            upto = self.render(messages[:i + 1], tools=tools, options=options)
+            end = start + _agreeing(upto[start:], text[start:])
+            if end == start:  # rendered otherwise with later turns: its longest tail
+                tail = next((upto[d:] for d in range(start + 1, len(upto))
+                             if text.startswith(upto[d:], start)), "")
+                end = start + len(tail)
+            if end == start:
+                raise JaxparError(f"message {i + 1}: the chat template renders this "
+                                  "assistant turn otherwise in the whole conversation than "
+                                  "alone, so the turn cannot be found for the loss")
+            spans.append((start, end))
         return spans
 
-    def conversation(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    def conversation(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                     options: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
         """``(ids, mask)`` of a whole conversation: ``mask[t]`` is 1 where token ``t`` is
         written by the assistant (it overlaps an :meth:`assistant_spans` span)."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools, options=options)
         ids, offsets = self.encode(text)
         spans = []
-        for start, end in self.assistant_spans(messages, text):
+        for start, end in self.assistant_spans(messages, text, tools=tools,
+                                               options=options):
             # Where the text agreed only up to the middle of a token (Phi-3's '<|' of the
             # next '<|user|>'), the turn ends before that token.
             cut = next((s for s, e in offsets if s < end < e), end)
             if cut > start:
                 spans.append((start, cut))
         return ids, overlap_mask(offsets, spans)
+
+
+def _agreeing(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 
 def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]

@@ -5,7 +5,10 @@ the loss on the assistant's turns only.
 either may be in a ``gs://`` or ``s3://`` bucket, or a glob there)
 holding a conversation per line, ``{"messages": [{"role": "user", "content": "..."},
 {"role": "assistant", "content": "..."}, ...]}`` (roles: :data:`~jaxpar.data.chat.ROLES`;
-blank lines are skipped), with ``data.tokenizer`` a Hugging Face tokenizer folder that
+blank lines are skipped; a record may add ``"tools"``, the function schemas a template
+lists, and ``"chat_template_kwargs"``, options such as ``{"enable_thinking": false}``,
+passed as ``apply_chat_template`` passes them; an assistant message with ``tool_calls``
+may leave out its content), with ``data.tokenizer`` a Hugging Face tokenizer folder that
 has a chat template (:class:`~jaxpar.data.chat.ChatTokenizer`). Each conversation is
 rendered and tokenized once, up front, as ``apply_chat_template`` would, with a mask of
 the tokens the assistant writes (its turns and what closes them).
@@ -19,7 +22,8 @@ the loss (:func:`jaxpar.training.objective.packed_lm_loss`). A conversation long
 the middle of an answer): the message names the file and line and its length.
 
 Bad input is one line naming the file and line: not JSON, no ``messages`` list, a
-message without a ``role`` or text ``content``, an unknown role, no assistant turn, a
+message without a ``role`` or text ``content``, an unknown role, no assistant turn,
+``tools`` not a list of objects or ``chat_template_kwargs`` not an object, a
 template that refuses the conversation (``raise_exception``), one too long.
 
 Conversations are shuffled in epochs: row ``i`` of the global sequence is conversation
@@ -88,11 +92,25 @@ def _messages(record: object, where: str) -> list[dict]:
         if role not in ROLES:
             what = "has no \"role\"" if role is None else f"has the unknown role {role!r}"
             raise JaxparError(f"{where}: message {n} {what} (roles: {', '.join(ROLES)})")
-        if not isinstance(message.get("content"), str):
+        if not isinstance(message.get("content"), str) and not (
+                role == "assistant" and message.get("tool_calls")):
             raise JaxparError(f"{where}: message {n} has no text \"content\"")
     if not any(m["role"] == "assistant" for m in messages):
         raise JaxparError(f"{where}: no assistant message: nothing to learn from it")
     return messages
+
+
+def _template_inputs(record: dict, where: str) -> dict:
+    """The record's ``tools`` and ``chat_template_kwargs``, checked, as keyword
+    arguments of :meth:`~jaxpar.data.chat.ChatTokenizer.conversation`."""
+    tools, options = record.get("tools"), record.get("chat_template_kwargs")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise JaxparError(f"{where}: \"tools\" is not a list of objects (function schemas)")
+    if options is not None and not isinstance(options, dict):
+        raise JaxparError(f"{where}: \"chat_template_kwargs\" is not an object (e.g. "
+                          "{\"enable_thinking\": false})")
+    return {"tools": tools, "options": options}
 
 
 def read_conversations(source: str, chat: ChatTokenizer, limit: int
@@ -113,8 +131,9 @@ def read_conversations(source: str, chat: ChatTokenizer, limit: int
             except ValueError as exc:
                 raise JaxparError(f"{where}: not JSON ({exc})") from None
             messages = _messages(record, where)
+            inputs = _template_inputs(record, where)
             try:
-                ids, mask = chat.conversation(messages)
+                ids, mask = chat.conversation(messages, **inputs)
             except JaxparError as exc:
                 raise JaxparError(f"{where}: {exc}") from None
             if len(ids) > limit:

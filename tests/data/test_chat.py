@@ -218,3 +218,109 @@ def test_masked_loss_ignores_everything_but_the_assistant(folders):
     nll = -np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]]
     want = float((nll * mask[1:]).sum() / mask[1:].sum())
     assert float(la) == pytest.approx(want, rel=1e-5)
+
+
+REASONING = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- 'Tools:' }}{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+    "{%- set think = loop.index0 > ns.last_user and (loop.last or m.reasoning_content) %}"
+    "{%- set given = think and not m.reasoning_content and enable_thinking is defined"
+    " and enable_thinking is false %}"
+    "{%- if given %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- generation %}"
+    "{%- if think and not given %}"
+    "{{- '<think>\n' + (m.reasoning_content or '') + '\n</think>\n\n' }}{%- endif %}"
+    "{{- m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{{- '\n<tool_call>\n' + call.function | tojson + '\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endgeneration %}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
+"""A template in Qwen3's manner: an assistant turn's reasoning block is written only after
+the last user message (earlier turns lose it once a user speaks again), and there only
+when it has reasoning or ends the conversation; tools are listed in the system turn, tool
+calls follow the content, and ``enable_thinking=False`` opens the turn with an empty
+reasoning block, which the model is given, not asked to write."""
+
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+REASONED = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "Paris.", "reasoning_content": "France: Paris."},
+     {"role": "user", "content": "And of Italy?"},
+     {"role": "assistant", "content": "Rome.", "reasoning_content": "Italy: Rome."}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Is it raining in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "rain"},
+     {"role": "assistant", "content": "Yes, it rains.", "reasoning_content": "The tool said so."},
+     {"role": "user", "content": "Thanks."},
+     {"role": "assistant", "content": "You are welcome."}],
+]
+"""Reasoning in two turns, the first dropped from the whole; a tool call, its response, and
+reasoning on the answer to it."""
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_reasoning_and_tools_render_and_mask_as_transformers_does(folders, tmp_path, thinking):
+    """Earlier turns rendered otherwise once later ones follow, tools and the thinking
+    switch: ids equal ``apply_chat_template``'s and the mask its own ``{% generation %}``
+    mask (every assistant turn learned, the reasoning only where the text keeps it)."""
+    hf = transformers.AutoTokenizer.from_pretrained(str(folders["qwen2"]))
+    hf.chat_template = REASONING
+    hf.save_pretrained(str(tmp_path))
+    chat = ChatTokenizer.load(str(tmp_path))
+    options = {} if thinking is None else {"enable_thinking": thinking}
+    for conversation in REASONED:
+        if thinking is False:  # no reasoning to learn where the prompt says not to think
+            conversation = [{k: v for k, v in m.items() if k != "reasoning_content"}
+                            for m in conversation]
+        want = hf.apply_chat_template(conversation, tools=[WEATHER], tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True,
+                                      **options)
+        ids, mask = chat.conversation(conversation, tools=[WEATHER], options=options)
+        assert ids == want["input_ids"]
+        assert mask == want["assistant_masks"]
+        turns = sum(m["role"] == "assistant" for m in conversation)
+        assert np.count_nonzero(np.diff([0, *mask]) == 1) == turns  # each turn a run
+        prompt = chat.prompt_ids(conversation[:-1], tools=[WEATHER], options=options)
+        assert prompt == hf.apply_chat_template(conversation[:-1], tools=[WEATHER],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=True, **options)["input_ids"]
+
+
+def test_conversation_records_carry_tools_and_template_options(folders, tmp_path):
+    hf = transformers.AutoTokenizer.from_pretrained(str(folders["qwen2"]))
+    hf.chat_template = REASONING
+    hf.save_pretrained(str(tmp_path / "tok"))
+    chat = ChatTokenizer.load(str(tmp_path / "tok"))
+    source = tmp_path / "chats.jsonl"
+    records = [{"messages": REASONED[1], "tools": [WEATHER],
+                "chat_template_kwargs": {"enable_thinking": False}}, {"messages": REASONED[0]}]
+    source.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (ids, mask), (ids0, mask0) = read_conversations(str(source), chat, 512)
+    assert (list(ids), list(mask)) == chat.conversation(
+        REASONED[1], tools=[WEATHER], options={"enable_thinking": False})
+    assert "Tools:" in chat.tokenizer.decode(list(ids)) and list(ids0) == chat.conversation(
+        REASONED[0])[0]
+    for bad, culprit in [({"tools": {"name": "weather"}}, '"tools" is not a list'),
+                         ({"chat_template_kwargs": [1]}, '"chat_template_kwargs" is not an')]:
+        source.write_text(json.dumps({"messages": REASONED[0], **bad}) + "\n")
+        with pytest.raises(JaxparError, match=f"chats.jsonl:1: {culprit}"):
+            read_conversations(str(source), chat, 512)
