@@ -13,9 +13,10 @@ a mixture-of-experts layer adds its routed token slots (see :class:`~jaxpar.plan
 candidate.Local`). The formulas for the dense, single-sequence-shard case are calibrated
 against XLA:CPU (``tests/planner/test_planner.py``); the rest follow the code paths of
 :mod:`jaxpar.parallel.context` and :mod:`jaxpar.models.moe` tensor by tensor, unmeasured,
-but for what a mixture of experts saves under ``dots_with_no_batch_dims_saveable`` and
-its gradient-accumulation sum under ZeRO-3 (measured against XLA:CPU and the TPU
-compiler: :func:`_moe_unbatched_saved`, :func:`_accumulator_elems`).
+but for what a mixture of experts saves under ``dots_with_no_batch_dims_saveable``, its
+gradient-accumulation sum under ZeRO-3 and its backward pass's peak on the TPU compiler
+(measured against XLA:CPU and the TPU compiler: :func:`_moe_unbatched_saved`,
+:func:`_accumulator_elems`, :func:`_moe_working`).
 
 A model jaxpar did not write (``model.factory``) has no formulas: its activations and
 backward working set are XLA's temporaries of its loss and gradient compiled for one device
@@ -117,6 +118,31 @@ def _moe_saved(spec: ModelSpec, loc: Local, act: int, routing: bool) -> float:
         if spec.capacity_factor:
             out += act * (2 + spec.experts_per_token) * loc.slots * loc.seq
         out += 8 * spec.n_experts
+    return out
+
+
+def _moe_working(spec: ModelSpec, loc: Local, act: int) -> float:
+    """Bytes per local token a mixture-of-experts layer's backward pass holds at its peak
+    beyond the dense terms: three one-hot-sized tensors (``slots x seq`` elements on the
+    capacity path, in the compute dtype): the recomputed combine tensor, the gradient the
+    combine einsum (``bsec,ebcd->bsd``) sends it and that gradient's copy in the layout
+    the next einsum reads; and the f32 router logits and probabilities. Neither the
+    dispatched tokens nor the experts' outputs (``slots x d_model``) are live then, nor a
+    token's ``k`` one-hot choices at ``slots x seq`` each (XLA fuses them into the sums).
+
+    Measured: Qwen3-30B-A3B (128 experts, 8 per token) on v5p-64, fsdp 8 x expert 8,
+    ZeRO-3, four sequences of 4096 a device, four layers: the TPU compiler's heap peaks in
+    the layer loop's backward at the combine einsum with three ``bf16[4,4096,128,320]``
+    buffers (3.75 GiB) live beside two ``slots x expert_ff`` gradients and the saved
+    activations (``--xla_dump_to``'s ``*live-range.txt``, "Live ranges at ... (peak)");
+    counting ``2 + k`` of them, the dispatched tokens and the experts' outputs, and
+    attention's score buffers on top, had the planner's working set at 19.3 GiB and
+    its figure at 1.40x the compiler's for the full 48-layer model."""
+    if not loc.slots:
+        return 0.0
+    out = 8.0 * spec.n_experts
+    if spec.capacity_factor:
+        out += act * 3 * loc.slots * loc.seq
     return out
 
 
@@ -279,7 +305,10 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     against the whole sequence, with the gathered keys and values and their f32
     gradients; ``ring`` for one half-block pair at a time, with two key/value blocks in
     flight and (when ``remat`` recomputes the layer) the ring's per-step carries.
-    A mixture of experts adds its dispatch buffers and routing tensors.
+    A mixture of experts adds its dispatch buffers and routing tensors; on the TPU
+    compiler, with a flash kernel, its combine tensor, that tensor's gradient and routing
+    tensors (:func:`_moe_working`) at a time attention's buffers are free: the larger of
+    the two counts.
     """
     d, h = spec.d_model, spec.head_dim
     n, k = loc.heads, loc.kv_heads
@@ -310,8 +339,17 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
         score = (4 * 4 + act) * n * seq
     else:
         score = 3 * n * seq * 4
-    return loc.tokens * (score + act * (4 * loc.ff_per_token + 8 * d)
-                         + _moe_saved(spec, loc, act, True))
+    if backend == "tpu" and attention in FLASH_ATTENTION:
+        # The kernel's score blocks live inside attention's backward alone, which never
+        # runs with the experts': the larger of the two (see _moe_working).
+        both = max(score, _moe_working(spec, loc, act))
+    else:
+        # XLA's attention keeps the recomputed forward pass's scores until attention's
+        # backward, after the MLP's: XLA:CPU's peak holds them beside the experts' hidden
+        # gradients, the dispatched tokens, the experts' outputs and ``k + 1`` one-hot
+        # tensors (the ``k`` choices materialised before their sum; ``2 + k`` counted).
+        both = score + _moe_saved(spec, loc, act, True)
+    return loc.tokens * (both + act * (4 * loc.ff_per_token + 8 * d))
 
 
 def loss_working_bytes(spec: ModelSpec, loc: Local, seq: int) -> float:

@@ -3,6 +3,7 @@
 move token activations, never the whole table (nor, with the vocabulary split, the whole
 output head)."""
 
+import dataclasses
 import re
 
 import jax
@@ -94,3 +95,22 @@ def test_lookup_gradient_equals_take(devices):
     want = np.zeros_like(table)
     np.add.at(want, tokens, weights)
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_loss_keeps_the_logits_rows_split_with_the_vocabulary(reference):
+    """With the vocabulary over fsdp the logits' batch falls back to ``data`` and
+    ``expert``, the final hidden states' is over ``fsdp`` too: the chunked loss gathers
+    the hidden states to the logits' rows, so the head's gradient is summed over each
+    device's own rows. Before, GSPMD all-gathered each chunk's logit gradient over the
+    batch axes for it (every row of the batch on each device; on Qwen3-30B-A3B at data 4
+    x fsdp 2 x expert 8, an 18.6 GiB buffer). Losses still equal one device's."""
+    chunked = dataclasses.replace(SMALL, loss_chunk=8)
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "expert": 2})
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", vocab_over_fsdp=True)
+    model = jaxpar.init_sharded(lambda: Transformer(chunked, rngs=nnx.Rngs(0)), plan)
+    trainer = jaxpar.Trainer(model, make_optimizer(small_config().train), plan)
+    hlo = trainer.lower(loader().batch(0)).compile().as_text()
+    # One device's chunk: 16 rows over data x expert (4), 8 positions, half the vocabulary.
+    assert f"[4,8,{V // 2}]" in hlo
+    assert not re.search(rf"\[(8|16),8,{V // 2}\]", hlo)  # the rows of several devices
+    np.testing.assert_allclose(losses(trainer, steps=3), reference, rtol=1e-5)
