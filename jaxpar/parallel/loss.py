@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.attention import soft_cap
-from jaxpar.sharding.plan import constrain, current_plan
+from jaxpar.sharding.plan import Plan, constrain, current_plan
 
 Head = jax.Array | Callable[[jax.Array], jax.Array]
 """The unembedding: a kernel ``(d_model, vocab)``, or a callable mapping hidden states
@@ -91,7 +91,7 @@ def _picked(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(vocab == targets[..., None], logits, 0), axis=-1)
 
 
-def _to_logits_rows(plan, h: jax.Array, vocab: int) -> jax.Array:
+def _to_logits_rows(plan: Plan, h: jax.Array, vocab: int) -> jax.Array:
     """Hidden states ``(batch, chunk, d_model)`` with their rows split as the logits'
     are: with the vocabulary over ``fsdp`` the logits' batch falls back to the other
     batch axes, and the hidden states (batch over ``fsdp`` too) are gathered over it for
