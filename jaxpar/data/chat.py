@@ -37,6 +37,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from os.path import commonprefix  # character by character: any strings
 from pathlib import Path
 from typing import Any
 
@@ -216,14 +217,14 @@ class ChatTokenizer:
                 continue
             before = self.render(messages[:i], tools=tools, options=options)
             prompt = self.render(messages[:i], True, tools=tools, options=options)
-            start = _agreeing(prompt, text)
+            start = len(commonprefix((prompt, text)))
             if start < len(prompt) and (start < len(before) or not text.startswith(before)):
                 raise JaxparError(f"message {i + 1}: the chat template renders the "
                                   "conversation before this assistant turn otherwise than "
                                   "the whole conversation begins, so the turn cannot be "
                                   "found for the loss")
             upto = self.render(messages[:i + 1], tools=tools, options=options)
-            end = start + _agreeing(upto[start:], text[start:])
+            end = start + len(commonprefix((upto[start:], text[start:])))
             if end == start:  # rendered otherwise with later turns: its longest tail
                 tail = next((upto[d:] for d in range(start + 1, len(upto))
                              if text.startswith(upto[d:], start)), "")
@@ -250,18 +251,6 @@ class ChatTokenizer:
             if cut > start:
                 spans.append((start, cut))
         return ids, overlap_mask(offsets, spans)
-
-
-def _agreeing(a: str, b: str) -> int:
-    """How many leading characters ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo
 
 
 def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
