@@ -287,6 +287,7 @@ class LocalTier:
         """The newest step every process can restore into ``trainer`` (None: none), and
         why a newer step some process holds is not it (None when there is none).
         Collective."""
+        self.wait()  # a save of this process still being written counts once it is on disk
         targets = {k: _as_data(v) for k, v in flat_paths(trainer.state).items()}
         present = self.steps()
         usable = [s for s in present if self._misfit(self._index(s) or {}, targets) is None]

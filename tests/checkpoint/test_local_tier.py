@@ -89,11 +89,14 @@ def test_bit_exact_restore_pruning_and_a_fresh_start(tmp_path, trained):
     assert local.steps() == []
 
 
-def test_restore_takes_the_newer_tier_or_falls_back(tmp_path, trained):
+def test_restore_takes_the_newer_tier_or_falls_back(tmp_path, trained, monkeypatch):
     trainer, _ = trained
     config = small_config()
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints", every=0, async_save=False)
     local = LocalTier(tmp_path / "fast", run=str(ckpt.directory))
+    # The background write is slow: a restore right after a save still sees its step.
+    write = LocalTier._write
+    monkeypatch.setattr(LocalTier, "_write", lambda *a: (time.sleep(0.2), write(*a)))
     said: list[str] = []
     ckpt.save(at_step(trainer, 2), config=config, force=True)
     save_local(local, ckpt, at_step(trainer, 3), config)
