@@ -107,7 +107,8 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
       seq: sequence length.
       slices: ICI domains joined by DCN (GPU nodes are inferred from the chip's domain).
       catalog: YAML file (or mapping) with extra chip kinds.
-      top: how many plans to return (at least two are computed, for the reason).
+      top: how many plans to return (one more is computed: each reason compares a plan
+        with the next).
       precision: compute dtype; ``bfloat16`` means f32 master weights, bf16 compute.
       overrides: ``model.<field>=value`` for a YAML path or Config.
       context: the ``context`` axis sizes allowed (one or several; default: 1, and for
@@ -141,14 +142,16 @@ def plan(model: ModelLike, *, chips: str | Machine, global_batch: int, seq: int,
                           "--expert")
     machine = _machine(chips, slices, catalog)
     optimizer = resolved.config.train.optimizer if resolved.config else "adamw"
+    # One plan more than shown: the last one shown is compared with the next.
     result = search(resolved.spec_for, machine, global_batch, seq, precision=precision,
-                    optimizer=optimizer, top=top, pipeline=resolved.pipeline,
+                    optimizer=optimizer, top=top + 1, pipeline=resolved.pipeline,
                     contexts=_sizes(context, "context"), experts=experts,
                     offload=offload, quantize=quantize)
-    plans = result.plans
+    plans = result.plans[:top]
     for i, est in enumerate(plans):
-        est.reason = reason(est, plans[i + 1] if i + 1 < len(plans) else None)
-    return plans[:top]
+        runner = result.plans[i + 1] if i + 1 < len(result.plans) else None
+        est.reason = reason(est, runner, fitting=len(result.plans))
+    return plans
 
 
 def _sizes(value: int | Sequence[int] | None, axis: str) -> tuple[int, ...] | None:

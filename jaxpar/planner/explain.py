@@ -95,23 +95,25 @@ def parallelism_notes(est: Estimate) -> list[str]:
     return notes
 
 
-def reason(winner: Estimate, runner: Estimate | None) -> str:
+def reason(winner: Estimate, runner: Estimate | None, fitting: int = 1) -> str:
     """One line on why ``winner`` beats ``runner``: step time, memory class, and the time
     component that differs most (compute, bubble, or a named collective over ICI/DCN);
     then, when the winner uses them, why context, expert or sequence parallelism
     (:func:`parallelism_notes`), and what host offload moves and costs
-    (:func:`jaxpar.planner.offload.offload_note`)."""
+    (:func:`jaxpar.planner.offload.offload_note`). Without a ``runner``, ``winner`` is
+    the last of the ``fitting`` plans that fit."""
     notes = parallelism_notes(winner) if winner.fits else []
     if winner.fits and winner.candidate.offloads:
         notes.append(offload_lib.offload_note(winner))
-    return "; ".join([_versus(winner, runner), *notes])
+    return "; ".join([_versus(winner, runner, fitting), *notes])
 
 
-def _versus(winner: Estimate, runner: Estimate | None) -> str:
+def _versus(winner: Estimate, runner: Estimate | None, fitting: int) -> str:
     if not winner.fits:
         return "nothing fits; this plan needs the least memory"
     if runner is None:
-        return "the only plan that fits"
+        return ("the only plan that fits" if fitting <= 1
+                else f"the slowest of the {fitting} plans that fit")
     gain = 1 - winner.step_time_s / runner.step_time_s if runner.step_time_s else 0.0
     if abs(gain) < 0.005:
         cw, cr = sum(winner.comm_s.values()), sum(runner.comm_s.values())

@@ -215,6 +215,7 @@ class _Found:
     priced: int = 0
     mesh_best: dict[tuple, float] = dataclasses.field(default_factory=dict)
     listed: dict[tuple, int] = dataclasses.field(default_factory=dict)  # mesh: its turn
+    floors: dict[tuple, float] = dataclasses.field(default_factory=dict)  # mesh: its floor
     deferred: list[tuple[ModelSpec, Candidate, Candidate | None, bool]] = dataclasses.field(
         default_factory=list)
     lean_bytes: dict[str, float] = dataclasses.field(
@@ -370,14 +371,17 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
         if stages not in found.specs:
             found.specs[stages] = spec_for(stages)
     if found.prune:  # the promising meshes first: the bar drops early
-        listed.sort(key=lambda m: _mesh_floor(found.specs[m[0]["stage"] * m[1]["stage"]],
-                                              machine, global_batch, seq, *m,
-                                              precision=precision, quantize=quantize,
-                                              optimizer=optimizer))
+        for ici, dcn in listed:  # once a search: a second pass visits them alike
+            key = (tuple(ici.items()), tuple(dcn.items()))
+            if key not in found.floors:
+                found.floors[key] = _mesh_floor(
+                    found.specs[ici["stage"] * dcn["stage"]], machine, global_batch, seq,
+                    ici, dcn, precision=precision, quantize=quantize, optimizer=optimizer)
+        listed.sort(key=lambda m: found.floors[(tuple(m[0].items()), tuple(m[1].items()))])
     for ici, dcn in listed:
         stages = ici["stage"] * dcn["stage"]
         spec = found.specs[stages]
-        dp_max = ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"] * ici["expert"]
+        dp_max = _batch_ways(ici, dcn)
         if global_batch % dp_max:
             found.rejected["batch not divisible"] = (
                 found.rejected.get("batch not divisible", 0) + 1)
@@ -416,6 +420,12 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                                 fitted[remat] = mb
 
 
+def _batch_ways(ici: dict[str, int], dcn: dict[str, int]) -> int:
+    """How many ways a mesh splits the global batch: data and fsdp, and the expert axis
+    inside a slice."""
+    return ici["data"] * dcn["data"] * ici["fsdp"] * dcn["fsdp"] * ici["expert"]
+
+
 def _mesh_floor(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
                 ici: dict[str, int], dcn: dict[str, int], **knobs: str) -> float:
     """The computation of a mesh's lightest setting (no remat, one microbatch): the
@@ -423,8 +433,7 @@ def _mesh_floor(spec: ModelSpec, machine: Machine, global_batch: int, seq: int,
     stages = ici["stage"] * dcn["stage"]
     cand = Candidate.make(ici, dcn, rules="fsdp_tp", microbatches=1, remat="none",
                           pipeline_microbatches=stages if stages > 1 else 0, **knobs)
-    dp = math.prod(cand.sizes[a] for a in ("data", "fsdp", "expert"))
-    if global_batch % dp or check_divisible(spec, cand, global_batch, seq):
+    if global_batch % _batch_ways(ici, dcn) or check_divisible(spec, cand, global_batch, seq):
         return math.inf
     return step_time_floor(spec, machine, cand, global_batch, seq)
 
