@@ -56,10 +56,16 @@ def train(trainer: jaxpar.Trainer, steps: int = STEPS) -> tuple[list[float], lis
     return [float(m["loss"]) for m in out], [float(m["grad_norm"]) for m in out]
 
 
-@functools.cache
 def reference() -> tuple[list[float], dict, dict, list[float]]:
     """The unpipelined model on one device, plain SGD: losses, first weights, first
     gradients, gradient norms."""
+    return reference_run()[1]
+
+
+@functools.cache
+def reference_run() -> tuple[jaxpar.Trainer, tuple[list[float], dict, dict, list[float]]]:
+    """The one-device trainer (trained: a checkpoint's restore overwrites its state) and
+    :func:`reference`'s figures."""
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
     model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
@@ -67,7 +73,7 @@ def reference() -> tuple[list[float], dict, dict, list[float]]:
     first = layers_layout(trainer)
     grads = layers_layout(trainer, trainer.gradients(batches()[0]))
     losses, norms = train(trainer)
-    return losses, first, grads, norms
+    return trainer, (losses, first, grads, norms)
 
 
 def pipelined_trainer(axes: tuple, schedule: pl.Schedule, optimizer=None, **knobs
@@ -161,16 +167,12 @@ def test_checkpoint_of_a_1f1b_run_restores_on_one_device_and_on_a_circular_layou
     """Saved after two 1F1B steps (two layers a stage), restored into the unpipelined
     one-device model and into the circular layout (layer 4r + s at [r, s], so every layer
     moves): the same weights, and the third step's loss equals the uninterrupted run's."""
-    ref_losses = reference()[0]
+    single, (ref_losses, *_) = reference_run()
     saved = s4d2_1f1b
     train(saved, 2)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(saved, force=True)
     weights = layers_layout(saved)
-    one = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    single = jaxpar.Trainer(jaxpar.init_sharded(
-        lambda: Transformer(CFG, rngs=nnx.Rngs(0)), jaxpar.Plan.from_preset(one, "fsdp_tp")),
-        optax.sgd(LR), jaxpar.Plan.from_preset(one, "fsdp_tp"))
     circular = pipelined_trainer(S4D2, pl.Schedule(4, 4, 2, "circular"))
     for trainer in (single, circular):
         with Checkpointer(tmp_path) as ckpt:
