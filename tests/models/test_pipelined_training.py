@@ -56,10 +56,16 @@ def train(trainer: jaxpar.Trainer, steps: int = STEPS) -> tuple[list[float], lis
     return [float(m["loss"]) for m in out], [float(m["grad_norm"]) for m in out]
 
 
-@functools.cache
 def reference() -> tuple[list[float], dict, dict, list[float]]:
     """The unpipelined model on one device, plain SGD: losses, first weights, first
     gradients, gradient norms."""
+    return reference_run()[1]
+
+
+@functools.cache
+def reference_run() -> tuple[jaxpar.Trainer, tuple[list[float], dict, dict, list[float]]]:
+    """The one-device trainer (trained: a checkpoint's restore overwrites its state) and
+    :func:`reference`'s figures."""
     mesh = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
     plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp")
     model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
@@ -67,7 +73,7 @@ def reference() -> tuple[list[float], dict, dict, list[float]]:
     first = layers_layout(trainer)
     grads = layers_layout(trainer, trainer.gradients(batches()[0]))
     losses, norms = train(trainer)
-    return losses, first, grads, norms
+    return trainer, (losses, first, grads, norms)
 
 
 def pipelined_trainer(axes: tuple, schedule: pl.Schedule, optimizer=None, **knobs
@@ -76,6 +82,14 @@ def pipelined_trainer(axes: tuple, schedule: pl.Schedule, optimizer=None, **knob
     model = jaxpar.init_sharded(
         lambda: Transformer(CFG, rngs=nnx.Rngs(0), pipeline=schedule), plan)
     return jaxpar.Trainer(model, optimizer or optax.sgd(LR), plan)
+
+
+@pytest.fixture(scope="module")
+def s4d2_1f1b(devices) -> jaxpar.Trainer:
+    """Plain 1F1B, two layers a stage, on stage 4 x data 2: built once for the test that
+    reads its compiled step (lowering reads no weight) and the checkpoint test, which alone
+    steps it."""
+    return pipelined_trainer(S4D2, pl.Schedule(4, 4, 1, "1f1b", 2))
 
 
 # Plain 1F1B on stage 4 x data 2 is the checkpoint test's run below (its two steps'
@@ -107,12 +121,12 @@ def test_schedules_train_like_the_unpipelined_model(devices, axes, schedule, kno
     assert wq.sharding.spec[1] == "stage"  # each device holds its own stages' layers
 
 
-def test_activations_move_by_collective_permute_and_weights_stay(devices):
+def test_activations_move_by_collective_permute_and_weights_stay(s4d2_1f1b):
     """Stage to stage the step sends activations and their gradients (collective-permutes
     over ``stage``) and never gathers a weight: the other collectives are the gradient
     all-reduces over ``data`` and the small sums over ``stage`` of the loss and of the
     embedding's and head's gradients (each stage holds a replica of those)."""
-    trainer = pipelined_trainer(S4D2, pl.Schedule(4, 4, 1, "1f1b", 2))
+    trainer = s4d2_1f1b
     text = trainer.lower(batches()[0]).compile().as_text()
     table = {(r["kind"], tuple(r["axes"])): r for r in
              hlo.collective_table(text, trainer.plan.mesh)}
@@ -149,20 +163,16 @@ def test_lora_under_1f1b_equals_lora_under_circular(devices):
 
 
 def test_checkpoint_of_a_1f1b_run_restores_on_one_device_and_on_a_circular_layout(
-        devices, tmp_path):
+        s4d2_1f1b, tmp_path):
     """Saved after two 1F1B steps (two layers a stage), restored into the unpipelined
     one-device model and into the circular layout (layer 4r + s at [r, s], so every layer
     moves): the same weights, and the third step's loss equals the uninterrupted run's."""
-    ref_losses = reference()[0]
-    saved = pipelined_trainer(S4D2, pl.Schedule(4, 4, 1, "1f1b", 2))
+    single, (ref_losses, *_) = reference_run()
+    saved = s4d2_1f1b
     train(saved, 2)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(saved, force=True)
     weights = layers_layout(saved)
-    one = jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    single = jaxpar.Trainer(jaxpar.init_sharded(
-        lambda: Transformer(CFG, rngs=nnx.Rngs(0)), jaxpar.Plan.from_preset(one, "fsdp_tp")),
-        optax.sgd(LR), jaxpar.Plan.from_preset(one, "fsdp_tp"))
     circular = pipelined_trainer(S4D2, pl.Schedule(4, 4, 2, "circular"))
     for trainer in (single, circular):
         with Checkpointer(tmp_path) as ckpt:
