@@ -28,15 +28,15 @@ def test_top_level_plan_is_the_planner():
 
 
 def test_cli_json_keys(capsys):
-    assert main(["plan", "--model", "configs/llama-7b.yaml", "--chips", "h100:64",
-                 "--global-batch", "256", "--seq", "2048", "--json", "--top", "3"]) == 0
+    assert main(["plan", "--model", "configs/llama-7b.yaml", "--chips", "h100:16",
+                 "--global-batch", "64", "--seq", "2048", "--json", "--top", "3"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert 1 <= len(rows) <= 3
     for key in ("mesh", "zero_stage", "remat", "microbatches", "memory_per_device_bytes",
                 "step_time_s", "mfu"):
         assert key in rows[0]
     assert set(rows[0]["mesh"]["data"]) == {"size", "ici", "dcn"}
-    assert math.prod(m["size"] for m in rows[0]["mesh"].values()) == 64
+    assert math.prod(m["size"] for m in rows[0]["mesh"].values()) == 16
     assert rows[0]["mesh"]["tensor"]["dcn"] == 1  # tensor parallelism stays in NVLink
 
 
