@@ -103,13 +103,6 @@ LIGHT = ["model.n_layers=1", "model.d_model=256", "model.n_heads=2", "model.n_kv
          "model.attention=splash"]
 
 
-def test_splash_compiles_for_a_tpu_under_tensor_parallelism():
-    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=1", "mesh.fsdp=2",
-                                               "mesh.tensor=2"])
-    step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
-    assert custom_calls(step.compiled.as_text()).get("tpu_custom_call", 0) >= 3
-
-
 @pytest.fixture(scope="module")
 def context_steps():
     """The step with the sequence (1024) split over context=2 and heads over tensor=2,
@@ -139,16 +132,21 @@ def test_splash_compiles_for_a_tpu_under_context_parallelism(context_steps, kind
 
 
 @pytest.mark.parametrize("grad_dtype, summed", [("compute", "bf16"), ("float32", "f32")])
-def test_weight_gradients_are_summed_in_the_grad_dtype(grad_dtype, summed):
-    """The TPU compiler's data-parallel all-reduce of the layers' weight gradients carries
-    the plan's grad_dtype (XLA:CPU widens every all-reduce to f32, so only the TPU
-    program tells them apart)."""
+def test_splash_under_tensor_parallelism_and_weight_gradients_in_the_grad_dtype(
+        grad_dtype, summed):
+    """One program on data=2 x tensor=2 checked for two facts: splash compiles under
+    tensor parallelism (heads split over tensor) as the Mosaic kernels, forward and two
+    backward; and the TPU compiler's data-parallel all-reduce of the layers' weight
+    gradients carries the plan's grad_dtype (XLA:CPU widens every all-reduce to f32, so
+    only the TPU program tells them apart)."""
     import re
 
-    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=4", "plan.rules=dp",
+    config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=2", "mesh.fsdp=1",
+                                               "mesh.tensor=2",
                                                "plan.precision=p=f32,c=bf16",
                                                f"plan.grad_dtype={grad_dtype}"])
     text = compile_step(config, targets.tpu_target("tpu-v5e:2x2")).compiled.as_text()
+    assert custom_calls(text).get("tpu_custom_call", 0) >= 3
     # The layer stack's kernels: rank 4 (layers, embed, heads, head_dim) arrays.
     reduced = {dtype for line in text.splitlines() if " all-reduce(" in line
                for dtype in re.findall(r"(bf16|f32)\[1,\d+,\d+,\d+\]", line.split(

@@ -11,9 +11,8 @@ import pytest
 
 import jaxpar
 from jaxpar.analysis.hlo import collective_table, memory_stats
-from jaxpar.config.assembly import build_trainer
+from jaxpar.analysis.inspection import compile_step
 from jaxpar.planner import predict
-from tests.helpers import loader
 from tests.planner.cases import MODELS
 from tests.planner.cases import make_config as _make
 
@@ -87,13 +86,12 @@ def _config(name: str) -> jaxpar.Config:
 
 
 def measured(name: str) -> dict:
-    """Compile (never run) the train step of plan ``name``; XLA's memory and collectives."""
-    config = _config(name)
-    trainer = build_trainer(config)
-    batch = loader(config.train.global_batch, config.train.seq_len).batch(0)
-    compiled = trainer.lower(batch).compile()
-    return {"memory": memory_stats(compiled),
-            "collectives": collective_table(compiled.as_text(), trainer.plan.mesh)}
+    """Compile (never run) the train step of plan ``name``; XLA's memory and collectives.
+    The run is built from shapes (``compile_step``: the Trainer's own step for the global
+    batch's shape, as ``jaxpar inspect`` compiles it), so no weights are initialised."""
+    step = compile_step(_config(name))
+    return {"memory": memory_stats(step.compiled),
+            "collectives": collective_table(step.compiled.as_text(), step.run.trainer.plan.mesh)}
 
 
 def _by_kind(rows) -> dict[str, float]:

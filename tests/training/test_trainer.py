@@ -13,7 +13,7 @@ from jaxpar.errors import JaxparError
 from tests.helpers import BATCH, SEQ, SMALL, block_forward_hlo, loader, make_trainer, one_device
 from tests.user_models import LLAMA_ANNOTATIONS, LlamaLike
 
-STEPS = 5
+STEPS = 3
 STRATEGIES = {
     "dp": ({"data": 8}, "dp"),
     "fsdp": ({"data": 1, "fsdp": 8}, "fsdp"),
