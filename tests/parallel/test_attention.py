@@ -41,7 +41,7 @@ def test_chunked_equals_xla_forward_and_gradients(window, block):
             else:
                 out = attention(q, k, v, implementation="xla", window=window)
             return jnp.sum(out * ct), out
-        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, want), want_grads = loss("xla")
     (_, got), got_grads = loss("chunked")
