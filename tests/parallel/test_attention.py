@@ -41,7 +41,7 @@ def test_chunked_equals_xla_forward_and_gradients(window, block):
             else:
                 out = attention(q, k, v, implementation="xla", window=window)
             return jnp.sum(out * ct), out
-        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, want), want_grads = loss("xla")
     (_, got), got_grads = loss("chunked")
@@ -201,11 +201,14 @@ def test_splash_tiles_and_interpret_default(monkeypatch):
 
 
 def _documents_one_by_one(q, k, v, segments, ct):
-    """Outputs and (dq, dk, dv) of XLA's attention run on each document alone."""
+    """Outputs and (dq, dk, dv) of XLA's attention run on each document alone (one jitted
+    program: op by op, every document's shapes compiled their own kernels)."""
+    segments = np.asarray(segments)
+
     def f(q, k, v):
         outs = []
         for row in range(q.shape[0]):
-            ids = np.asarray(segments[row])
+            ids = segments[row]
             out = jnp.zeros_like(q[row])
             for doc in np.unique(ids):
                 at = np.flatnonzero(ids == doc)
@@ -215,7 +218,7 @@ def _documents_one_by_one(q, k, v, segments, ct):
             outs.append(out)
         out = jnp.stack(outs)
         return jnp.sum(out * ct), out
-    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
 @pytest.mark.parametrize("impl,block", [("xla", 0), ("chunked", 8), ("chunked", 64),

@@ -98,17 +98,23 @@ def test_every_schedule_on_a_layer_list_equals_one_device(kind, llama_base):
     np.testing.assert_allclose(_losses(trainer), llama_base, rtol=0, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def nanogpt_base():
+    """nanoGPT's losses on one device (its own loss function)."""
+    one = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+                                  "fsdp_tp", annotations=NANOGPT_ANNOTATIONS)
+    return _losses(jaxpar.Trainer(jaxpar.init_sharded(_nanogpt, one), optax.adam(1e-2), one,
+                                  loss_fn=nanogpt_loss))
+
+
 @pytest.mark.parametrize("kind, axes", [("1f1b", {"fsdp": 2, "tensor": 2}),
                                         ("interleaved_1f1b", {"tensor": 4})],
                          ids=["stage2-fsdp2-tensor2-1f1b", "stage2-tensor4-interleaved"])
-def test_1f1b_with_tensor_parallel_stages_trains_like_one_device(kind, axes):
+def test_1f1b_with_tensor_parallel_stages_trains_like_one_device(kind, axes, nanogpt_base):
     """nanoGPT's fused c_attn split over ``tensor`` makes GSPMD reshard by
     collective-permutes inside each stage's work; stages running different work reached
     different ones and XLA aborted. The stages now run in lockstep."""
-    one = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 1}, devices=jax.devices()[:1]),
-                                  "fsdp_tp", annotations=NANOGPT_ANNOTATIONS)
-    base = _losses(jaxpar.Trainer(jaxpar.init_sharded(_nanogpt, one), optax.adam(1e-2), one,
-                                  loss_fn=nanogpt_loss))
+    base = nanogpt_base
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"stage": 2, **axes}), "fsdp_tp",
                                    annotations=NANOGPT_ANNOTATIONS)
     staged = jaxpar.init_sharded(
