@@ -22,7 +22,10 @@ the model must learn to write to stop. Templates that render a turn otherwise on
 turns follow (Qwen3 writes an assistant turn's reasoning, ``<think>...</think>``, only
 after the last user message, and a non-thinking generation prompt's empty block only at
 the end) are met: the turn is the longest tail of its lone rendering that the whole text
-holds where the turn starts. A token counts when it overlaps such a span (as
+holds where the turn starts; where the conversation before a turn disagrees with the
+whole because an earlier turn's reasoning is dropped there (a reasoned tool call, then the
+answer, then a new user message), the turn is placed by the conversation before it
+rendered without that reasoning. A token counts when it overlaps such a span (as
 ``transformers``' ``return_assistant_tokens_mask`` reads its spans).
 
 A conversation may carry ``tools`` (function schemas, for templates that list them) and
@@ -215,15 +218,18 @@ class ChatTokenizer:
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], tools=tools, options=options)
-            prompt = self.render(messages[:i], True, tools=tools, options=options)
-            start = len(commonprefix((prompt, text)))
-            if start < len(prompt) and (start < len(before) or not text.startswith(before)):
+            for earlier in _as_the_whole_may_render(messages[:i]):
+                before = self.render(earlier, tools=tools, options=options)
+                prompt = self.render(earlier, True, tools=tools, options=options)
+                start = len(commonprefix((prompt, text)))
+                if start >= len(prompt) or (start >= len(before) and text.startswith(before)):
+                    break
+            else:
                 raise JaxparError(f"message {i + 1}: the chat template renders the "
                                   "conversation before this assistant turn otherwise than "
                                   "the whole conversation begins, so the turn cannot be "
                                   "found for the loss")
-            upto = self.render(messages[:i + 1], tools=tools, options=options)
+            upto = self.render([*earlier, message], tools=tools, options=options)
             end = start + len(commonprefix((upto[start:], text[start:])))
             if end == start:  # rendered otherwise with later turns: its longest tail
                 tail = next((upto[d:] for d in range(start + 1, len(upto))
@@ -251,6 +257,19 @@ class ChatTokenizer:
             if cut > start:
                 spans.append((start, cut))
         return ids, overlap_mask(offsets, spans)
+
+
+def _as_the_whole_may_render(earlier: Sequence[dict]) -> list[Sequence[dict]]:
+    """The conversation before an assistant turn as it is, then, when an earlier assistant
+    turn carries reasoning, without it: a template may drop a turn's reasoning once a later
+    turn follows (Qwen3's, once a user speaks again), so the start of the whole
+    conversation may be the start rendered without it."""
+    reasoned = any(m.get("role") == "assistant" and "reasoning_content" in m for m in earlier)
+    if not reasoned:
+        return [earlier]
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"}
+             if m.get("role") == "assistant" else m for m in earlier]
+    return [earlier, plain]
 
 
 def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]

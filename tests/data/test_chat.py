@@ -272,9 +272,18 @@ REASONED = [
      {"role": "assistant", "content": "Yes, it rains.", "reasoning_content": "The tool said so."},
      {"role": "user", "content": "Thanks."},
      {"role": "assistant", "content": "You are welcome."}],
+    [{"role": "user", "content": "Is it raining in Rome?"},
+     {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.", "tool_calls": [
+         {"type": "function", "function": {"name": "weather", "arguments": {"city": "Rome"}}}]},
+     {"role": "tool", "content": "sun"},
+     {"role": "assistant", "content": "No, it is sunny.", "reasoning_content": "Sun, no rain."},
+     {"role": "user", "content": "And tomorrow?"},
+     {"role": "assistant", "content": "I cannot tell.", "reasoning_content": "No forecast."}],
 ]
 """Reasoning in two turns, the first dropped from the whole; a tool call, its response, and
-reasoning on the answer to it."""
+reasoning on the answer to it; a reasoned tool call and a reasoned answer, both dropped
+from the whole once the user speaks again (the conversation before the answer, rendered
+alone, keeps the call's reasoning: it disagrees with the whole)."""
 
 
 @pytest.mark.parametrize("thinking", [None, False])
