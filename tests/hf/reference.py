@@ -1,6 +1,7 @@
 """What the family tests share: a tiny random ``transformers`` model of a family, saved
-with ``save_pretrained``, and the four comparisons each family passes (logits on a padded
-batch, greedy generation, export read back by ``transformers``, bit-exact round trip).
+with ``save_pretrained``, and the four comparisons each family passes (logits on a batch
+padded on the right and on the left, greedy generation, export read back by
+``transformers``, bit-exact round trip).
 
 Not a test module: ``tests/hf/test_phi3.py``, ``test_moe_families.py`` and
 ``test_gemma2_gemma3.py`` import it (they skip without torch and transformers).
@@ -32,6 +33,9 @@ IDS = np.random.default_rng(0).integers(3, SIZES["vocab_size"], (2, 12))
 MASK = np.ones_like(IDS)
 MASK[1, 8:] = 0  # the second row is 8 tokens and 4 of padding
 IDS[1, 8:] = SIZES["pad_token_id"]
+LEFT_IDS, LEFT_MASK = np.roll(IDS, 4, axis=1), np.roll(MASK, 4, axis=1)
+LEFT_IDS[0], LEFT_MASK[0] = IDS[0], MASK[0]
+"""The batch left-padded as batched generation pads it: the second row's 4 pads first."""
 PROMPT = IDS[0, :5]
 NEW_TOKENS = 16
 
@@ -44,6 +48,7 @@ class Reference:
     architecture: str
     logits: np.ndarray
     generated: list[int]
+    left_logits: np.ndarray | None = None
 
 
 def random_model(config_cls: str, model_cls: str, **config: Any) -> Any:
@@ -69,7 +74,8 @@ def make_reference(folder: Path, config_cls: str, model_cls: str, **options: Any
     :data:`PROMPT`."""
     model = random_model(config_cls, model_cls, **{**SIZES, **options})
     model.save_pretrained(folder)
-    return Reference(folder, model_cls, hf_logits(model), hf_generate(model))
+    return Reference(folder, model_cls, hf_logits(model), hf_generate(model),
+                     hf_left_logits(model))
 
 
 def hf_logits(model) -> np.ndarray:
@@ -79,6 +85,18 @@ def hf_logits(model) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.tensor(IDS), attention_mask=torch.tensor(MASK)).logits
     return out.float().numpy() * MASK[..., None]
+
+
+def hf_left_logits(model) -> np.ndarray:
+    """transformers' logits on the left-padded batch, positions counted from each row's
+    first token as ``generate`` counts them (pad positions zeroed)."""
+    import torch
+
+    positions = np.maximum(np.cumsum(LEFT_MASK, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(torch.tensor(LEFT_IDS), attention_mask=torch.tensor(LEFT_MASK),
+                    position_ids=torch.tensor(positions)).logits
+    return out.float().numpy() * LEFT_MASK[..., None]
 
 
 def hf_generate(model) -> list[int]:
@@ -99,9 +117,21 @@ def jaxpar_logits(model) -> np.ndarray:
     return np.asarray(model(jnp.asarray(IDS))) * MASK[..., None]
 
 
+def jaxpar_left_logits(model) -> np.ndarray:
+    """jaxpar's logits on the left-padded batch: the attention mask given as segment ids
+    (the pads one document, the row another: attention and positions start over at the
+    row's first token). Pad positions zeroed."""
+    return np.asarray(model(jnp.asarray(LEFT_IDS), segment_ids=jnp.asarray(LEFT_MASK))
+                      ) * LEFT_MASK[..., None]
+
+
 def max_error(model, ref: Reference) -> float:
-    """Largest logit difference between ``model`` (jaxpar) and transformers."""
-    return float(np.abs(jaxpar_logits(model) - ref.logits).max())
+    """Largest logit difference between ``model`` (jaxpar) and transformers, on the batch
+    padded on the right and (when ``ref`` has it) on the left."""
+    error = float(np.abs(jaxpar_logits(model) - ref.logits).max())
+    if ref.left_logits is not None:
+        error = max(error, float(np.abs(jaxpar_left_logits(model) - ref.left_logits).max()))
+    return error
 
 
 def jaxpar_generate(model) -> list[int]:

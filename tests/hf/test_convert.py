@@ -38,6 +38,10 @@ FAMILIES = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
 }
 IDS = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 12))
+LEFT_MASK = np.ones_like(IDS)
+LEFT_MASK[1, :4] = 0
+LEFT_IDS = np.where(LEFT_MASK, np.roll(IDS, 4, axis=1), 0)
+"""The batch as batched generation pads it: the second row 8 tokens after 4 pads."""
 TOL = 1e-4
 
 
@@ -65,6 +69,20 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def left_padded(checkpoints):
+    """family -> transformers' logits on the left-padded batch, positions counted from
+    each row's first token as ``generate`` counts them (pads zeroed)."""
+    positions = torch.tensor(np.maximum(np.cumsum(LEFT_MASK, axis=1) - 1, 0))
+    out = {}
+    for family, (folder, _) in checkpoints.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+        with torch.no_grad():
+            out[family] = model(torch.tensor(LEFT_IDS), attention_mask=torch.tensor(
+                LEFT_MASK), position_ids=positions).logits.numpy() * LEFT_MASK[..., None]
+    return out
+
+
 def _logits(model, plan=None) -> np.ndarray:
     if plan is None:
         return np.asarray(model(jnp.asarray(IDS)))
@@ -77,9 +95,15 @@ def _plan(**axes):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_load_matches_transformers(checkpoints, family):
+def test_load_matches_transformers(checkpoints, left_padded, family):
     folder, want = checkpoints[family]
-    np.testing.assert_allclose(_logits(hf.load(folder)), want, atol=TOL, rtol=0)
+    one = hf.load(folder)
+    np.testing.assert_allclose(_logits(one), want, atol=TOL, rtol=0)
+    # Left padding: the attention mask as segment ids (pads and row apart, positions
+    # from the row's first token).
+    left = np.asarray(one(jnp.asarray(LEFT_IDS), segment_ids=jnp.asarray(LEFT_MASK)))
+    np.testing.assert_allclose(left * LEFT_MASK[..., None], left_padded[family], atol=TOL,
+                               rtol=0)
     plan = _plan(fsdp=4, tensor=2)
     model = hf.load(folder, plan=plan)
     wq = model.blocks.attn.wq.kernel.get_value()
