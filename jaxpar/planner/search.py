@@ -366,18 +366,17 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
     listed = list(meshes(base, machine, stages=pipeline, seq=seq, global_batch=global_batch,
                          contexts=contexts, experts=experts))
     for i, (ici, dcn) in enumerate(listed):
-        found.listed.setdefault((tuple(ici.items()), tuple(dcn.items())), i)
+        key = _mesh_key(ici, dcn)
+        found.listed.setdefault(key, i)
         stages = ici["stage"] * dcn["stage"]
         if stages not in found.specs:
             found.specs[stages] = spec_for(stages)
+        if found.prune and key not in found.floors:  # once a search: a second pass reuses it
+            found.floors[key] = _mesh_floor(found.specs[stages], machine, global_batch, seq,
+                                            ici, dcn, precision=precision, quantize=quantize,
+                                            optimizer=optimizer)
     if found.prune:  # the promising meshes first: the bar drops early
-        for ici, dcn in listed:  # once a search: a second pass visits them alike
-            key = (tuple(ici.items()), tuple(dcn.items()))
-            if key not in found.floors:
-                found.floors[key] = _mesh_floor(
-                    found.specs[ici["stage"] * dcn["stage"]], machine, global_batch, seq,
-                    ici, dcn, precision=precision, quantize=quantize, optimizer=optimizer)
-        listed.sort(key=lambda m: found.floors[(tuple(m[0].items()), tuple(m[1].items()))])
+        listed.sort(key=lambda m: found.floors[_mesh_key(*m)])
     for ici, dcn in listed:
         stages = ici["stage"] * dcn["stage"]
         spec = found.specs[stages]
@@ -418,6 +417,11 @@ def _search_pass(spec_for: Callable[[int], ModelSpec], machine: Machine, global_
                             found.evaluated += n
                             if mb:
                                 fitted[remat] = mb
+
+
+def _mesh_key(ici: dict[str, int], dcn: dict[str, int]) -> tuple:
+    """A mesh as a dictionary key (the first two entries of a knob set's key)."""
+    return tuple(ici.items()), tuple(dcn.items())
 
 
 def _batch_ways(ici: dict[str, int], dcn: dict[str, int]) -> int:
@@ -511,7 +515,7 @@ def _fewest_microbatches(spec: ModelSpec, machine: Machine, global_batch: int, s
         est = found.price(spec, machine, cand, twin, global_batch, seq, mems)
         for axis in found.axes_left_out(spec, cand):
             found.baselines[axis].offer(est)
-        key = (tuple(ici.items()), tuple(dcn.items()), cand.zero_stage, cand.remat,
+        key = (*_mesh_key(ici, dcn), cand.zero_stage, cand.remat,
                cand.pipeline_microbatches, cand.pipeline_schedule, cand.pipeline_repeats,
                cand.sequence_parallel, cand.context_attention, cand.offload_optimizer,
                cand.host_update, cand.offload_params)
