@@ -399,6 +399,23 @@ def _accumulator_elems(lay: Layout, cand: Candidate, backend: str) -> float:
     return sum(p.zero if "expert" in p.tensor.names else p.base for p in lay.placed)
 
 
+def tied_table_bytes(spec: ModelSpec, lay: Layout, act: int, backend: str) -> float:
+    """Bytes of the gathered copies of a tied embedding table the TPU compiler keeps
+    beyond the gradient :func:`memory` counts: the table serves the lookup and the output
+    head, and the step's layout holds it, gathered and in the compute dtype, in four
+    buffers (the lookup's, the head's in its transposed layout, the head's gradient, the
+    lookup's gradient), three more than the gradient. Measured, the memory-usage reports
+    of ``benchmarks/tpu_compile.py``'s MaxText 22B on v4-128 (four bf16 [32768,6144]
+    buffers and an f32 pair), 16B on 2 x v5e-256 (four bf16 [5120,32768] and one
+    [256,20,32768]) and Gemma 2 27B on v6e-32 (four to five bf16 [32000,4608], the table
+    split over tensor=8). An untied table is read once, by the lookup, and the head is a
+    matmul weight like a layer's: nothing to add. XLA:CPU's are counted by its whole
+    gradients."""
+    if backend != "tpu" or not spec.tie_embeddings:
+        return 0.0
+    return sum(3 * act * p.compute for p in lay.placed if p.tensor.path == "embed")
+
+
 def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq: int,
            backend: str = "tpu") -> dict[str, float]:
     """Per-device bytes: state (``argument``), XLA temporaries (``temp``) and their sum,
@@ -549,7 +566,8 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         peak = max(layer_work + stream + staging, update_device, loss_work)
     else:
         peak = max(layer_work + stream + staging + update_device, loss_work)
-    temp = grads + saved + gathered + peak + cast
+    tied = tied_table_bytes(spec, lay, c, backend) if spec.is_transformer else 0.0
+    temp = grads + saved + gathered + peak + cast + tied
     argument = params + master + opt + batch - off.optimizer - off.params
     host = off.optimizer + off.params + host_act
     if backend != "cpu":  # streamed weights' gradients leave the layer loop to the host
@@ -563,5 +581,5 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
             "host_opt_bytes": off.optimizer, "host_param_bytes": off.params,
             "host_activation_bytes": host_act, "host_bytes": host,
             "offload_transient_bytes": stream + staging + transient,
-            "gathered_weight_bytes": gathered,
+            "gathered_weight_bytes": gathered, "tied_table_bytes": tied,
             **({"traced_residual_bytes": traced.residual_bytes} if traced else {})}
