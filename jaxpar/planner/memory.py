@@ -566,7 +566,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         peak = max(layer_work + stream + staging, update_device, loss_work)
     else:
         peak = max(layer_work + stream + staging + update_device, loss_work)
-    tied = tied_table_bytes(spec, lay, c, backend) if spec.is_transformer else 0.0
+    tied = tied_table_bytes(spec, lay, c, backend)  # only a transformer ties its table
     temp = grads + saved + gathered + peak + cast + tied
     argument = params + master + opt + batch - off.optimizer - off.params
     host = off.optimizer + off.params + host_act

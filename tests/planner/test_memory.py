@@ -325,7 +325,6 @@ def test_moe_working_set_against_the_tpu_compiler():
     assert pred["total_bytes"] == pytest.approx(got["total_bytes"], rel=0.10)
 
 
-
 # The TPU compiler's per-device figures (arguments + temporaries, outputs aliased) of steps
 # whose embedding table is tied to the output head: `jaxpar plan ... --verify 1` (Gemma:
 # the command in each config), `jaxpar compile --target tpu-v5e:16x16 --slices 2` of
@@ -344,6 +343,12 @@ TIED_COMPILED = {
                           dict(zero_stage=3, remat="none", microbatches=16,
                                sequence_parallel=True), "tpu-v5p:16", 1, 64, 8192, 71.84),
 }
+
+# MaxText's 22B shapes at 4 layers, and its step's memory-usage report on tpu-v4:4x4x4.
+TIED_22B = jaxpar.models.TransformerConfig(
+    vocab_size=32768, d_model=6144, n_layers=4, n_heads=24, n_kv_heads=24, head_dim=256,
+    d_ff=16384, max_seq_len=1024, tie_embeddings=True, attention="xla", loss_chunk=1024)
+REPORT_22B = Path(__file__).parent / "data" / "22b_4_layers_v4_memory_report.txt"
 
 
 @pytest.mark.parametrize("run", TIED_COMPILED)
@@ -378,9 +383,3 @@ def test_a_tied_table_is_held_in_four_buffers_as_the_tpu_compiler_lays_it_out():
     assert tied_table_bytes(spec, lay, 2, "cpu") == 0
     untied = from_transformer(dataclasses.replace(TIED_22B, tie_embeddings=False))
     assert tied_table_bytes(untied, layout(untied, {"fsdp": 64}, "fsdp_tp", 0), 2, "tpu") == 0
-
-
-TIED_22B = jaxpar.models.TransformerConfig(
-    vocab_size=32768, d_model=6144, n_layers=4, n_heads=24, n_kv_heads=24, head_dim=256,
-    d_ff=16384, max_seq_len=1024, tie_embeddings=True, attention="xla", loss_chunk=1024)
-REPORT_22B = Path(__file__).parent / "data" / "22b_4_layers_v4_memory_report.txt"
