@@ -60,16 +60,14 @@ def test_the_step_compiles_for_a_tpu_with_splash_as_the_mosaic_kernel(v5e_step):
     assert custom_calls(v5e_step.compiled.as_text()).get("tpu_custom_call", 0) >= 3
 
 
-@pytest.mark.parametrize("topology", ["tpu-v5e:2x2", "tpu-v5p:2x2x1"])
-def test_compiled_memory_against_the_planner(topology, v5e_step):
+def test_compiled_memory_against_the_planner(v5e_step):
     """The state (arguments) is the planner's to the byte's rounding; the compiler's whole
     footprint stays within the planner's, and the planner's within twice the compiler's
     (conservative for a 9M-parameter model: the TPU compiler updates the optimizer state
-    in place, and fuses most of a small layer's working set); both say it fits."""
-    step = (v5e_step if topology == "tpu-v5e:2x2" else
-            compile_step(load_config("configs/tiny.yaml", SMALL),
-                         targets.tpu_target(topology)))
-    report = step_report(step)
+    in place, and fuses most of a small layer's working set); both say it fits. On the v5e
+    step only: the v5p compiler is checked against the planner by
+    tests/planner/test_memory.py::test_moe_working_set_against_the_tpu_compiler."""
+    report = step_report(v5e_step)
     mem, pred = report["memory"], report["predicted"]["memory"]
     assert mem["fits"] and pred["total_bytes"] < mem["hbm_bytes"]
     assert pred["argument_bytes"] == pytest.approx(mem["argument_bytes"], rel=0.02)
@@ -106,12 +104,14 @@ LIGHT = ["model.n_layers=1", "model.d_model=256", "model.n_heads=2", "model.n_kv
 @pytest.fixture(scope="module")
 def context_steps():
     """The step with the sequence (1024) split over context=2 and heads over tensor=2,
-    splash under both context attentions, compiled for a v5e slice."""
+    splash under both context attentions, compiled for a v5e slice; bf16 compute with
+    float32 weight gradients (test_weight_gradients_are_reduced_in_the_grad_dtype)."""
     def step(kind):
         config = load_config("configs/tiny.yaml", [
             *LIGHT, "train.seq_len=1024", "model.max_seq_len=1024", "mesh.data=1",
             "mesh.context=2", "mesh.tensor=2", "model.n_heads=4", "model.n_kv_heads=2",
-            f"plan.context_attention={kind}"])
+            f"plan.context_attention={kind}", "plan.precision=p=f32,c=bf16,o=f32",
+            "plan.grad_dtype=float32"])
         return compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
     return {kind: step(kind) for kind in ("allgather", "ring")}
 
@@ -131,24 +131,35 @@ def test_splash_compiles_for_a_tpu_under_context_parallelism(context_steps, kind
     assert 0 < temp < 4 * 2 * 512 * 1024 * 4
 
 
-@pytest.mark.parametrize("grad_dtype, summed", [("compute", "bf16"), ("float32", "f32")])
-def test_splash_under_tensor_parallelism_and_weight_gradients_in_the_grad_dtype(
-        grad_dtype, summed):
+def _reduced_layer_gradient_dtypes(text: str) -> set[str]:
+    """The dtypes of the all-reduced layer-stack kernels' gradients: rank 4 (layers, embed,
+    heads, head_dim) arrays."""
+    import re
+
+    return {dtype for line in text.splitlines() if " all-reduce(" in line
+            for dtype in re.findall(r"(bf16|f32)\[1,\d+,\d+,\d+\]", line.split(
+                " all-reduce(")[0])}
+
+
+def test_splash_under_tensor_parallelism_and_weight_gradients_in_the_grad_dtype():
     """One program on data=2 x tensor=2 checked for two facts: splash compiles under
     tensor parallelism (heads split over tensor) as the Mosaic kernels, forward and two
     backward; and the TPU compiler's data-parallel all-reduce of the layers' weight
-    gradients carries the plan's grad_dtype (XLA:CPU widens every all-reduce to f32, so
-    only the TPU program tells them apart)."""
-    import re
-
+    gradients carries the plan's grad_dtype, here the compute dtype, bf16 (XLA:CPU widens
+    every all-reduce to f32, so only the TPU program tells them apart; float32 in
+    test_weight_gradients_are_reduced_in_the_grad_dtype)."""
     config = load_config("configs/tiny.yaml", [*LIGHT, "mesh.data=2", "mesh.fsdp=1",
                                                "mesh.tensor=2",
                                                "plan.precision=p=f32,c=bf16",
-                                               f"plan.grad_dtype={grad_dtype}"])
+                                               "plan.grad_dtype=compute"])
     text = compile_step(config, targets.tpu_target("tpu-v5e:2x2")).compiled.as_text()
     assert custom_calls(text).get("tpu_custom_call", 0) >= 3
-    # The layer stack's kernels: rank 4 (layers, embed, heads, head_dim) arrays.
-    reduced = {dtype for line in text.splitlines() if " all-reduce(" in line
-               for dtype in re.findall(r"(bf16|f32)\[1,\d+,\d+,\d+\]", line.split(
-                   " all-reduce(")[0])}
-    assert reduced == {summed}
+    assert _reduced_layer_gradient_dtypes(text) == {"bf16"}
+
+
+def test_weight_gradients_are_reduced_in_the_grad_dtype(context_steps):
+    """grad_dtype=float32 under bf16 compute: the ring program's all-reduce of the layers'
+    weight gradients over the context axis (which splits the batch's sequence, so each
+    device holds a partial gradient) is f32 on the TPU compiler."""
+    text = context_steps["ring"].compiled.as_text()
+    assert _reduced_layer_gradient_dtypes(text) == {"f32"}
