@@ -221,9 +221,10 @@ def test_custom_vjp_trains_like_the_unpipelined_model(embedded):
         return step
 
     ours, ref = (stacked, head, table), (layers, head, table)
+    step, ref_step = sgd(model), sgd(reference)  # each jitted once, traced at step 1
     for _ in range(3):
-        loss, ours = sgd(model)(ours, tokens_s, ts)
-        ref_loss, ref = sgd(reference)(ref, tokens, targets)
+        loss, ours = step(ours, tokens_s, ts)
+        ref_loss, ref = ref_step(ref, tokens, targets)
         assert _rel(loss, ref_loss) < 1e-5
     got = (sc.from_schedule_layout(ours[0]), *ours[1:])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
@@ -266,16 +267,17 @@ def test_temp_memory_grows_with_microbatches_for_gpipe_not_1f1b():
     for the input gradient instead of an embedding adds a batch-sized buffer to every
     schedule.) The ``data`` axis is automatic, so the stages run in lockstep; with a
     ``lax.switch`` per stage (``lockstep=False``) GPipe grew twice as fast: 119,240,
-    136,008, 169,608."""
+    136,008, 169,608. The test compiles m = 4 and m = 16 (the table's middle column is
+    for reference)."""
     mesh = _mesh(4, 2)
     temp = {kind: [_compiled(kind, m, mesh=mesh, width=64).memory_analysis().temp_size_in_bytes
-                   for m in (4, 8, 16)] for kind in ("gpipe", "1f1b")}
+                   for m in (4, 16)] for kind in ("gpipe", "1f1b")}
     print(temp)
     gpipe, one_f = temp["gpipe"], temp["1f1b"]
-    assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] > 1.15 * gpipe[0]
-    assert max(one_f) <= 1.2 * one_f[0]
+    assert gpipe[1] > 1.15 * gpipe[0]
+    assert one_f[1] <= 1.2 * one_f[0]
     # The growth is GPipe's buffer: (16 - 4) microbatches x 16 rows / 2 x 64 x 4 bytes.
-    assert gpipe[2] - gpipe[0] >= 12 * 8 * 64 * 4
+    assert gpipe[1] - gpipe[0] >= 12 * 8 * 64 * 4
 
 
 def _computations(hlo: str) -> dict[str, str]:
