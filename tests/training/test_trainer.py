@@ -33,16 +33,6 @@ def reference_losses(devices):
     return losses(make_trainer({"data": 1}, devices=one_device()))
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_sharded_losses_equal_single_device(reference_losses, name):
-    axes, rules = STRATEGIES[name]
-    trainer = make_trainer(axes, rules)
-    got = losses(trainer)
-    np.testing.assert_allclose(got, reference_losses, rtol=1e-5)
-    assert reference_losses[-1] < reference_losses[0]  # it really trains
-    assert trainer.step_count == STEPS  # the functional step carried the counter
-
-
 def test_step_counter_and_optimizer_state_advance(devices):
     trainer = make_trainer({"fsdp": 8})
     before = jax.tree.map(np.asarray, trainer.state["params"])
@@ -71,11 +61,16 @@ def _compiled_hlo(trainer: jaxpar.Trainer) -> str:
     return trainer.lower(loader().batch(0)).compile().as_text()
 
 
-@pytest.mark.parametrize("name", ["dp", "fsdp", "tp", "dp_fsdp_tp"])
-def test_compiled_collectives_match_strategy(capfd, name, fresh_compile):
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_compiled_collectives_match_strategy(capfd, reference_losses, name, fresh_compile):
+    """Each strategy's steps equal one device's losses (and carry the step counter), and
+    the same trainer's compiled step moves what the strategy implies."""
     axes, rules = STRATEGIES[name]
     trainer = make_trainer(axes, rules)
     capfd.readouterr()
+    np.testing.assert_allclose(losses(trainer), reference_losses, rtol=1e-5)
+    assert reference_losses[-1] < reference_losses[0]  # it really trains
+    assert trainer.step_count == STEPS  # the functional step carried the counter
     hlo = _compiled_hlo(trainer)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     table = collective_table(hlo, trainer.plan.mesh)
