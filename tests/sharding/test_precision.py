@@ -75,26 +75,29 @@ def test_in_step_cast_saves_the_copy_and_adds_no_collective(bf16_runs):
     assert kinds["in_step"] == kinds["stored"]
 
 
-@pytest.mark.parametrize("saved, restored", [("stored", "in_step"), ("in_step", "stored")])
-def test_a_checkpoint_resumes_across_weight_copy(tmp_path, saved, restored):
+def test_a_checkpoint_resumes_across_weight_copy(tmp_path):
     """A run that stored a bf16 copy resumes without one (its master weights become the
-    params) and the other way round (the copy cast from the saved master weights): the
-    resumed step's loss is the uninterrupted run's."""
+    params), and that run, saved in turn, resumes with one (the copy cast from the saved
+    master weights): each resumed step's loss is that of the run it was saved from."""
     def config(weight_copy):
         return small_config("mesh.fsdp=8", "mesh.data=1", "plan.precision=p=f32,c=bf16",
                             "train.lr=1e-2", f"plan.weight_copy={weight_copy}")
 
-    first = build_trainer(config(saved))
+    run = build_trainer(config("stored"))
     for i in range(2):
-        first.step(loader().batch(i))
+        run.step(loader().batch(i))
     with Checkpointer(tmp_path, async_save=False) as ckpt:
-        ckpt.save(first)
-        second = build_trainer(config(restored))
-        ckpt.restore(second)
-    assert second.stores_copy == (restored == "stored") and second.step_count == 2
-    np.testing.assert_array_equal(second.state[second.master_key]["embed"].get_value(),
-                                  first.state[first.master_key]["embed"].get_value())
-    assert second.step(loader().batch(2))["loss"] == first.step(loader().batch(2))["loss"]
+        for step, weight_copy in ((2, "in_step"), (3, "stored")):
+            ckpt.save(run)
+            resumed = build_trainer(config(weight_copy))
+            ckpt.restore(resumed)
+            assert resumed.stores_copy == (weight_copy == "stored")
+            assert resumed.step_count == step
+            np.testing.assert_array_equal(resumed.state[resumed.master_key]["embed"].get_value(),
+                                          run.state[run.master_key]["embed"].get_value())
+            assert (resumed.step(loader().batch(step))["loss"]
+                    == run.step(loader().batch(step))["loss"])
+            run = resumed
 
 
 class Poisoned(nnx.Module):
