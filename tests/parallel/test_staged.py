@@ -2,6 +2,7 @@
 schedule against the 1-device run of the same weights and batches, the stage axis in the
 compiled program, 1F1B's flat memory, the plan's remat inside the stages, refusals."""
 
+import functools
 import re
 
 import jax
@@ -14,6 +15,7 @@ from flax import nnx
 import jaxpar
 from jaxpar.errors import JaxparError
 from jaxpar.parallel.staged import StagedModel, StageSplit, stage_model
+from jaxpar.sharding.partitioning import abstract_sharded
 from tests.user_models import (
     LLAMA_ANNOTATIONS,
     NANOGPT_ANNOTATIONS,
@@ -70,6 +72,14 @@ def _trainer(build, split, stages=1, kind="", microbatches=0, remat="none"):
     return jaxpar.Trainer(jaxpar.init_sharded(make, plan), optax.adam(1e-2), plan)
 
 
+@functools.cache
+def _llama_staged(kind: str) -> jaxpar.Trainer:
+    """LlamaLike on 2 stages by ``kind``, one microbatch a stage, built once for the module:
+    test_every_schedule_on_a_layer_list_equals_one_device trains the gpipe one (the only
+    test that steps it); the others lower it, which reads shapes only."""
+    return _trainer(_llama, LLAMA_SPLIT, stages=2, kind=kind)
+
+
 def _losses(trainer) -> np.ndarray:
     return np.array([float(trainer.step(TOKENS)["loss"]) for _ in range(STEPS)])
 
@@ -92,7 +102,8 @@ def llama_base():
 # tensor-parallel stages besides; LlamaLike by 1F1B in tests/checkpoint/test_structure.py.
 @pytest.mark.parametrize("kind", ["gpipe", "circular"])
 def test_every_schedule_on_a_layer_list_equals_one_device(kind, llama_base):
-    trainer = _trainer(_llama, LLAMA_SPLIT, stages=2, kind=kind)
+    trainer = (_llama_staged(kind) if kind == "gpipe" else
+               _trainer(_llama, LLAMA_SPLIT, stages=2, kind=kind))
     schedule = trainer.pipeline_schedule
     assert (schedule.kind, schedule.stages, schedule.layers) == (kind, 2, 4)
     np.testing.assert_allclose(_losses(trainer), llama_base, rtol=0, atol=1e-5)
@@ -130,7 +141,7 @@ def test_a_scanned_stack_pipelines_by_1f1b_like_one_device():
 
 
 def test_the_stage_axis_holds_the_blocks_and_activations_move_between_stages():
-    trainer = _trainer(_llama, LLAMA_SPLIT, stages=2, kind="1f1b")
+    trainer = _llama_staged("1f1b")
     model = trainer.model
     assert isinstance(model, StagedModel) and len(model.model.layers) == 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model.blocks)):
@@ -143,7 +154,8 @@ def test_the_stage_axis_holds_the_blocks_and_activations_move_between_stages():
 
 
 def _temp_bytes(kind: str, microbatches: int) -> int:
-    trainer = _trainer(_llama, LLAMA_SPLIT, 2, kind, microbatches)
+    trainer = (_llama_staged(kind) if microbatches == 2 else  # 2: one a stage, the default
+               _trainer(_llama, LLAMA_SPLIT, 2, kind, microbatches))
     batch = np.tile(TOKENS, (microbatches // 2, 1))
     return trainer.lower(batch).compile().memory_analysis().temp_size_in_bytes
 
@@ -158,8 +170,10 @@ def test_1f1b_memory_stays_flat_in_microbatches_while_gpipe_grows():
 
 
 def test_the_plans_remat_policy_reaches_the_blocks_inside_the_stages():
-    temp = {remat: _trainer(_llama, LLAMA_SPLIT, 2, "gpipe", remat=remat).lower(TOKENS)
-            .compile().memory_analysis().temp_size_in_bytes for remat in ("none", "full")}
+    trainers = {"none": _llama_staged("gpipe"),
+                "full": _trainer(_llama, LLAMA_SPLIT, 2, "gpipe", remat="full")}
+    temp = {remat: t.lower(TOKENS).compile().memory_analysis().temp_size_in_bytes
+            for remat, t in trainers.items()}
     assert temp["full"] < temp["none"], temp
 
 
@@ -194,9 +208,9 @@ def test_a_model_that_cannot_be_staged_is_refused_in_one_line(build, split, stag
 
 
 def test_stages_without_a_split_or_on_an_explicit_mesh_are_refused():
-    plan = _plan(2)
+    plan = _plan(2)  # the Trainer refuses the model's shapes: nothing initialised
     with pytest.raises(JaxparError, match="divide it with jaxpar.stage_model"):
-        jaxpar.Trainer(jaxpar.init_sharded(_llama, plan), optax.sgd(0.1), plan)
+        jaxpar.Trainer(abstract_sharded(_llama, plan), optax.sgd(0.1), plan)
     mesh = jaxpar.make_mesh({"stage": 2, "fsdp": 4}, explicit=True)
     explicit = jaxpar.Plan.from_preset(mesh, "fsdp", annotations=LLAMA_ANNOTATIONS)
     staged = stage_model(_llama(), LLAMA_SPLIT, stages=2)
@@ -211,6 +225,6 @@ def test_a_config_divides_a_factory_model_by_pipeline_split(devices):
         "pipeline.split=tests.parallel.test_staged:LLAMA_SPLIT", "pipeline.schedule=1f1b",
         "mesh.data=1", "mesh.stage=2", "mesh.fsdp=4", "train.global_batch=8",
         "train.seq_len=16", "plan.rules=fsdp"])
-    run = jaxpar.assemble(cfg, devices)
-    assert isinstance(run.trainer.model, StagedModel)
+    run = jaxpar.assemble(cfg, devices, abstract=True)  # shapes: nothing initialised
+    assert isinstance(run.trainer.structure, StagedModel)  # (model: weights, not shapes)
     assert (run.schedule.kind, run.schedule.layers, run.schedule.microbatches) == ("1f1b", 4, 2)
