@@ -3,7 +3,7 @@
 The reference decoder trained on meshes with a context axis (all-gather and ring attention,
 alone and with fsdp and tensor axes, balanced and natural sequence order) gives the losses
 and gradient norms of the same model on one device; per-device activation memory at a long
-sequence falls about as 1/c.
+sequence falls about as 1/c (c=4 against one device).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from flax import nnx
 import jaxpar
 from jaxpar.analysis.hlo import count_collectives
 from jaxpar.models import Transformer
+from jaxpar.sharding.partitioning import abstract_sharded
 from jaxpar.training.optimizer import make_optimizer
 from tests.helpers import SMALL, loader, make_trainer, small_config
 
@@ -65,11 +66,12 @@ def test_context_parallel_training_equals_one_device(batches, one_device, axes, 
 
 
 def _temp_bytes(axes: dict, n_devices: int, kind: str = "allgather") -> int:
-    """Per-device temporary memory of a compiled training step at sequence 2048."""
+    """Per-device temporary memory of a compiled training step at sequence 2048 (the
+    Trainer built from the model's shapes: nothing initialised)."""
     cfg = dataclasses.replace(SMALL, n_layers=1, max_seq_len=2048, attention="xla")
     mesh = jaxpar.make_mesh(axes, devices=jax.devices()[:n_devices])
     plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp", context_attention=kind)
-    model = jaxpar.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
+    model = abstract_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), plan)
     trainer = jaxpar.Trainer(model, make_optimizer(small_config().train), plan)
     batch = np.zeros((1, 2049), np.int32)
     return trainer.lower(batch).compile().memory_analysis().temp_size_in_bytes
@@ -84,6 +86,5 @@ def one_device_temp_bytes():
 @pytest.mark.parametrize("kind", ["allgather", "ring"])
 def test_activation_memory_per_device_falls_as_one_over_c(kind, one_device_temp_bytes):
     one = one_device_temp_bytes
-    two = _temp_bytes({"context": 2}, 2, kind)
     four = _temp_bytes({"context": 4}, 4, kind)
-    assert two < 0.6 * one and four < 0.35 * one, (one, two, four)
+    assert four < 0.35 * one, (one, four)
