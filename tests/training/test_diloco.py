@@ -134,13 +134,13 @@ def test_fragments_cut_stacked_layers_by_range(devices):
     assert any(rows is not None for i, rows in parts[0])
 
 
-def _saved_and_restored(run, data, folder) -> DiLoCo:
-    """A new ``run()`` restored from a checkpoint of another that took ``data``'s steps."""
-    first = run()
-    for b in data:
-        first.step(b)
+def _save(run: DiLoCo, folder) -> None:
     with Checkpointer(folder) as ckpt:
-        ckpt.save(first, force=True)
+        ckpt.save(run, force=True)
+
+
+def _restored(run, folder) -> DiLoCo:
+    """A new ``run()`` restored from the checkpoint in ``folder``."""
     resumed = run()
     with Checkpointer(folder) as ckpt:
         ckpt.restore(resumed)
@@ -150,17 +150,20 @@ def _saved_and_restored(run, data, folder) -> DiLoCo:
 def test_long_syncs_learn_and_stale_updates_resume_exactly(devices, tmp_path):
     """H = 2 with Nesterov outer momentum and a one-meeting delay: the loss falls; a run
     saved after 3 steps (mid-way between meetings, a gradient pending) and restored into
-    a new DiLoCo continues exactly as the run that never stopped."""
+    a new DiLoCo continues exactly as the saved run, which went on without stopping."""
     data = batches(1) * 6
 
     def run():
         return DiLoCo(inner(), sync_every=2, staleness=1)
 
-    whole = run()
-    want = [float(whole.step(b)["loss"]) for b in data]
+    whole, want = run(), []
+    for t, b in enumerate(data, start=1):
+        want.append(float(whole.step(b)["loss"]))
+        if t == 3:
+            _save(whole, tmp_path)  # saved mid-run; the run goes on as if it never was
     assert want[-1] < want[0]
     assert float(np.abs(np.asarray(jax.tree.leaves(whole.state["pending"])[0])).max()) > 0
-    resumed = _saved_and_restored(run, data[:3], tmp_path)
+    resumed = _restored(run, tmp_path)
     assert resumed.step_count == 3
     got = [float(resumed.step(b)["loss"]) for b in data[3:]]
     assert got == want[3:]
@@ -189,8 +192,11 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
         return DiLoCo(inner(sgd()), sync_every=2, outer_lr=lr, outer_momentum=mu,
                       overlap=True)
 
-    whole = run()
-    got = [float(whole.step(b)["loss"]) for b in data]
+    whole, got = run(), []
+    for t, b in enumerate(data, start=1):
+        got.append(float(whole.step(b)["loss"]))
+        if t == 2:
+            _save(whole, tmp_path)  # its meeting in flight; the run goes on
     # the reference
     reps = [_replica(devices[:4]), _replica(devices[4:])]
     weights = lambda r: [np.asarray(x, np.float64) for x in jax.tree.leaves(r.state["params"])]  # noqa: E731
@@ -230,7 +236,7 @@ def test_overlapped_meetings_follow_the_rule_and_carry_the_all_reduce(devices, t
     assert 0.9 * 4 * params / 4 <= carried <= 1.1 * 4 * params / 4 + 64
     assert _data_bytes(whole.lower(data[0]).compile().as_text(), mesh) <= 64
     # saved after step 2 (its meeting in flight), restored, continued: the same losses
-    resumed = _saved_and_restored(run, data[:2], tmp_path)
+    resumed = _restored(run, tmp_path)
     assert [float(resumed.step(b)["loss"]) for b in data[2:]] == got[2:]
 
 
