@@ -16,6 +16,7 @@ from jaxpar.analysis.hlo import collective_table
 from jaxpar.checkpoint.checkpointer import Checkpointer
 from jaxpar.models import Transformer, TransformerConfig
 from jaxpar.parallel.compression import pack_signs, unpack_signs
+from jaxpar.sharding.partitioning import abstract_sharded
 from jaxpar.sharding.rules import Rules
 
 CFG = TransformerConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -55,11 +56,20 @@ def test_warm_up_steps_are_exact(devices):
     np.testing.assert_allclose(got, plain_losses(), rtol=1e-6)
 
 
-def test_the_step_sends_signs_not_gradients(devices):
+@pytest.fixture(scope="module")
+def plain_and_packed(devices):
+    """The plain and the sign-compressed trainers, built once for the two tests below:
+    test_the_step_sends_signs_not_gradients lowers them (shapes only, whatever they have
+    trained), test_compressed_training_learns_and_keeps_its_error trains them (the only
+    test that steps them)."""
+    return trainer(), trainer("sign")
+
+
+def test_the_step_sends_signs_not_gradients(plain_and_packed):
     """The compressed reduction all-gathers uint8 signs (and a float per 256 values) over
     data: under 20% of the bytes the plain step all-reduces over the data axes for its
     gradients (which it reduces over fsdp first)."""
-    plain, packed = trainer(), trainer("sign")
+    plain, packed = plain_and_packed
     batch = batches(1)[0]
     text = packed.lower(batch).compile().as_text()
     gathers = [line for line in text.splitlines() if " all-gather(" in line and "u8[" in line]
@@ -72,11 +82,11 @@ def test_the_step_sends_signs_not_gradients(devices):
     assert rows[("all-gather", ("data",))] < 0.2 * reduced
 
 
-def test_compressed_training_learns_and_keeps_its_error(devices):
+def test_compressed_training_learns_and_keeps_its_error(plain_and_packed):
     """Ten Adam steps on one batch: the loss falls at least 60% as far as uncompressed;
     the error buffers (one per data device) are not zero."""
     batch = batches(1)[0]
-    plain, packed = trainer(), trainer("sign")
+    plain, packed = plain_and_packed
     want = [float(plain.step(batch)["loss"]) for _ in range(10)]
     got = [float(packed.step(batch)["loss"]) for _ in range(10)]
     assert got[0] - got[-1] > 0.6 * (want[0] - want[-1]) > 0
@@ -122,6 +132,6 @@ def test_resume_with_the_error_buffers_is_exact(devices, tmp_path):
 def test_plans_it_cannot_run_get_one_line(devices, axes, knobs, message):
     plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), "fsdp", compress_gradients="sign")
     plan = dataclasses.replace(plan, **knobs)
-    model = jaxpar.init_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)
+    model = abstract_sharded(lambda: Transformer(CFG, rngs=nnx.Rngs(0)), plan)  # shapes
     with pytest.raises(jaxpar.JaxparError, match=message):
         jaxpar.Trainer(model, optax.adam(1e-2), plan)
