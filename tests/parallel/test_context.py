@@ -22,9 +22,7 @@ MESHES = {
     "c2": {"context": 2},
     "c4": {"context": 4},
     "c2_tp2": {"context": 2, "tensor": 2},
-    "c4_tp2": {"context": 4, "tensor": 2},
     "c2_fsdp2_stage2": {"context": 2, "fsdp": 2, "stage": 2},  # stage: unused by attention
-    "c4_fsdp2": {"context": 4, "fsdp": 2},
     "c2_tp4": {"context": 2, "tensor": 4},  # 2 kv heads do not divide tensor=4
 }
 
