@@ -21,18 +21,29 @@ from jaxpar.storage.folders import LOCK_NAME, FolderLock, staged_folder
 from jaxpar.storage.safetensors_io import EXPORT_DELAY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def export(target: Path | str, seed: int) -> None:
+    """A small model's weights exported to ``target`` by :func:`jaxpar.hf.save`."""
+    from flax import nnx
+
+    from jaxpar import hf
+    from jaxpar.models import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                            d_ff=64, max_seq_len=64)
+    hf.save(Transformer(cfg, rngs=nnx.Rngs(seed)), target)
+
+
 EXPORT = """
 import sys
-from flax import nnx
-from jaxpar import hf
-from jaxpar.models import Transformer, TransformerConfig
-cfg = TransformerConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                        d_ff=64, max_seq_len=64)
-hf.save(Transformer(cfg, rngs=nnx.Rngs(int(sys.argv[2]))), sys.argv[1])
+from tests.storage.test_folders import export
+export(sys.argv[1], int(sys.argv[2]))
 """
+"""The export that is killed midway runs in a process of its own (:func:`export`)."""
 
 
-def _export(target: Path, seed: int, delay: float = 0) -> subprocess.Popen:
+def _export(target: Path, seed: int, delay: float) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                **{EXPORT_DELAY_ENV: str(delay)})
     return subprocess.Popen([sys.executable, "-c", EXPORT, str(target), str(seed)], env=env,
@@ -48,9 +59,9 @@ def _hf_logits(folder: Path) -> np.ndarray:
 
 
 def test_an_export_killed_midway_leaves_the_earlier_one(tmp_path):
+    """The first and third exports run in this process; the second, killed, in its own."""
     target = tmp_path / "export"
-    first = _export(target, seed=0)
-    assert first.wait(timeout=300) == 0, first.stderr.read()
+    export(target, seed=0)
     (target / "README.md").write_text("my notes")  # a file of the user's own
     before = _hf_logits(target)
 
@@ -64,8 +75,7 @@ def test_an_export_killed_midway_leaves_the_earlier_one(tmp_path):
     second.wait()
     np.testing.assert_array_equal(_hf_logits(target), before)  # the earlier export, whole
 
-    third = _export(target, seed=1)
-    assert third.wait(timeout=300) == 0, third.stderr.read()
+    export(target, seed=1)
     after = _hf_logits(target)
     assert not np.allclose(after, before)  # the new weights, loadable
     assert (target / "README.md").read_text() == "my notes"
