@@ -224,7 +224,6 @@ def fsdp8_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("axes, zero, n_devices", [
     ({"tensor": 4}, 0, 4),                            # 8 -> 4 devices, FSDP -> Megatron TP
-    ({"data": 2, "fsdp": 2, "tensor": 2}, 0, 8),      # -> 3D mesh
     ({"data": 8}, 3, 8),                              # ZeRO 1 -> ZeRO 3
     ({"stage": 2, "fsdp": 2, "tensor": 2}, 1, 8),     # -> pipeline (repeat, stage) layout
 ])
