@@ -57,7 +57,7 @@ def test_the_layer_stack_streams_a_layer_at_a_time_and_large_tensors_in_pieces()
     assert streamed_update.slab_bytes(slabs, big, _shardings(big)) <= layer
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])  # lion: adamw's owners/per-slab path
 def test_streamed_equals_whole_for_jaxpars_optimizers_with_clipping(name):
     cfg = small_config(f"train.optimizer={name}", "train.grad_clip=0.01").train
     opt = optax.with_extra_args_support(make_optimizer(cfg))
