@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jaxpar import hf
@@ -245,20 +244,17 @@ def test_load_names_the_tensor(hf_model, tmp_path):
     assert model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 256)
 
 
-@pytest.mark.parametrize("fault", ["oserror", "safetensors"])
-def test_full_disk_during_export(fault, dense_run, tmp_path, capsys, monkeypatch):
+def test_full_disk_during_export(dense_run, tmp_path, capsys, monkeypatch):
     """A full disk mid-export: one line naming the folder and the free space; the earlier
-    export there is left whole (and no half-written sibling remains)."""
+    export there is left whole (and no half-written sibling remains). safetensors' own
+    full-disk error: tests/storage/test_safetensors_io.py."""
     target = tmp_path / "exported"
     assert main(["export", "--run", str(dense_run), "--to-hf", str(target)]) == 0
     before = _snapshot(tmp_path)
 
     def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 64)  # part of a shard, then the disk is full
-        if fault == "oserror":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
-                              'StorageFull, message: "No space left on device" })')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     monkeypatch.setattr(safetensors_io, "save_file", full_disk)
     code, out, err = run_main(["export", "--run", str(dense_run), "--to-hf", str(target)], capsys)
@@ -305,15 +301,6 @@ def _convert_for_resume(hf_model: Path, run: Path, capsys) -> str:
 def _trained_steps(run: Path) -> list[int]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines if '"loss"' in line]
-
-
-def test_converted_run_resumes_with_its_config(hf_model, tmp_path, capsys):
-    run = tmp_path / "run"
-    _convert_for_resume(hf_model, run, capsys)
-    code, _, err = run_main(["train", "--config", str(run / "config.yaml"), "--out", str(run),
-                         "--resume"], capsys)
-    assert code == 0, err
-    assert _trained_steps(run) == [1, 2]
 
 
 def test_convert_next_step_runs_as_printed(hf_model, tmp_path, capsys):
