@@ -1,6 +1,6 @@
 """Flax linen models under jaxpar (:func:`jaxpar.from_linen`), written the way linen users
 write them (tests/user_models.py, no jaxpar calls inside) or taken from ``transformers``:
-every layout equals one device, eval is deterministic, LoRA on ``nn.Dense``,
+FSDP and FSDP x TP equal one device, eval is deterministic, LoRA on ``nn.Dense``,
 ``nn.DenseGeneral`` and ``nn.Einsum`` trains adapters only, checkpoints restore bit-exactly
 and the weights export to ``transformers``."""
 
@@ -47,7 +47,7 @@ def _linen_gpt_one_device() -> tuple[float, ...]:
     return tuple(trainer.step(tokens(i))["loss"] for i in range(3))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])  # tensor: within fsdp_tp
 def test_linen_decoder_equals_one_device(devices, layout):
     # Tied embeddings and dropout (on in the steps: the Trainer's train mode reaches the
     # linen call's deterministic argument), annotated by path from outside.
