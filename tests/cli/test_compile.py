@@ -132,16 +132,24 @@ def saved_for_tpu(tmp_path_factory):
 
 
 def test_a_step_saved_for_a_tpu_is_refused_on_other_devices(saved_for_tpu):
+    """What ``jaxpar train --compiled`` on 4 CPU devices reads the folder with: one line."""
+    import jax
+
+    import jaxpar
+    from jaxpar.analysis.executables import load_compiled, with_compiled_auto
+    from jaxpar.errors import JaxparError
+
     saved = saved_for_tpu
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["device_kind"] == "TPU v5 lite" and manifest["versions"]["libtpu"] != "-"
     assert not list(saved.parent.glob(".tpu.jaxpar-*"))  # the staging folder was swapped in
-    proc = jaxpar_cli("train", "--config", "configs/tiny.yaml", "--devices", "4",
-                      "--compiled", str(saved), *TINY, *SMALL_RUN[-3:])
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"jaxpar: error: --compiled {str(saved)!r} was compiled for tpu-v5e:2x2 (4 TPU v5 "
-        "lite devices); this run has 4 cpu devices")
+    config = jaxpar.load_config("configs/tiny.yaml", [*TINY, *SMALL_RUN[-3:]])
+    config, _ = with_compiled_auto(saved, config)  # as the run does: auto knobs as compiled
+    with pytest.raises(JaxparError) as got:
+        load_compiled(saved, config, jax.devices()[:4])
+    assert str(got.value) == (
+        f"--compiled {str(saved)!r} was compiled for tpu-v5e:2x2 (4 TPU v5 lite devices); "
+        "this run has 4 cpu devices")
 
 
 def _cut(path):
