@@ -221,15 +221,22 @@ def _documents_one_by_one(q, k, v, segments, ct):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
+@functools.cache
+def _packed_documents():
+    """(q, k, v, ct, segments, every document run alone) of the rows below, computed once
+    for every implementation."""
+    q, k, v, ct = _qkv(2, 130, 4, 2, 8)
+    segments = jnp.asarray(np.stack([np.repeat([1, 2, 3], [50, 40, 40]),
+                                     np.repeat([5, 9], [7, 123])]), jnp.int32)
+    return q, k, v, ct, segments, _documents_one_by_one(q, k, v, segments, ct)
+
+
 @pytest.mark.parametrize("impl,block", [("xla", 0), ("chunked", 8), ("chunked", 64),
                                         ("splash", 128)])
 def test_packed_documents_never_attend_to_each_other(impl, block):
     """Rows packing three documents (lengths 50/40/40 and 7/123): each implementation's
     outputs and gradients equal running every document alone."""
-    q, k, v, ct = _qkv(2, 130, 4, 2, 8)
-    segments = jnp.asarray(np.stack([np.repeat([1, 2, 3], [50, 40, 40]),
-                                     np.repeat([5, 9], [7, 123])]), jnp.int32)
-    want = _documents_one_by_one(q, k, v, segments, ct)
+    q, k, v, ct, segments, want = _packed_documents()
 
     def f(q, k, v):
         out = attention(q, k, v, implementation=impl, segments=segments,
