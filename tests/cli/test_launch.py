@@ -1,4 +1,4 @@
-"""Multi-process runs: ``jaxpar launch`` of 4, 2 and 3 processes (gloo) resuming one run
+"""Multi-process runs: ``jaxpar launch`` of 2 and then 3 processes (gloo) resuming one run
 against one process with 8 devices, and the launcher's handling of failures and bad
 arguments: the command lines and environments it gives its processes (jaxpar.cli.launch).
 How processes are run and stopped (run_all) is tested in tests/runs/test_distributed.py."""
@@ -21,7 +21,7 @@ from jaxpar.cli.launch import command
 from jaxpar.config.assembly import build_trainer
 from jaxpar.runs.distributed import initialize, run_all
 from jaxpar.runs.loop import train
-from tests.helpers import MESH_2X2X2, without_cache
+from tests.helpers import without_cache
 
 
 def _launch_args(*cmd: str) -> argparse.Namespace:
@@ -131,16 +131,16 @@ def test_the_command_starts_the_checked_child_with_its_devices(monkeypatch):
     assert started[1][1][1]["JAXPAR_COORDINATOR"] == "127.0.0.1:999"
 
 
-def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
+def test_a_document_run_resumes_on_2_then_3_processes(tmp_path):
     """A mixture of documents (Parquet and zstd jsonl) tokenized as read and packed: two
-    steps on 4 processes (2 devices each), two more resumed on 2 processes (4 each, on a
-    data x fsdp x tensor mesh: tensor parallelism across the processes) from the stream
-    positions gathered into the checkpoint, two more on 3 (2 each, 6 devices). The global
-    batches do not depend on the process count, so the losses follow one uninterrupted
-    process's run on 8 devices (the first bitwise: same data, same init), up to float
-    summation order; metrics are written once, by process 0; and the last checkpoint,
-    written collectively by 3 processes, loads into one process with 8 devices holding
-    that run's weights."""
+    steps on 2 processes (4 devices each), two more resumed on 3 (2 each, 6 devices, on an
+    fsdp x tensor mesh: tensor parallelism in a multi-process run) from the stream
+    positions gathered into the checkpoint. The global batches do not depend on the
+    process count, so the losses follow one uninterrupted process's run on 8 devices (the
+    first bitwise: same data, same init), up to float summation order; metrics are written
+    once, by process 0; and the last checkpoint, written collectively by 3 processes, loads
+    into one process with 8 devices holding that run's weights. (4 processes resuming on
+    fewer: tests/runs/test_pod_rehearsal.py.)"""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
@@ -162,35 +162,36 @@ def test_a_document_run_resumes_on_4_then_2_then_3_processes(tmp_path):
            "train.eval_every=0"]
     out = tmp_path / "run"
     said = {}
-    for processes, devices, steps, mesh in ((4, 2, 2, []), (2, 4, 4, MESH_2X2X2),
-                                            (3, 2, 6, [])):
+    for processes, devices, steps, mesh in ((2, 4, 2, []),
+                                            (3, 2, 4, ["mesh.fsdp=3", "mesh.tensor=2"])):
         # the same train.steps (and learning-rate schedule) throughout: --max-steps stops
         resume = ["--resume"] if steps > 2 else []
         proc = subprocess.run(
             [sys.executable, "-m", "jaxpar.cli", "launch", "--processes", str(processes),
              "--devices-per-process", str(devices), "--", "train", "--config",
              "configs/tiny.yaml", "--out", str(out), "--max-steps", "2", *resume, *run,
-             *mesh, "train.steps=6"],
+             *mesh, "train.steps=4"],
             capture_output=True, text=True, timeout=300, env=without_cache(os.environ))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         said[processes] = proc.stdout
-    assert ("[0] jaxpar: 8 cpu devices in 2 processes, mesh data=2 x fsdp=2 x tensor=2"
-            in said[2]) and "[1] " in said[2]
-    assert "[0] jaxpar: 6 cpu devices in 3 processes, mesh fsdp=6" in said[3], said[3]
+    assert "[0] jaxpar: 8 cpu devices in 2 processes, mesh fsdp=8" in said[2], said[2]
+    assert "[1] " in said[2]
+    assert ("[0] jaxpar: 6 cpu devices in 3 processes, mesh fsdp=3 x tensor=2"
+            in said[3]), said[3]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))  # written once, by process 0
-    config = jaxpar.load_config("configs/tiny.yaml", [*run, "train.steps=6"])
+    assert [r["step"] for r in rows] == list(range(1, 5))  # written once, by process 0
+    config = jaxpar.load_config("configs/tiny.yaml", [*run, "train.steps=4"])
     # the reference saves nothing: checkpoints do not change its losses or weights
     single, history = train(jaxpar.load_config("configs/tiny.yaml", [
-        *run, "train.steps=6", "checkpoint.every=0"]), tmp_path / "single", progress=False)
+        *run, "train.steps=4", "checkpoint.every=0"]), tmp_path / "single", progress=False)
     assert rows[0]["loss"] == history[0]["loss"]
     np.testing.assert_allclose([r["loss"] for r in rows], [m["loss"] for m in history],
                                rtol=1e-4)
     with Checkpointer(out / "checkpoints") as ckpt:
-        assert ckpt.steps()[-1] == 6
+        assert ckpt.steps()[-1] == 4
         restored = build_trainer(config)
         meta = ckpt.restore(restored)
-    assert meta["processes"] == 3 and restored.step_count == 6
+    assert meta["processes"] == 3 and restored.step_count == 4
     want = flat_paths(single.state)
     for key, value in flat_paths(restored.state).items():
         np.testing.assert_allclose(np.asarray(value), np.asarray(want[key]), rtol=1e-4,
