@@ -132,8 +132,9 @@ jaxpar runs), the other families' factors are fitted relative to it."""
 SOFTWARE_GRID = tuple(x / 100 for x in range(40, 161, 2))
 
 
-def _loss(rows: list[dict], chips: dict, software: dict[str, float]) -> float:
-    return statistics.median(abs(math.log(predict_tokens(r, chips, software)
+def _loss(rows: list[dict], chips: dict, software: dict[str, float],
+          predict=predict_tokens) -> float:
+    return statistics.median(abs(math.log(predict(r, chips, software)
                                           / r["tokens_per_s_chip"])) for r in rows)
 
 
@@ -144,10 +145,24 @@ def fit(rows: list[dict], rounds: int = 3, chips: dict | None = None
     XLA (:data:`ANCHORS`, held at factor 1) its factor over that family's runs, each
     minimising the median absolute log error of its rows, alternately for ``rounds``
     rounds, from ``chips`` (the built-in catalog by default). Returns (chip figures,
-    family factors)."""
+    family factors).
+
+    A row's prediction depends only on its own chip entry and its family's factor, so
+    they are memoised within the call on (row, that chip entry, that factor): the grids
+    revisit the same points each round and across the two searches."""
     fit_rows = [r for r in rows if r["half"] == "fit"]
     chips = dict(chips if chips is not None else BUILTIN)
     software = dict.fromkeys(SOFTWARE, 1.0)
+    position = {id(r): i for i, r in enumerate(fit_rows)}
+    cache: dict[tuple, float] = {}
+
+    def predict(run: dict, chips: dict, software: dict[str, float]) -> float:
+        key = (position[id(run)], chips[run["chips"].split(":")[0]],
+               software[run.get("software", "xla")])
+        if key not in cache:
+            cache[key] = predict_tokens(run, chips, software)
+        return cache[key]
+
     kinds = sorted({r["chips"].split(":")[0] for r in fit_rows})
     for _ in range(rounds):
         for kind in kinds:
@@ -157,7 +172,7 @@ def fit(rows: list[dict], rounds: int = 3, chips: dict | None = None
                 trial = dict(chips)
                 trial[kind] = dataclasses.replace(chips[kind], matmul_efficiency=pair[0],
                                                   memory_efficiency=pair[1])
-                return _loss(mine, trial, software)
+                return _loss(mine, trial, software, predict)
             m, h = min(((m, h) for m in EFFICIENCY_GRID for h in MEMORY_GRID), key=loss)
             chips[kind] = dataclasses.replace(chips[kind], matmul_efficiency=m,
                                               memory_efficiency=h)
@@ -166,7 +181,7 @@ def fit(rows: list[dict], rounds: int = 3, chips: dict | None = None
             if family in ANCHORS or not mine:
                 continue
             software[family] = min(SOFTWARE_GRID, key=lambda f, fam=family, mine=mine:
-                                   _loss(mine, chips, {**software, fam: f}))
+                                   _loss(mine, chips, {**software, fam: f}, predict))
     return ({k: (chips[k].matmul_efficiency, chips[k].memory_efficiency) for k in kinds},
             software)
 
