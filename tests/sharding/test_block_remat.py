@@ -1,9 +1,9 @@
 """The plan's remat policy on models jaxpar did not write: their repeated blocks run under
 it (compiled temporaries shrink as on the reference model, offload policies put buffers in
 host memory, compiled for a TPU), training equals one device without remat, and a model it
-cannot reach gets one line. Also optimizer offload on the same models. Dropout under remat:
-tests/sharding/test_scanned.py (mask_dropout); DiLoCo on users' models:
-tests/training/test_diloco.py; ZeRO++ on them: tests/parallel/test_zeropp.py."""
+cannot reach gets one line. Also optimizer offload, DiLoCo and ZeRO++ on the same models
+(docs/guides/models.md's table). Dropout under remat: tests/sharding/test_scanned.py
+(mask_dropout)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.analysis import targets
-from jaxpar.analysis.hlo import matmul_flops, memory_stats
+from jaxpar.analysis.hlo import collective_table, matmul_flops, memory_stats
 from jaxpar.analysis.inspection import compile_step
 from jaxpar.errors import JaxparError
 from jaxpar.sharding.block_remat import remat_blocks
+from jaxpar.training.diloco import DiLoCo
 from tests import user_models as um
 
 MODELS = {
@@ -143,3 +144,41 @@ def test_optimizer_offload_on_a_users_model_equals_one_device(devices, model, ho
                for x in jax.tree.leaves(t.state["opt_state"]) if x.ndim)
     losses = [t.step(tokens(i))["loss"] for i in range(3)]
     np.testing.assert_allclose(losses, single_device_losses(model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["list", "scan"])
+def test_diloco_on_a_users_model_meets_like_synchronous_training(devices, model):
+    """Two replicas over data, H = 1, outer SGD at lr 1: synchronous training, to float
+    rounding; the anchor's loss reads back."""
+    factory, knobs, _ = MODELS[model]
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}),
+                                   "fsdp_tp", **knobs)
+
+    def fresh():
+        return jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.sgd(0.1), plan)
+
+    run, sync = DiLoCo(fresh(), sync_every=1, outer_lr=1.0, outer_momentum=0.0), fresh()
+    got = [float(run.step(tokens(i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(got, [float(sync.step(tokens(i))["loss"]) for i in range(3)],
+                               rtol=1e-5)
+    np.testing.assert_allclose(run.eval_loss(tokens(0)), sync.eval_loss(tokens(0)), rtol=1e-5)
+
+
+def test_zeropp_on_a_users_model_moves_int8_and_tracks_the_plain_run(devices):
+    """qwZ and qgZ on a user's NNX model under ZeRO-3 over fsdp 8: the weights' gathers
+    and the gradients' reductions carry int8 (fewer bytes than the plain step's), and three
+    steps' losses stay within 1% of it."""
+    factory, knobs, _ = MODELS["list"]
+    runs = {}
+    for name, zeropp in (("plain", {}), ("int8", {"quantize_gather": "int8",
+                                                  "quantize_reduce": "int8"})):
+        plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"fsdp": 8}), "fsdp", zero_stage=3,
+                                       **knobs, **zeropp)
+        t = jaxpar.Trainer(jaxpar.init_sharded(factory, plan), optax.adam(1e-2), plan)
+        table = collective_table(t.lower(tokens()).compile().as_text(), plan.mesh)
+        moved = sum(r["bytes_per_device"] for r in table)
+        runs[name] = (moved, [float(t.step(tokens(i))["loss"]) for i in range(3)], table)
+    (plain, want, _), (quant, got, table) = runs["plain"], runs["int8"]
+    assert any(r["kind"] == "all-to-all" for r in table)  # qgZ's int8 exchange
+    assert quant < 0.6 * plain
+    np.testing.assert_allclose(got, want, rtol=1e-2)
