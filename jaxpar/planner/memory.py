@@ -187,6 +187,22 @@ def _moe_unbatched_saved(spec: ModelSpec, loc: Local) -> float:
     return 4.0 * spec.n_experts if loc.slots else 0.0
 
 
+def _named_outputs_kept(spec: ModelSpec) -> int:
+    """``d_model``-sized tensors a layer keeps under ``save_attention_and_mlp_outputs``:
+    its input and the attention's output, from which the backward pass rebuilds the MLP's
+    input (their sum); the MLP's output only when a norm follows it (``post_norms``), whose
+    backward reads it (and the attention's, for its own norm). The residual sum's
+    backward reads no values, so without the norms XLA drops the MLP's output.
+
+    Measured: ``jax.ad_checkpoint.print_saved_residuals`` of a 3-layer decoder keeps two
+    ``(layers, batch, seq, d_model)`` stacks, and three with ``post_norms``
+    (``tests/planner/test_memory.py``). On the TPU compiler, Gemma 2 27B on v6e-32 (fsdp 4
+    x tensor 8, four microbatches, sequence parallelism) holds three bf16
+    ``[46,4,1024,4608]`` stacks in its buffer assignment. Without its post-norms the heap
+    is 1.63 GiB smaller, one such stack (``docs/benchmarks/tpu-compile.md``)."""
+    return 3 if spec.post_norms else 2
+
+
 def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
                            attention: str = "xla", backend: str = "tpu") -> float:
     """Bytes per layer kept from the forward pass for the backward pass.
@@ -198,7 +214,8 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
     (norm inputs and outputs, residual branches), the TPU compiler the attention's and the
     MLP's inputs (whole, gathered, under sequence parallelism) and each norm's input and
     normalised input in float32. ``full`` keeps only the block input; the other policies
-    keep the matmul outputs they name; ``offload:<names>`` keeps on the device what
+    keep the matmul outputs they name that the backward pass reads
+    (:func:`_named_outputs_kept`); ``offload:<names>`` keeps on the device what
     ``full`` keeps (the rest goes to the host: :func:`host_activation_bytes`).
     Flash-style ``attention`` (:data:`FLASH_ATTENTION`) keeps no score-sized tensor, only
     an f32 log-sum-exp per head; ``allgather`` keeps its f32 probabilities against the
@@ -261,7 +278,7 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         per_token = (act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f_kept)
                      + _moe_unbatched_saved(spec, loc))
     else:  # save_attention_and_mlp_outputs
-        per_token = act * 3 * dr
+        per_token = act * _named_outputs_kept(spec) * dr
     if remat == "offload_dots":
         per_token = act * dr
     return per_token * loc.tokens
@@ -273,7 +290,8 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
 
     ``offload:<names>``: per token, ``attention`` (the attention output before its
     projection, ``heads x head_dim``), ``layer_input``, ``attention_out`` and ``mlp_out``
-    (``d_model``, the residual stream's share under sequence parallelism) and ``mlp_hidden`` (the
+    (``d_model``, the residual stream's share under sequence parallelism; ``mlp_out`` only
+    behind a post-norm, the one place the backward pass reads it) and ``mlp_hidden`` (the
     MLP's hidden width, or a mixture of experts' routed slots and shared experts).
     ``offload_dots``: what ``dots_with_no_batch_dims_saveable`` keeps, less the block
     input that stays on the device. Other policies: nothing.
@@ -281,8 +299,11 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
     names = offloaded_names(remat)
     if names:
         dr = spec.d_model / loc.residual_split
+        # The MLP's output is offloaded only where the backward pass reads it (see
+        # _named_outputs_kept): behind a post-norm.
         width = {"attention": loc.heads * spec.head_dim, "attention_out": dr,
-                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr, "layer_input": dr}
+                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr if spec.post_norms else 0.0,
+                 "layer_input": dr}
         return act * sum(width.get(n, 0.0) for n in names) * loc.tokens
     if remat == "offload_dots":
         kept = saved_activation_bytes(spec, loc, seq, "dots_with_no_batch_dims_saveable", act,

@@ -17,6 +17,7 @@ from jaxpar.planner.candidate import Local
 from jaxpar.planner.layout import layout
 from jaxpar.planner.memory import (
     attention_kind,
+    host_activation_bytes,
     loss_working_bytes,
     memory,
     saved_activation_bytes,
@@ -181,6 +182,45 @@ def test_full_remat_keeps_only_each_block_input():
     # Without remat the f32 scores and bf16 probabilities alone are heads x seq a token.
     none = saved_activation_bytes(spec, LOCAL, 64, "none", 2)
     assert none > LOCAL.tokens * 4 * 64 * (4 + 2)
+
+
+@pytest.mark.parametrize("post_norms", [False, True])
+def test_named_outputs_kept_as_jax_saves_them(devices, post_norms):
+    """``save_attention_and_mlp_outputs`` keeps the stacked ``(layers, batch, seq,
+    d_model)`` tensors JAX's partial evaluation saves for the backward pass
+    (``print_saved_residuals`` of the scanned decoder): the layer inputs and the attention
+    outputs, and the MLP outputs only when norms follow the sublayers;
+    ``offload:attention_out,mlp_out`` moves those of them to the host."""
+    import contextlib
+    import io
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    cfg = jaxpar.models.TransformerConfig(vocab_size=64, d_model=40, n_layers=3, n_heads=4,
+                                          n_kv_heads=2, head_dim=8, d_ff=56, max_seq_len=8,
+                                          post_norms=post_norms)
+    graphdef, state = nnx.split(jaxpar.models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    tokens = jnp.zeros((8, 6), jnp.int32)
+
+    def saved(remat):
+        out = io.StringIO()
+        plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 8}), "dp", remat=remat)
+        with plan.activate(), contextlib.redirect_stdout(out):
+            print_saved_residuals(lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens)), state)
+        return out.getvalue()
+
+    stack = "[3,8,6,40] output of scan"
+    spec, per_stack = from_transformer(cfg), 4 * 40 * LOCAL.tokens
+    kept = saved("save_attention_and_mlp_outputs").count("f32" + stack)
+    assert kept == (3 if post_norms else 2)
+    assert saved_activation_bytes(spec, LOCAL, 64, "save_attention_and_mlp_outputs",
+                                  4) == kept * per_stack
+    offload = "offload:attention_out,mlp_out"
+    on_host = saved(offload).count("f32<host>" + stack)
+    assert on_host == kept - 1  # the layer inputs stay on the device
+    assert host_activation_bytes(spec, LOCAL, 64, offload, 4) == on_host * per_stack
 
 
 def test_without_remat_the_tpu_compiler_keeps_what_its_memory_report_lists():

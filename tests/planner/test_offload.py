@@ -180,8 +180,10 @@ def test_offloaded_activations_leave_only_the_block_input_on_the_device():
     full, offloaded = _memory(remat="full"), _memory(remat="offload:attention_out,mlp_out")
     assert offloaded["activation_bytes"] == full["activation_bytes"]
     tokens = BATCH // 4 * SEQ  # per device: data x fsdp split the batch
-    assert offloaded["host_activation_bytes"] == pytest.approx(4 * 2 * 64 * 2 * tokens)
-    assert offloaded["offload_transient_bytes"] == pytest.approx(2 * 2 * 64 * 2 * tokens)
+    # Of the two names, only the attention's output is read by the backward pass (no norm
+    # follows the MLP here), so only it goes to the host: 4 layers of d_model 64 in bf16.
+    assert offloaded["host_activation_bytes"] == pytest.approx(4 * 64 * 2 * tokens)
+    assert offloaded["offload_transient_bytes"] == pytest.approx(2 * 64 * 2 * tokens)
     # What the policy recomputes: the outputs it saves spare their projections.
     assert recomputed_parts("offload:attention_out,mlp_out") == recomputed_parts(
         "save_attention_and_mlp_outputs")

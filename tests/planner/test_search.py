@@ -148,7 +148,7 @@ def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory
     """Llama-2-70B on 4 x 8 H100 at 8k tokens: on one mesh, the 1F1B schedules keep far
     fewer activations than the circular one, pay a larger bubble (fewer chunks a stage)
     and a recomputed forward; the search weighs them and ranks interleaved 1F1B without remat
-    among the five fastest plans, next to circular ones."""
+    among the eight fastest plans, within 5% of the fastest (a circular one)."""
     from jaxpar.planner import Candidate, estimate
 
     mesh, common = {"stage": 8, "fsdp": 2, "tensor": 2}, dict(
@@ -164,9 +164,11 @@ def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory
     assert est["circular"].bubble < est["interleaved_1f1b"].bubble < est["1f1b"].bubble
     assert est["1f1b"].breakdown["compute 1F1B forward recomputation"] > 0
     assert not est["circular"].fits and est["interleaved_1f1b"].fits
-    plans = plan("configs/llama-70b.yaml", chips="h100:32", global_batch=64, seq=8192)
-    kinds = {(p.candidate.pipeline_schedule, p.candidate.remat) for p in plans}
-    assert ("interleaved_1f1b", "none") in kinds and any(k == "circular" for k, _ in kinds)
+    plans = plan("configs/llama-70b.yaml", chips="h100:32", global_batch=64, seq=8192, top=8)
+    one_f1b = [p for p in plans if (p.candidate.pipeline_schedule, p.candidate.remat)
+               == ("interleaved_1f1b", "none")]
+    assert plans[0].candidate.pipeline_schedule == "circular"
+    assert one_f1b and one_f1b[0].step_time_s < 1.05 * plans[0].step_time_s
 
 
 @pytest.mark.parametrize("model, chips, slices, batch, seq, offload", [
