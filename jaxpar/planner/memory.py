@@ -192,7 +192,7 @@ def _named_outputs_kept(spec: ModelSpec) -> int:
     its input and the attention's output, from which the backward pass rebuilds the MLP's
     input (their sum); the MLP's output only when a norm follows it (``post_norms``), whose
     backward reads it (and the attention's, for its own norm). The residual sum's
-    backward reads no values, so without the norms XLA drops the MLP's output.
+    backward reads no values, so without the norms JAX does not save the MLP's output.
 
     Measured: ``jax.ad_checkpoint.print_saved_residuals`` of a 3-layer decoder keeps two
     ``(layers, batch, seq, d_model)`` stacks, and three with ``post_norms``
