@@ -221,6 +221,7 @@ class Checkpointer:
         self._manager = _manager(self.directory, keep=keep, async_save=async_save,
                                  on_saved=self._saved)
         self._saving: int | None = None  # the step of the last save started
+        self._finishing: int | None = None  # the save wait() is blocked on
         self._started = 0.0  # when it started (time.perf_counter)
         self.last_save_s: float | None = None
         """Seconds the newest finished save took, start to files on disk (None: none yet)."""
@@ -347,13 +348,24 @@ class Checkpointer:
                     if self.local else "")
             raise self._fault(step, f"{fault}{free}") from None
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is complete on disk."""
-        with self._write_faults(None):
-            self._manager.wait_until_finished()
+    def wait(self, step: int | None = None) -> None:
+        """Block until the save in flight (if any) is complete on disk; ``step``: the
+        save's step when the caller has read it already (:meth:`in_flight` reports it
+        until the wait ends)."""
+        self._finishing = step if step is not None else self.in_flight()
+        try:
+            with self._write_faults(None):
+                self._manager.wait_until_finished()
+        finally:
+            self._finishing = None
 
     def in_flight(self) -> int | None:
-        """The step of the save still being written in the background, or None."""
+        """The step of the save still being written in the background, or None. While
+        :meth:`wait` blocks on a save, that save's step: orbax can report no save in
+        progress before its finalization ends (a signal handler asking mid-wait, as the
+        second Ctrl-C does, was told nothing was pending)."""
+        if self._finishing is not None:
+            return self._finishing
         if not self._manager.is_saving_in_progress():
             return None
         return self._manager.latest_step()

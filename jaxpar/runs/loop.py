@@ -169,7 +169,7 @@ def _stopped(stop: StopOnSignal, trainer: Trainer, ckpt: Checkpointer | None,
     if pending is not None:
         _say(f"{stop.name}: stopped after step {step}; finishing checkpoint {pending} "
              "before exiting")
-    ckpt.wait()
+    ckpt.wait(pending)
     steps = ckpt.steps()
     if held == "local tier":
         steps = [step]

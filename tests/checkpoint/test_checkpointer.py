@@ -195,6 +195,20 @@ def test_ctrl_c_during_a_save_finishes_it(tmp_path, reference, capsys):
     _resume_and_check(out, capsys, reference)
 
 
+def test_a_save_being_waited_for_stays_in_flight(tmp_path, monkeypatch):
+    """The second Ctrl-C's handler asks what the run is finishing while the run waits for
+    the save. Orbax can report no save in progress before its finalization ends. While
+    ``wait`` blocks, the save it waits for is the one in flight (a CI run once printed
+    "stopping after the current step" here instead of "still finishing checkpoint 4")."""
+    with Checkpointer(tmp_path / "ckpts") as ckpt:
+        asked = []
+        monkeypatch.setattr(ckpt._manager, "is_saving_in_progress", lambda: False)
+        monkeypatch.setattr(ckpt._manager, "wait_until_finished",
+                            lambda: asked.append(ckpt.in_flight()))
+        ckpt.wait(4)
+        assert asked == [4] and ckpt.in_flight() is None
+
+
 # --- restoring under other plans ----------------------------------------------------------
 def build(axes: dict, zero: int = 0, devices=None, cfg=SMALL) -> Trainer:
     mesh = jaxpar.make_mesh(axes, devices=devices)
