@@ -187,12 +187,18 @@ def _moe_unbatched_saved(spec: ModelSpec, loc: Local) -> float:
     return 4.0 * spec.n_experts if loc.slots else 0.0
 
 
+def _mlp_output_read(spec: ModelSpec) -> bool:
+    """Whether the backward pass reads a layer's MLP output: only when a norm follows it
+    (``post_norms``). The residual sum's backward reads no values, so without the norm
+    JAX saves (or offloads) no ``mlp_out``."""
+    return spec.post_norms
+
+
 def _named_outputs_kept(spec: ModelSpec) -> int:
     """``d_model``-sized tensors a layer keeps under ``save_attention_and_mlp_outputs``:
     its input and the attention's output, from which the backward pass rebuilds the MLP's
-    input (their sum); the MLP's output only when a norm follows it (``post_norms``), whose
-    backward reads it (and the attention's, for its own norm). The residual sum's
-    backward reads no values, so without the norms JAX does not save the MLP's output.
+    input (their sum); the MLP's output only where the backward pass reads it
+    (:func:`_mlp_output_read`).
 
     Measured: ``jax.ad_checkpoint.print_saved_residuals`` of a 3-layer decoder keeps two
     ``(layers, batch, seq, d_model)`` stacks, and three with ``post_norms``
@@ -200,7 +206,7 @@ def _named_outputs_kept(spec: ModelSpec) -> int:
     x tensor 8, four microbatches, sequence parallelism) holds three bf16
     ``[46,4,1024,4608]`` stacks in its buffer assignment. Without its post-norms the heap
     is 1.63 GiB smaller, one such stack (``docs/benchmarks/tpu-compile.md``)."""
-    return 3 if spec.post_norms else 2
+    return 3 if _mlp_output_read(spec) else 2
 
 
 def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
@@ -299,11 +305,9 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
     names = offloaded_names(remat)
     if names:
         dr = spec.d_model / loc.residual_split
-        # The MLP's output is offloaded only where the backward pass reads it (see
-        # _named_outputs_kept): behind a post-norm.
         width = {"attention": loc.heads * spec.head_dim, "attention_out": dr,
-                 "mlp_hidden": loc.ff_per_token, "mlp_out": dr if spec.post_norms else 0.0,
-                 "layer_input": dr}
+                 "mlp_hidden": loc.ff_per_token,
+                 "mlp_out": dr if _mlp_output_read(spec) else 0.0, "layer_input": dr}
         return act * sum(width.get(n, 0.0) for n in names) * loc.tokens
     if remat == "offload_dots":
         kept = saved_activation_bytes(spec, loc, seq, "dots_with_no_batch_dims_saveable", act,
