@@ -70,21 +70,28 @@ def _gather_block(shard: jax.Array, spec: PartitionSpec, dp_axes: tuple[str, ...
         for dim, names in split:
             shard = jax.lax.all_gather(shard, names, axis=dim, tiled=True)
         return shard
-    q, scale = quantize_int8(shard, _reduced_axes(spec, shard.ndim, dp_axes))
+    q, scale = quantize_int8(shard, _reduced_axes(spec, shard.ndim, dp_axes, shard.shape))
     for dim, names in split:
         q = jax.lax.all_gather(q, names, axis=dim, tiled=True)
         scale = jax.lax.all_gather(scale, names, axis=dim, tiled=True)
+        if scale.shape[dim] != q.shape[dim]:  # one scale a device's block of this dimension
+            scale = jnp.repeat(scale, q.shape[dim] // scale.shape[dim], axis=dim)
     return (q.astype(jnp.float32) * scale).astype(shard.dtype)
 
 
 # --- qwZ: weights gathered in int8 ---------------------------------------------------------
-def _reduced_axes(spec: PartitionSpec, ndim: int, dp_axes: tuple[str, ...]) -> tuple[int, ...]:
-    """The dimensions a weight's int8 scale is taken over: every one not split over the
-    data-parallel axes, but the leading stack of layers (one scale per layer and row)."""
+def _reduced_axes(spec: PartitionSpec, ndim: int, dp_axes: tuple[str, ...],
+                  shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dimensions a weight's int8 scale is taken over: all but the leading stack of
+    layers (one scale per layer) and the largest dimension split over the data-parallel
+    axes (one scale per row of it). Another dimension split over them (``data`` and
+    ``fsdp`` on two dimensions) gets a scale per device's block: a scale per row of it
+    too would be as many scales as the weight has elements over a few heads."""
     entries = _entries(spec, ndim)
-    split = {d for d, e in enumerate(entries) if set(entry_axes(e)) & set(dp_axes)}
+    split = [d for d, e in enumerate(entries) if set(entry_axes(e)) & set(dp_axes)]
     lead = {0} if ndim >= 3 else set()
-    return tuple(d for d in range(ndim) if d not in split | lead)
+    rows = {max(split, key=lambda d: shape[d])} if split else set()
+    return tuple(d for d in range(ndim) if d not in rows | lead)
 
 
 def _without(spec: PartitionSpec, ndim: int, axes: tuple[str, ...]) -> PartitionSpec:

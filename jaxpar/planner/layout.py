@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from jax.sharding import PartitionSpec
 
 from jaxpar.errors import JaxparError
-from jaxpar.parallel.zero import zero_spec
+from jaxpar.parallel.zero import stacked_dims, zero_spec
 from jaxpar.planner.model import IdentityMemo, ModelSpec, Tensor
 from jaxpar.sharding import rules as rules_lib
 from jaxpar.sharding.mesh import MESH_AXES
@@ -141,7 +141,7 @@ def _resolved(spec: ModelSpec, sizes_items: tuple[tuple[str, int], ...], rules: 
         entries = list(base_spec) + [None] * (len(t.shape) - len(base_spec))
         owned = tuple(a for name, e in zip(t.names, entries, strict=True)
                       if name in OWNING_NAMES for a in entry_axes(e) if a in dp_axes)
-        zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes)
+        zspec, _ = zero_spec(base_spec, t.shape, mesh, dp_axes, stacked_dims(t.names))
         specs.append((base_spec, zspec, owned))
     return sizes, dp_axes, dp, tp_axes, cp_axes, tuple(specs)
 

@@ -31,12 +31,13 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.parallel import compression, offload, zeropp
-from jaxpar.parallel.zero import formula_bytes, per_device_bytes, zero_shardings
+from jaxpar.parallel.zero import formula_bytes, per_device_bytes, stacked_dims, zero_shardings
 from jaxpar.sharding import precision as precision_lib
 from jaxpar.sharding import quantization
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.partitioning import (
     is_abstract,
+    logical_names,
     prepare_model,
     state_shardings,
     warn_if_heads_split,
@@ -189,7 +190,10 @@ class Trainer:
         left whole (no dimension divides over the data-parallel axes)."""
         plan, stage = self.plan, self.plan.zero_stage
         base = state_shardings(plan, params)
-        zero, left_whole = zero_shardings(base, params, plan.mesh, plan.data_parallel_axes)
+        stacked = jax.tree_util.tree_map(lambda v: v.replace(stacked_dims(logical_names(v))),
+                                         params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        zero, left_whole = zero_shardings(base, params, plan.mesh, plan.data_parallel_axes,
+                                          stacked)
         master = zero if stage >= 1 else base
         shardings = {"frozen": state_shardings(plan, frozen),
                      "opt_state": self._opt_shardings(params, master),

@@ -1,14 +1,18 @@
 """ZeRO stages: per-device model-state bytes follow the paper's arithmetic; losses do not move."""
 
+import re
+
+import jax
 import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.analysis.hlo import memory_stats
+from jaxpar.analysis import targets
+from jaxpar.analysis.hlo import memory_stats, parse_collectives
 from jaxpar.analysis.inspection import compile_step
 from jaxpar.config.assembly import build_trainer
 from jaxpar.parallel.zero import formula_bytes, zero_spec
-from tests.helpers import loader, small_config
+from tests.helpers import MESH_2X2X2, loader, small_config
 
 MIXED = "plan.precision=params=float32,compute=bfloat16,output=float32"
 
@@ -70,3 +74,35 @@ def test_gradient_accumulation_equals_large_batch():
     np.testing.assert_allclose(np.asarray(acc.state["params"]["embed"].get_value()),
                                np.asarray(big.state["params"]["embed"].get_value()),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_stage3_leaves_the_layer_stack_whole(devices):
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = jaxpar.Rules([("fsdp", "fsdp"), ("tensor", "tensor")])
+    base = rules.spec((None, "fsdp", "tensor"), mesh)  # a stacked (layers, embed, mlp)
+    spec, split = zero_spec(base, (4, 64, 128), mesh, ("data", "fsdp"), stacked=1)
+    assert split and tuple(spec) == (None, ("data", "fsdp"), "tensor")
+    spec, _ = zero_spec(base, (4, 64, 128), mesh, ("data", "fsdp"))  # a weight of its own
+    assert tuple(spec) == ("data", "fsdp", "tensor")
+
+
+@pytest.mark.skipif(targets.tpu_compiler_missing() is not None, reason="no libtpu")
+def test_stage3_gathers_one_layer_at_a_time():
+    """On the TPU program (data x fsdp x tensor, 2 microbatches), weights whose every
+    other dimension is split (the MLP's) are gathered a layer at a time inside the layer
+    loop, never as the whole stack. With the stack split over ``data`` along its layers
+    the compiler gathered all 6 layers at every layer: 2.70 MB of gathers a step, against
+    0.93 MB, about the bf16 layers' weights once for each pass of each microbatch."""
+    layers, micro, tensor = 6, 2, 2
+    step = compile_step(small_config(*MESH_2X2X2, "plan.zero_stage=3", MIXED,
+                                     f"model.n_layers={layers}",
+                                     f"plan.microbatches={micro}"),
+                        targets.tpu_target("tpu-v5p:2x2x2"))
+    gathers = [c for c in parse_collectives(step.compiled.as_text())
+               if c.kind == "all-gather" and c.runs >= layers]
+    stacks = [c.line[:120] for c in gathers if re.search(rf"= \w+\[{layers},", c.line)]
+    assert not stacks, stacks
+    block_params = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(
+        step.run.trainer.state["params"]) if "blocks" in jax.tree_util.keystr(path))
+    once = micro * 2 * block_params * 2 / tensor  # bf16, forward and backward
+    assert sum(c.bytes * c.runs for c in gathers) <= 1.2 * once
