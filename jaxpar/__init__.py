@@ -23,11 +23,14 @@ Or let the planner choose the mesh for a machine you do not have::
 import importlib
 from typing import Any
 
+from jaxpar.sharding.backends import quiet_absent_gpu as _quiet_absent_gpu
 from jaxpar.sharding.backends import skip_absent_tpu as _skip_absent_tpu
 
 # Before JAX starts a backend: on a host without a TPU, JAX is kept from starting libtpu
-# (installed for `jaxpar compile --target tpu-...`), whose failed start prints errors.
+# (installed for `jaxpar compile --target tpu-...`), whose failed start prints errors; on
+# one without a GPU, jax's CUDA plugin (for `--target h100:8`) loads without its lines.
 _skip_absent_tpu()
+_quiet_absent_gpu()
 
 _EXPORTS: dict[str, str] = {
     "models": "jaxpar.models", "planner": "jaxpar.planner",

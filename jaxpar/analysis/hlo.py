@@ -227,11 +227,7 @@ def parse_collectives(hlo: str | Module) -> list[Collective]:
             kind = _START.get(instr.op, instr.op)
             if kind not in COLLECTIVE_KINDS:
                 continue
-            type_text = instr.type
-            if instr.op != kind and type_text.startswith("("):
-                # Async start ops return (operand, result, ...): count the result only.
-                shapes = _SHAPE.findall(type_text)
-                type_text = "{}[{}]".format(*shapes[min(1, len(shapes) - 1)]) if shapes else ""
+            type_text = _start_result(instr.type, kind) if instr.op != kind else instr.type
             if runs is None:
                 runs = computation_runs(module).runs
             implements = kind
@@ -249,6 +245,33 @@ def parse_collectives(hlo: str | Module) -> list[Collective]:
                                   instr.line, comp, runs.get(comp, 1) if comp else 1,
                                   implements))
     return _once_per_async_fusion(module, out)
+
+
+def _top_level(tuple_text: str) -> list[str]:
+    """The elements of a tuple type's text (``(a, (b, c), d)`` -> ``a``, ``(b, c)``, ``d``)."""
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(tuple_text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                parts.append(tuple_text[start:i].strip())
+        elif ch == "," and depth == 1:
+            parts.append(tuple_text[start:i].strip())
+            start = i + 1
+    return [p for p in parts if p]
+
+
+def _start_result(type_text: str, kind: str) -> str:
+    """What an async ``-start`` op's type holds of its result: an all-reduce-start's type
+    is its result (a tuple when the compiler combined several); the others return
+    ``(operand, result, ...)``, where the GPU compiler's combined collectives make the
+    operand and the result tuples of their own (``((a, b), (a', b'))``)."""
+    if kind == "all-reduce" or not type_text.startswith("("):
+        return type_text
+    parts = _top_level(type_text)
+    return parts[1] if len(parts) > 1 else type_text
 
 
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")

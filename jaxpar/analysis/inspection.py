@@ -27,7 +27,7 @@ from jaxpar.analysis.hlo import (
 from jaxpar.analysis.loops import parse_module
 from jaxpar.analysis.report import fmt_bytes, is_tight
 from jaxpar.analysis.sources import explain_collectives
-from jaxpar.analysis.targets import Target, cpu_target
+from jaxpar.analysis.targets import CUDNN_MISSING, Target, cpu_target
 from jaxpar.config.assembly import Assembly
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
@@ -235,7 +235,12 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
     shape = (config.train.global_batch, config.train.seq_len + 1)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.plan.batch_sharding(2))
     start = time.perf_counter()
-    lowered = trainer.lower(batch)
+    try:
+        lowered = trainer.lower(batch)
+    except RuntimeError as err:  # jax asks cuDNN for its version as it traces its attention
+        if target.platform == "gpu" and "cuDNN not found" in str(err):
+            raise JaxparError(f"--target {target.name}: {CUDNN_MISSING}") from None
+        raise
     try:
         compiled = lowered.compile()
     except Exception as err:  # noqa: BLE001 - the TPU compiler's "does not fit" is an answer

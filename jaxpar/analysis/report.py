@@ -110,7 +110,8 @@ def render_inspection(report: dict[str, Any]) -> str:
         slices = head.get("slices", 1)
         out.append(f"jaxpar compile: {head['config']} for {head['target']} "
                    f"({head['n_devices']} {head.get('device_kind', '')} devices, {slices} "
-                   f"slice{'s' * (slices > 1)}; the TPU compiler, run here), mesh {head['mesh']}")
+                   f"{'node' if head['platform'] == 'gpu' else 'slice'}{'s' * (slices > 1)}; "
+                   f"the {head['platform'].upper()} compiler, run here), mesh {head['mesh']}")
     out.append(f"  model {report['param_count']:,} params; {head['plan']}")
     out += [f"  {line}" for line in head.get("auto", [])]
     out.append(f"  batch {head['global_batch']} x {head['seq_len']} tokens, attention "

@@ -5,9 +5,12 @@ attached to this machine.
 dimension); its devices come from the TPU compiler's topology description
 (``jax.experimental.topologies.get_topology_desc``, in libtpu, installed by
 ``pip install 'jax[tpu]'``), which needs no TPU: XLA's TPU compiler runs on this host and
-reports memory, collectives and FLOPs of the program it would run there. ``cpu`` is this
-machine's own devices (with ``--devices N``, N simulated CPU devices), on which the
-compiled program can also run.
+reports memory, collectives and FLOPs of the program it would run there. ``h100:16``
+names NVIDIA GPUs by kind and count (nodes of 8, an NVLink domain each; ``h100:2x8``
+says so): XLA's GPU compiler, in jax's CUDA plugin, compiles for them from a description
+of the GPU (:data:`GPU_SPECS`) without a GPU or its driver. ``cpu`` is this machine's own
+devices (with ``--devices N``, N simulated CPU devices), on which the compiled program
+can also run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar.errors import JaxparError
-from jaxpar.planner.catalog import BUILTIN, Chip, Machine, cpu_chip
-from jaxpar.sharding.backends import libtpu_start_summarised
+from jaxpar.planner.catalog import ALIASES, BUILTIN, Chip, Machine, cpu_chip
+from jaxpar.sharding.backends import libtpu_start_summarised, start_summarised
 
 GENERATIONS = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "v7": "tpu7x",
                "tpu7x": "tpu7x", "v7x": "tpu7x", "trillium": "v6e", "ironwood": "tpu7x"}
@@ -36,6 +39,56 @@ TORUS_DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2, "tpu7x": 3}
 """Dimensions of each generation's topology (``2x4`` or ``4x4x4``)."""
 
 _TARGET = re.compile(r"^(?:tpu-?)?(?P<gen>[a-z0-9]+):(?P<topo>\d+(?:x\d+){1,2})$")
+_GPU_TARGET = re.compile(r"^(?P<kind>[a-z0-9-]+):(?:(?P<nodes>\d+)x)?(?P<gpus>\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What XLA's GPU compiler reads of a GPU it compiles for without one: its
+    ``GpuTargetConfigProto`` (the figures a CUDA device reports; from the datasheets, and
+    for the memory size what the devices report, a little under the nominal size)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sms: int
+    fp32_per_sm: int
+    shared_per_sm: int
+    shared_per_block_optin: int
+    l2_bytes: int
+    clock_ghz: float
+    memory_bandwidth: float
+    memory_bytes: int
+
+    def target_config(self) -> str:
+        """The text proto ``jax.experimental.topologies`` passes the compiler."""
+        info = {"threads_per_block_limit": 1024, "threads_per_warp": 32,
+                "shared_memory_per_block": 49152, "shared_memory_per_core": self.shared_per_sm,
+                "threads_per_core_limit": 2048, "core_count": self.sms,
+                "fpus_per_core": self.fp32_per_sm, "block_dim_limit_x": 2**31 - 1,
+                "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+                "memory_bandwidth": int(self.memory_bandwidth),
+                "l2_cache_size": self.l2_bytes, "clock_rate_ghz": self.clock_ghz,
+                "device_memory_size": self.memory_bytes,
+                "shared_memory_per_block_optin": self.shared_per_block_optin,
+                "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+        major, minor = self.compute_capability
+        lines = "\n".join(f"  {k}: {v}" for k, v in info.items())
+        return (f"gpu_device_info {{\n{lines}\n  cuda_compute_capability {{ major: {major} "
+                f"minor: {minor} }}\n}}\nplatform_name: \"CUDA\"\n"
+                "dnn_version_info { major: 9 minor: 8 }\n"
+                "runtime_version { major: 12 minor: 8 }\n"
+                f"device_description_str: \"{self.name}\"\n")
+
+
+GPU_SPECS = {
+    "a100-80gb": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 167936, 166912,
+                         40 * 2**20, 1.41, 2039e9, 85_094_400_000),
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 233472, 232448, 50 * 2**20,
+                    1.98, 3352e9, 84_929_347_584),
+    "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 128, 233472, 232448, 50 * 2**20, 1.98,
+                    4800e9, 150_754_820_096),
+}
+"""The GPUs a step can be compiled for, by the planner catalog's kind."""
 
 
 def tpu_compiler_missing() -> str | None:
@@ -48,19 +101,45 @@ def tpu_compiler_missing() -> str | None:
     return None
 
 
+def gpu_compiler_missing() -> str | None:
+    """Why XLA's GPU compiler cannot be used here (one line), or None when it can: it is
+    in jax's CUDA plugin (a bf16 step's attention, cuDNN's, also needs cuDNN)."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        import jax
+
+        return ("the GPU compiler (jax's CUDA plugin) is not installed: pip install "
+                f"'jax[cuda12-local]=={jax.__version__}' (or jaxpar's extra: pip install "
+                "'jaxpar[gpu-compile]', which adds cuDNN)")
+    return None
+
+
+def cudnn_installed() -> bool:
+    """Whether cuDNN's wheel (``nvidia-cudnn-cu12``) is installed."""
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except ModuleNotFoundError:  # no nvidia package at all
+        return False
+
+
+CUDNN_MISSING = ("the step's attention is cuDNN's (model.attention=auto in bf16 on GPUs) and "
+                 "cuDNN is not installed: pip install 'nvidia-cudnn-cu12>=9.8,<10' (or "
+                 "compile with model.attention=chunked)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Devices to compile a step for, and what the planner knows of them.
 
     Attributes:
       name: the target as given, e.g. ``tpu-v5p:4x4x4``.
-      platform: ``tpu`` or ``cpu``.
+      platform: ``tpu``, ``gpu`` or ``cpu``.
       devices: the devices, in the topology's order (slices consecutive).
-      slices: slices joined by the DCN.
+      slices: slices (GPU nodes) joined by the DCN (InfiniBand).
       chips: chips in all slices.
       chip: the catalog's figures for one device (a chip, or for chips that expose two
         TensorCores as devices, half a chip).
-      topology: libtpu's topology name (``v5p:4x4x4``), or ``""`` for ``cpu``.
+      topology: libtpu's topology name (``v5p:4x4x4``), the GPUs' (``1x2x8``: one
+        slice of 2 nodes of 8), or ``""`` for ``cpu``.
     """
 
     name: str
@@ -121,7 +200,7 @@ def tpu_target(text: str, slices: int = 1) -> Target:
             f"--target {text!r} must name a TPU slice as tpu-GEN:TOPOLOGY, e.g. "
             f"tpu-v5p:4x4x4 or tpu-v6e:2x4 (generations: "
             f"{', '.join(sorted(set(GENERATIONS) - {'trillium', 'ironwood', 'v7x'}))}), "
-            "or be cpu")
+            f"name GPUs as KIND:COUNT, e.g. h100:16 ({', '.join(GPU_SPECS)}), or be cpu")
     if slices < 1:
         raise JaxparError(f"--slices {slices}: need at least 1 slice")
     gen = GENERATIONS[m["gen"]]
@@ -155,6 +234,51 @@ def tpu_target(text: str, slices: int = 1) -> Target:
     return Target(text, "tpu", devices, slices, chips, chip, topology)
 
 
+def gpu_target(text: str) -> Target:
+    """The devices of ``count`` GPUs named like ``h100:16`` (nodes of the catalog's NVLink
+    domain, 8) or ``h100:2x8`` (nodes x GPUs a node), for XLA's GPU compiler.
+
+    Raises:
+      JaxparError: for a malformed name, a GPU not in :data:`GPU_SPECS`, a node larger
+        than an NVLink domain, or a missing GPU compiler (the line says what to install).
+    """
+    m = _GPU_TARGET.match(text.strip().lower())
+    kind = ALIASES.get(m["kind"], m["kind"]) if m else None
+    if kind not in GPU_SPECS:
+        raise JaxparError(f"--target {text!r} must name GPUs as KIND:COUNT or "
+                          f"KIND:NODESxGPUS, e.g. h100:8 or h100:2x8 (kinds: "
+                          f"{', '.join(GPU_SPECS)})")
+    chip = BUILTIN[kind]
+    count = int(m["gpus"]) * int(m["nodes"] or 1)
+    per_node = int(m["gpus"]) if m["nodes"] else min(count, chip.domain)
+    if count < 1 or count % per_node or per_node > chip.domain:
+        raise JaxparError(f"--target {text!r}: {count} GPUs do not make nodes of at most "
+                          f"{chip.domain} (an NVLink domain)")
+    why = gpu_compiler_missing()
+    if why:
+        raise JaxparError(f"--target {text!r}: {why}")
+    # The plugin checks the CUDA runtime's version as it registers, unless the platforms
+    # exclude CUDA: compiling needs no runtime (the check is read when JAX first looks for
+    # its plugins).
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies
+
+    nodes = count // per_node
+    topology = f"1x{nodes}x{per_node}"
+    try:
+        with start_summarised("jax's CUDA plugin", "starting the GPU compiler",
+                              "it looks for a CUDA driver; compiling for a GPU needs none"):
+            desc = topologies.get_topology_desc(
+                platform="cuda", topology_name="", target_config=GPU_SPECS[kind].target_config(),
+                topology=topology)
+    except NotImplementedError:
+        raise JaxparError(
+            f"--target {text!r}: jax's CUDA plugin did not register in this process (it "
+            "checked for a CUDA runtime when JAX started): set JAX_PLATFORMS=cpu or "
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before JAX starts") from None
+    return Target(text, "gpu", tuple(desc.devices), nodes, count, chip, topology)
+
+
 def cpu_target(devices: Sequence[Any] | None = None) -> Target:
     """This process's devices (simulated CPU devices with ``--devices``)."""
     import jax
@@ -176,11 +300,18 @@ def _attached_chip(devices: Sequence[Any]) -> Chip:
 
 
 def parse_target(text: str | None, slices: int = 1) -> Target:
-    """``cpu`` (or None): this machine's devices; ``tpu-GEN:TOPOLOGY``: a TPU slice's."""
+    """``cpu`` (or None): this machine's devices; ``tpu-GEN:TOPOLOGY``: a TPU slice's;
+    ``KIND:COUNT`` (``h100:16``): GPUs'."""
     if text is None or text.strip().lower() in ("cpu", "local"):
         if slices != 1:
             raise JaxparError("--slices needs a TPU --target (e.g. tpu-v5e:2x2 --slices 2)")
         return cpu_target()
+    kind = text.strip().lower().partition(":")[0]
+    if ALIASES.get(kind, kind) in GPU_SPECS:
+        if slices != 1:
+            raise JaxparError(f"--slices is for TPU slices; GPU nodes are in the target: "
+                              f"--target {kind}:{slices}x8")
+        return gpu_target(text)
     return tpu_target(text, slices)
 
 

@@ -174,8 +174,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     inspect.set_defaults(command="inspect")
 
     compile_ = sub.add_parser(
-        "compile", help="compile one train step for a TPU slice you do not have (or this "
-                        "machine) and report memory against HBM, collectives and FLOPs")
+        "compile", help="compile one train step for a TPU slice or GPUs you do not have (or "
+                        "this machine) and report memory against HBM, collectives and FLOPs")
     compile_.add_argument("--config", help="YAML config file")
     compile_.add_argument("--devices", type=device_count, help="with --target cpu: simulate "
                                                                "N CPU devices")
@@ -197,8 +197,10 @@ def _add_target(parser: argparse.ArgumentParser, required: bool = False) -> None
                              "report)")
     parser.add_argument("--target", required=required,
                         help="devices to compile for: tpu-GEN:TOPOLOGY (e.g. tpu-v5p:4x4x4, "
-                             "tpu-v6e:2x4; the TPU compiler runs here, no TPU needed) or cpu "
-                             "(this machine)" + ("" if required else "; default: cpu"))
+                             "tpu-v6e:2x4; the TPU compiler runs here, no TPU needed), "
+                             "GPUs as KIND:COUNT (h100:16, nodes of 8; a100, h200; XLA's GPU "
+                             "compiler, no GPU needed) or cpu (this machine)"
+                             + ("" if required else "; default: cpu"))
     parser.add_argument("--slices", type=int, default=1,
                         help="TPU slices joined by DCN (a mesh without DCN axes puts them on "
                              "data)")

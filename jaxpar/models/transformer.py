@@ -175,7 +175,7 @@ class Attention(nnx.Module):
         # is whole 128-token tiles; otherwise, and for the other kernels, plain blocks.
         # cuDNN's (auto on a GPU in half precision) on chunk pairs, without windows or
         # documents (the soft cap already rules it out).
-        kind = attention_lib.resolve(self.implementation, q.dtype, self.softcap)
+        kind = attention_lib.resolve(self.implementation, q.dtype, self.softcap, q.shape[-1])
         tiles = attention_lib.SPLASH_TILE * plan.mesh.shape["context"]
         if self.implementation == "auto" and (
                 (kind == "splash" and q.shape[1] % tiles)

@@ -68,9 +68,22 @@ def target_platform() -> str:
     return jax.default_backend()
 
 
-def resolve(implementation: str, dtype: jnp.dtype, softcap: float = 0.0) -> str:
+CUDNN_HEAD_DIMS = 128
+"""The largest head dimension cuDNN's fused attention takes through JAX (a multiple of 8):
+Gemma 3's 256 is refused as the step is traced."""
+
+
+def cudnn_takes(head_dim: int = 0, softcap: float = 0.0) -> bool:
+    """Whether cuDNN's fused attention runs heads of ``head_dim`` (0: not known) with a
+    logit ``softcap`` (it takes none)."""
+    return not softcap and (not head_dim or (head_dim <= CUDNN_HEAD_DIMS and head_dim % 8 == 0))
+
+
+def resolve(implementation: str, dtype: jnp.dtype, softcap: float = 0.0,
+            head_dim: int = 0) -> str:
     """The concrete implementation ``auto`` stands for on this backend and dtype (never
-    ``cudnn`` with a ``softcap``, which cuDNN's kernel does not take)."""
+    ``cudnn`` where :func:`cudnn_takes` says no: a ``softcap``, or heads wider than
+    :data:`CUDNN_HEAD_DIMS`)."""
     if implementation not in IMPLEMENTATIONS:
         raise JaxparError(f"model.attention={implementation!r}: choose one of "
                           f"{list(IMPLEMENTATIONS)}")
@@ -80,7 +93,7 @@ def resolve(implementation: str, dtype: jnp.dtype, softcap: float = 0.0) -> str:
     if backend == "tpu":
         return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if backend == "gpu" and half and not softcap else "xla"
+    return "cudnn" if backend == "gpu" and half and cudnn_takes(head_dim, softcap) else "xla"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto",
@@ -90,7 +103,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str =
     with ``segments`` ``(batch, seq)``, within each segment only; with ``softcap`` > 0, the
     scaled scores capped to ``softcap * tanh(scores / softcap)`` before the softmax."""
     softcap = _check_softcap(softcap)
-    kind = resolve(implementation, q.dtype, softcap)
+    kind = resolve(implementation, q.dtype, softcap, q.shape[-1])
     if kind == "chunked":
         return chunked_attention(q, k, v, window=window, block=block, segments=segments,
                                  softcap=softcap)

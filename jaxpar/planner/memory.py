@@ -32,7 +32,7 @@ offloaded optimizer state of the tensors being updated.
 
 from __future__ import annotations
 
-from jaxpar.parallel.attention import SPLASH_TILE
+from jaxpar.parallel.attention import SPLASH_TILE, cudnn_takes
 from jaxpar.parallel.schedules import peak_in_flight
 from jaxpar.planner.candidate import (
     OPTIMIZER_MOMENTS,
@@ -61,7 +61,8 @@ for the backward pass; the others recompute them while the layer's backward runs
 
 def attention_kind(spec: ModelSpec, cand: Candidate, backend: str, seq: int = 0) -> str:
     """The implementation attention runs as: ``spec.attention``, where ``auto`` is splash
-    on a TPU, cuDNN's fused kernel on a GPU in half precision, XLA's (scores
+    on a TPU, cuDNN's fused kernel on a GPU in half precision (where it takes the heads:
+    no soft cap, at most 128 wide), XLA's (scores
     materialised) elsewhere (see :func:`jaxpar.parallel.attention.resolve`). With the
     sequence split over ``context``: splash, per device (:mod:`jaxpar.parallel.context_splash`),
     where it would run and each device's share of ``seq`` is a multiple of its 128-token
@@ -75,7 +76,8 @@ def attention_kind(spec: ModelSpec, cand: Candidate, backend: str, seq: int = 0)
     elif backend == "tpu":
         kind = "splash"
     else:
-        kind = "cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2 else "xla"
+        kind = ("cudnn" if backend == "gpu" and dtype_bytes(cand.precision) == 2
+                and cudnn_takes(spec.head_dim, spec.attn_logit_softcap) else "xla")
     if cand.context > 1:
         if kind == "splash" and (not seq or seq % (SPLASH_TILE * cand.context) == 0):
             return "splash"

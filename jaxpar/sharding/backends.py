@@ -26,7 +26,7 @@ import importlib.machinery
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -67,26 +67,32 @@ def tpu_attached(dev: str = "/dev", pci: str = "/sys/bus/pci/devices",
     return False
 
 
-def _no_tpu_here(start_libtpu: Callable[[], Any]) -> Any:
-    """The ``tpu`` backend factory on a host without a TPU: libtpu is started only when
-    the platforms were set to name ``tpu`` after :func:`skip_absent_tpu` ran."""
+def _not_here(platform: str, start: Callable[[], Any]) -> Any:
+    """The ``platform`` backend factory on a host without that device: the backend is
+    started only when the platforms were set to name it after :func:`skip_absent_tpu`
+    (or :func:`quiet_absent_gpu`) ran."""
     import jax
 
-    if "tpu" in (jax.config.jax_platforms or "").split(","):
-        return start_libtpu()
-    raise RuntimeError("no TPU is attached to this host, so jaxpar did not start libtpu "
-                       "(JAX_PLATFORMS=tpu starts it anyway)")
+    if platform in (jax.config.jax_platforms or "").split(","):
+        return start()
+    raise RuntimeError(f"no {platform.upper()} is attached to this host, so jaxpar did not "
+                       f"start its backend (JAX_PLATFORMS={platform} starts it anyway)")
+
+
+def _register_absent(xla_bridge: ModuleType, platform: str = "tpu") -> None:
+    """Replace JAX's ``platform`` backend factory by :func:`_not_here`, at its priority."""
+    registration = getattr(xla_bridge, "_backend_factories", {}).get(platform)
+    if registration is None or getattr(registration.factory, "func", None) is _not_here:
+        return  # this JAX registers no such backend, or it is replaced already
+    with contextlib.suppress(RuntimeError):  # raised once the backends started: too late
+        xla_bridge.register_backend_factory(  # (the plugin's C API kept: JAX registers
+            platform, partial(_not_here, platform, registration.factory),  # custom calls
+            priority=registration.priority, fail_quietly=True,  # with it)
+            c_api=getattr(registration, "c_api", None))
 
 
 def _register_absent_tpu(xla_bridge: ModuleType) -> None:
-    """Replace JAX's ``tpu`` backend factory by :func:`_no_tpu_here`, at its priority."""
-    registration = getattr(xla_bridge, "_backend_factories", {}).get("tpu")
-    if registration is None or getattr(registration.factory, "func", None) is _no_tpu_here:
-        return  # this JAX registers no TPU backend, or it is replaced already
-    with contextlib.suppress(RuntimeError):  # raised once the backends started: too late
-        xla_bridge.register_backend_factory(
-            "tpu", partial(_no_tpu_here, registration.factory),
-            priority=registration.priority, fail_quietly=True)
+    _register_absent(xla_bridge, "tpu")
 
 
 class _AfterImport:
@@ -132,13 +138,116 @@ def skip_absent_tpu(env: Mapping[str, str] | None = None, attached: bool | None 
     return True
 
 
+def gpu_attached(dev: str = "/dev", env: Mapping[str, str] | None = None) -> bool:
+    """Whether this host may have an NVIDIA GPU: ``CUDA_VISIBLE_DEVICES`` naming one, or a
+    ``/dev/nvidiaN`` device file."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return bool(visible.strip()) and not visible.strip().startswith("-1")
+    return bool(glob.glob(f"{dev}/nvidia[0-9]*"))
+
+
+class _QuietLoader:
+    """A module loader whose module starts with stderr dropped (file descriptor 2)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        with _stderr_dropped():
+            return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        with _stderr_dropped():
+            self.loader.exec_module(module)
+
+
+class _QuietImports:
+    """An import hook: the modules of package ``name`` load with stderr dropped."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name and not fullname.startswith(self.name + "."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader,
+                                                                    "exec_module"):
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
 @contextlib.contextmanager
-def libtpu_start_summarised(what: str = "starting the TPU compiler") -> Iterator[None]:
-    """Hold back what is written to stderr (file descriptor 2, where libtpu writes) inside
-    the block, then print one line counting it: libtpu's start-up lines on a host without
-    a TPU (no ``TPU_WORKER_HOSTNAMES``, no accelerator type) do not matter to a compiler.
-    If the block raises, the lines are dropped: the exception carries libtpu's reason, and
-    a user's error stays one line."""
+def _stderr_dropped() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+CUDA_PLUGIN = "jax_cuda12_plugin"
+"""The package of jax's CUDA plugin (installed by ``jaxpar[gpu-compile]``)."""
+
+
+CUDA_PLUGIN_ENTRY = "jax_plugins.xla_cuda12"
+"""The module through which JAX finds the plugin and registers its backend."""
+
+
+def _plugin_registered_quietly(plugin: ModuleType) -> None:
+    """Wrap the plugin's ``initialize`` (what JAX calls to register it): with stderr
+    dropped, and then with its backend factory replaced by :func:`_not_here`."""
+    initialize = plugin.initialize
+
+    def quietly() -> None:
+        with _stderr_dropped():
+            initialize()
+        if "jax._src.xla_bridge" in sys.modules:
+            _register_absent(sys.modules["jax._src.xla_bridge"], "cuda")
+
+    plugin.initialize = quietly
+
+
+def quiet_absent_gpu(env: MutableMapping[str, str] | None = None,
+                     attached: bool | None = None) -> bool:
+    """On a host without a GPU, keep jax's CUDA plugin (installed to compile for GPUs,
+    ``jaxpar compile --target h100:8``) from saying so: its modules print ``cudart_stub.cc
+    ... Could not find cuda drivers on your machine`` whenever JAX loads its GPU kernels'
+    modules, and its registration fails with a traceback on the missing CUDA runtime.
+    Here the plugin registers without checking the runtime (the GPU compiler needs none),
+    its modules load with stderr dropped, and its backend is not started unless the
+    platforms name ``cuda``. Returns whether it does so; must come before JAX looks for
+    its plugins. Changes nothing on a host with a GPU."""
+    env = os.environ if env is None else env
+    if gpu_attached(env=env) if attached is None else attached:
+        return False
+    env.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if not any(isinstance(f, _QuietImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietImports(CUDA_PLUGIN))
+    if CUDA_PLUGIN_ENTRY in sys.modules:
+        _plugin_registered_quietly(sys.modules[CUDA_PLUGIN_ENTRY])
+    elif not any(isinstance(f, _AfterImport) and f.name == CUDA_PLUGIN_ENTRY
+                 for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(CUDA_PLUGIN_ENTRY, _plugin_registered_quietly))
+    return True
+
+
+@contextlib.contextmanager
+def start_summarised(who: str = "libtpu", what: str = "starting the TPU compiler",
+                     why: str = "it looks for a TPU to run on; compiling for one needs none"
+                     ) -> Iterator[None]:
+    """Hold back what is written to stderr (file descriptor 2, where libtpu and jax's CUDA
+    plugin write) inside the block, then print one line counting it: ``who``'s start-up
+    lines on a host without its device (libtpu's without ``TPU_WORKER_HOSTNAMES``, the
+    plugin's without a CUDA driver) do not matter to a compiler. If the block raises, the
+    lines are dropped: the exception carries the reason, and a user's error stays one
+    line."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -152,9 +261,16 @@ def libtpu_start_summarised(what: str = "starting the TPU compiler") -> Iterator
         held.seek(0)
         count = sum(1 for line in held.read().splitlines() if line.strip())
     if count:
-        print(f"jaxpar: libtpu printed {count} line{'s' if count > 1 else ''} {what} (it "
-              "looks for a TPU to run on; compiling for one needs none)", file=sys.stderr)
+        print(f"jaxpar: {who} printed {count} line{'s' if count > 1 else ''} {what} ({why})",
+              file=sys.stderr)
 
 
-__all__ = ["TPU_ENV", "TPU_PCI_DEVICE_IDS", "libtpu_start_summarised", "skip_absent_tpu",
-           "tpu_attached"]
+def libtpu_start_summarised(what: str = "starting the TPU compiler"
+                            ) -> contextlib.AbstractContextManager[None]:
+    """:func:`start_summarised` for libtpu."""
+    return start_summarised("libtpu", what)
+
+
+__all__ = ["CUDA_PLUGIN", "TPU_ENV", "TPU_PCI_DEVICE_IDS", "gpu_attached",
+           "libtpu_start_summarised", "quiet_absent_gpu", "skip_absent_tpu",
+           "start_summarised", "tpu_attached"]

@@ -122,8 +122,9 @@ def make_mesh(
         count.
       dcn: for multi-slice machines, how many slices each axis spans (data-centre
         network). The final size of an axis is ``axes[a] * dcn[a]``. Built with
-        ``mesh_utils.create_hybrid_device_mesh`` when the devices know their slice;
-        otherwise (simulated CPU devices) consecutive devices form one slice.
+        ``mesh_utils.create_hybrid_device_mesh`` when the devices know their slice (TPU
+        slices), or as many processes as slices hold them (GPU nodes); otherwise
+        (simulated CPU devices) consecutive devices form one slice.
       devices: the devices to use, in order.
       explicit: give the axes ``AxisType.Explicit`` (JAX's sharding-in-types mode) for
         models that call ``jax.sharding.reshard`` or pass ``out_sharding=``; by default
@@ -138,8 +139,12 @@ def make_mesh(
     ici_sizes, dcn_sizes = mesh_sizes(axes, dcn, len(devices))
     if math.prod(dcn_sizes) == 1:
         grid = mesh_utils.create_device_mesh(ici_sizes, devices, allow_split_physical_axes=True)
-    elif all(hasattr(d, "slice_index") for d in devices):
+    elif len({getattr(d, "slice_index", None) for d in devices}) == math.prod(dcn_sizes):
         grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices)
+    elif len({d.process_index for d in devices}) == math.prod(dcn_sizes) > 1:
+        # GPU nodes: one process a node, all in slice 0
+        grid = mesh_utils.create_hybrid_device_mesh(ici_sizes, dcn_sizes, devices,
+                                                    process_is_granule=True)
     else:
         grid = _hybrid_grid_by_order(devices, ici_sizes, dcn_sizes)
     kind = AxisType.Explicit if explicit else AxisType.Auto

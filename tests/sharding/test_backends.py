@@ -47,7 +47,7 @@ def test_chosen_platforms_or_a_tpu_leave_jax_alone(monkeypatch):
     before = dict(bridge._backend_factories)
     monkeypatch.setattr(bridge, "_backend_factories", before)
     assert skip_absent_tpu(env={}, attached=False)
-    assert bridge._backend_factories["tpu"].factory.func is backends._no_tpu_here
+    assert bridge._backend_factories["tpu"].factory.func is backends._not_here
 
 
 @pytest.mark.skipif(tpu_attached(), reason="a TPU is attached: libtpu starts for real")
@@ -82,3 +82,38 @@ def test_libtpu_start_lines_are_counted_into_one(capfd):
         os.write(2, b"E0000 refused\n")
         raise ValueError("the topology")  # the error says why: the lines are dropped
     assert capfd.readouterr().err == ""
+
+
+CUDA_SAYS = ("cudart_stub", "cuda drivers", "Unable to load CUDA", "plugin configuration")
+
+
+@pytest.mark.skipif(backends.gpu_attached(), reason="a GPU is attached: the plugin starts")
+def test_no_cuda_plugin_lines_on_a_host_without_a_gpu():
+    """With jax's CUDA plugin installed (for ``jaxpar compile --target h100:8``), a process
+    that imports jaxpar, loads JAX's GPU kernels' modules (Pallas) and runs a step prints
+    nothing of the plugin's: no driver lines, no failed registration. Without jaxpar, JAX
+    prints both. Imported after jax, jaxpar comes too late for the driver lines (JAX's
+    import loads those modules) but not for the failed registration; the GPU compiler
+    still registers (the topology of 8 H100s is there)."""
+    pytest.importorskip(backends.CUDA_PLUGIN, reason="jax's CUDA plugin")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    step = ("import jax.experimental.pallas\n"
+            "print(jax.jit(lambda x: x * 2)(jax.numpy.arange(3)).sum(), "
+            "jax.devices()[0].platform)")
+    said = {}
+    for name, code in [("jax alone", f"import jax\n{step}"),
+                       ("jax first", f"import jax\nimport jaxpar\n{step}"),
+                       ("jaxpar first", f"import jaxpar\nimport jax\n{step}\n"
+                                        "from jaxpar.analysis.targets import gpu_target\n"
+                                        "print(len(gpu_target('h100:8').devices))")]:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.split()[:2] == ["6", "cpu"], (
+            name, done.stderr)
+        said[name] = [w for w in CUDA_SAYS if w in done.stderr]
+    assert said["jax alone"], "the plugin printed nothing: this check would prove nothing"
+    assert said["jaxpar first"] == [], said
+    assert not set(said["jax first"]) & {"Unable to load CUDA", "plugin configuration"}, said
+    assert done.stdout.split()[-1] == "8"
+

@@ -1,0 +1,119 @@
+"""Compiling for NVIDIA GPUs that are not here (jaxpar.analysis.targets.gpu_target): XLA's
+GPU compiler from jax's CUDA plugin, on this CPU host with no GPU or driver, against the
+planner; the HLO reader on the GPU compiler's combined async collectives."""
+
+import pytest
+
+from jaxpar.analysis import targets
+from jaxpar.analysis.hlo import parse_collectives
+from jaxpar.analysis.inspection import compile_step, step_report
+from jaxpar.config.schema import load_config
+from jaxpar.errors import JaxparError
+
+pytest.importorskip("jax_cuda12_plugin", reason="the GPU compiler (pip install "
+                    "'jax[cuda12-local]')")
+
+
+def test_gpus_come_as_nodes_of_an_nvlink_domain():
+    one = targets.gpu_target("h100:8")
+    assert (len(one.devices), one.device_kind, one.platform) == (8, "NVIDIA H100 80GB HBM3",
+                                                                 "gpu")
+    assert (one.slices, one.topology, one.machine.slices) == (1, "1x1x8", 1)
+    two = targets.parse_target("h100:16")
+    assert (two.slices, two.topology) == (2, "1x2x8")
+    assert [d.process_index for d in two.devices] == [0] * 8 + [1] * 8
+    small = targets.gpu_target("h200:2x4")
+    assert (len(small.devices), small.slices, small.hbm_bytes) == (8, 2, 141e9)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("h100:12", "do not make nodes of at most 8"),
+    ("h100:2x16", "do not make nodes of at most 8"),
+    ("mi300:8", "must name GPUs as KIND:COUNT"),
+])
+def test_bad_gpu_targets_are_one_line(text, says):
+    with pytest.raises(JaxparError, match=says) as err:
+        targets.gpu_target(text)
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_gpu_compiler_names_the_package(monkeypatch):
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(JaxparError, match=r"pip install 'jax\[cuda12-local\]=="):
+        targets.gpu_target("h100:8")
+
+
+@pytest.fixture(scope="module")
+def h100_report():
+    config = load_config("configs/tiny.yaml", ["model.n_layers=2"])
+    step = compile_step(config, targets.gpu_target("h100:8"))
+    return step, step_report(step)
+
+
+def test_the_gpu_compilers_combined_collectives_are_counted_whole(h100_report):
+    """The GPU compiler combines a layer's weight gathers into one async all-gather of a
+    tuple (``((shards...), (weights...))``): the reader counts every weight of it, and the
+    bytes a device receives a step are the planner's (fsdp 8, float32) within 5%."""
+    step, report = h100_report
+    combined = [c for c in parse_collectives(step.compiled.as_text())
+                if c.kind == "all-gather" and "all-gather-start" in c.line
+                and c.line.split("=", 1)[1].lstrip().startswith("((")]
+    assert combined, "the GPU compiler combined no gathers"
+    by_kind: dict[str, list[float]] = {}
+    for c in report["comparison"]["collectives"]:
+        both = by_kind.setdefault(c["kind"], [0.0, 0.0])
+        both[0] += c.get("predicted_wire_bytes_per_step") or 0.0
+        both[1] += c.get("wire_bytes_per_step") or 0.0
+    assert set(by_kind) >= {"all-gather", "reduce-scatter"}
+    for kind, (planner, compiler) in by_kind.items():
+        assert planner == pytest.approx(compiler, rel=0.05, abs=16 << 10), kind
+
+
+def test_gpu_memory_against_the_planner(h100_report):
+    """The compiled step's memory a device (the GPU compiler's buffer assignment) against
+    the planner's h100 figures: the state to the byte's rounding, the whole within 10%."""
+    _, report = h100_report
+    mem, pred = report["memory"], report["predicted"]["memory"]
+    assert report["header"]["platform"] == "gpu" and mem["fits"]
+    assert pred["argument_bytes"] == pytest.approx(mem["argument_bytes"], rel=0.02)
+    assert pred["total_bytes"] == pytest.approx(mem["total_bytes"], rel=0.10)
+
+
+def test_a_dcn_axis_spans_the_nodes():
+    """Across 2 nodes of 8 (one process each, as the GPU compiler describes them), the
+    axis with a DCN part splits by node and the ICI axes stay inside one."""
+    import jaxpar
+
+    nodes = targets.gpu_target("h100:2x8")
+    mesh = jaxpar.make_mesh({"fsdp": 4, "tensor": 2}, dcn={"data": 2}, devices=nodes.devices)
+    grid = mesh.devices.reshape(2, -1)  # data is the first axis
+    assert [{d.process_index for d in row} for row in grid] == [{0}, {1}]
+
+
+BF16 = ["plan.precision=params=float32,compute=bfloat16,output=float32", "model.n_layers=2",
+        "train.global_batch=8"]
+
+
+def test_heads_wider_than_cudnn_takes_compile_with_xlas_attention():
+    """Gemma 3's 256-wide heads: cuDNN's fused attention refuses them as the step is traced
+    (JAX: "The head dim must be <= 128"), so ``auto`` on GPUs runs XLA's there, and the
+    planner counts the scores XLA's keeps (it counted cuDNN's kernel)."""
+    from jaxpar.planner.memory import attention_kind
+    from jaxpar.planner.model import from_transformer
+
+    config = load_config("configs/tiny.yaml", [*BF16, "model.head_dim=256"])
+    step = compile_step(config, targets.gpu_target("h100:8"))
+    assert "__cudnn$fmha" not in step.compiled.as_text()
+    cand = type("C", (), {"precision": "bfloat16", "context": 1})()
+    assert attention_kind(from_transformer(config.model), cand, "gpu") == "xla"
+    narrow = load_config("configs/tiny.yaml", BF16).model
+    assert attention_kind(from_transformer(narrow), cand, "gpu") == "cudnn"
+
+
+@pytest.mark.skipif(targets.cudnn_installed(), reason="cuDNN is installed")
+def test_a_bf16_step_without_cudnn_says_what_to_install():
+    config = load_config("configs/tiny.yaml", BF16)
+    with pytest.raises(JaxparError, match=r"cuDNN is not installed: pip install "
+                                          r"'nvidia-cudnn-cu12") as err:
+        compile_step(config, targets.gpu_target("h100:8"))
+    assert "\n" not in str(err.value)
