@@ -152,9 +152,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--force", action="store_true",
                       help="with --write: replace an existing file")
     plan.add_argument("--verify", type=int, default=0, metavar="K",
-                      help="compile the first K plans with the TPU compiler (TPU chips only; "
-                           "no TPU needed), drop those it says do not fit, and print its "
-                           "memory beside the planner's")
+                      help="compile the first K plans with the TPU or GPU compiler (TPU "
+                           "chips, a100, h100, h200; no TPU or GPU needed), drop those it "
+                           "says do not fit, and print its memory beside the planner's")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="model overrides, e.g. model.n_layers=40")

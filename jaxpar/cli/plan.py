@@ -152,8 +152,9 @@ def _check_write(target: str, *, force: bool) -> None:
 
 def verified(plans: list, rows: list[dict], base: Any, machine: Any,
              args: argparse.Namespace) -> tuple[list, list[dict]]:
-    """``--verify K``: the first K plans compiled for the machine's TPU slices by the TPU
-    compiler (:func:`jaxpar.analysis.inspection.compile_step`); a plan the compiler says
+    """``--verify K``: the first K plans compiled for the machine's TPU slices or GPU nodes
+    by the TPU or GPU compiler (:func:`jaxpar.analysis.inspection.compile_step`); a plan
+    the compiler says
     does not fit is dropped, and each kept row gets ``compiler_bytes`` beside the
     planner's ``memory_per_device_bytes``. A plan the compiler fits in more than 95% of
     the chip's HBM (:data:`jaxpar.analysis.report.TIGHT`) is kept as ``tight``, ranked
@@ -164,13 +165,17 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxpar.analysis.inspection import StepDoesNotFit, compile_step, step_report
     from jaxpar.analysis.report import fmt_bytes
-    from jaxpar.analysis.targets import topology_for, tpu_target
+    from jaxpar.analysis.targets import GPU_SPECS, gpu_target, topology_for, tpu_target
 
     kind = machine.chip.name
-    if not kind.startswith("tpu-"):
-        raise JaxparError(f"--verify compiles with the TPU compiler: --chips {args.chips} is "
-                          "not a TPU kind")
-    target = tpu_target(f"{kind}:{topology_for(kind, machine.per_slice)}", machine.slices)
+    if kind in GPU_SPECS:
+        target, compiler = gpu_target(f"{kind}:{machine.slices}x{machine.per_slice}"), "GPU"
+    elif kind.startswith("tpu-"):
+        target = tpu_target(f"{kind}:{topology_for(kind, machine.per_slice)}", machine.slices)
+        compiler = "TPU"
+    else:
+        raise JaxparError(f"--verify compiles with the TPU or GPU compiler: --chips "
+                          f"{args.chips} is neither a TPU kind nor one of {', '.join(GPU_SPECS)}")
     roomy, tight, unverified = [], [], []  # (plan, row) pairs, ranked in this order
     for i, (est, row) in enumerate(zip(plans, rows, strict=True), 1):
         if i > args.verify:
@@ -180,14 +185,14 @@ def verified(plans: list, rows: list[dict], base: Any, machine: Any,
         try:
             memory = step_report(compile_step(config, target))["memory"]
         except StepDoesNotFit as err:
-            print(f"verify #{i}: dropped, the TPU compiler needs more than "
+            print(f"verify #{i}: dropped, the {compiler} compiler needs more than "
                   f"{fmt_bytes(err.temp_bytes)} of temporaries ({fmt_bytes(err.hbm_bytes)} "
                   f"of HBM); the planner said {fmt_bytes(row['memory_per_device_bytes'])}",
                   file=sys.stderr)
             continue
         ratio = row["memory_per_device_bytes"] / memory["total_bytes"]
         share = memory["total_bytes"] / memory["hbm_bytes"]
-        print(f"verify #{i}: the TPU compiler needs {fmt_bytes(memory['total_bytes'])} a "
+        print(f"verify #{i}: the {compiler} compiler needs {fmt_bytes(memory['total_bytes'])} a "
               f"device, the planner {fmt_bytes(row['memory_per_device_bytes'])} (x{ratio:.2f})"
               + ("" if memory["fits"] else "; dropped: it does not fit")
               + (f"; tight: {100 * share:.0f}% of {fmt_bytes(memory['hbm_bytes'])} of HBM, "

@@ -77,11 +77,13 @@ def command(args: argparse.Namespace) -> int:
 
     from jaxpar.config.validate import check_config, pipeline_for
     from jaxpar.runs.distributed import ENV_NUM_PROCESSES, initialize, simulate_devices
-    from jaxpar.runs.host_memory import local_gpu_count, size_host_pool
+    from jaxpar.runs.host_memory import local_gpu_count, size_device_pool, size_host_pool
     from jaxpar.runs.loop import summarize, train
     from jaxpar.sharding.mesh import describe, make_mesh
 
     gpus = local_gpu_count()
+    if gpus:  # the planner's HBM, not JAX's default three quarters of it
+        size_device_pool()
     if gpus or args.devices:  # GPUs read the pool's size once, as their backend starts
         size_host_pool(config, args.devices or gpus, args.num_processes or int(
             os.environ.get(ENV_NUM_PROCESSES) or 1))

@@ -267,7 +267,7 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         # (whole, gathered, under sequence parallelism), and per norm its input and
         # normalised input in float32 (the residual stream's share). Measured: Llama 3.2
         # 3B, tensor 4 with sequence parallelism, 11.7 GiB saved a device.
-        stream = act * 2 * d + 4 * 4 * dr if backend == "tpu" else act * 6 * dr
+        stream = act * 2 * d + 4 * 4 * dr if backend != "cpu" else act * 6 * dr
         per_token = (scores + probs + act * (6 * f + 2 * n * h + 2 * k * h) + stream
                      + _moe_saved(spec, loc, act, True)
                      + _gemma_saved(spec, loc, act, backend))
@@ -283,7 +283,11 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         # the sequence for the dispatch and combine einsums): none of their outputs is
         # kept, only the shared experts' and the router's (see _moe_unbatched_saved).
         f_kept = loc.shared_ff if loc.slots else f
-        per_token = (act * (2 * n * h + 2 * k * h + 2 * dr + 3 * f_kept)
+        # On the GPU compiler the attention's output (cuDNN's kernel's, or XLA's batched
+        # einsum's) is recomputed: of the heads only the query projection is kept
+        # (measured: Mixtral 8x7B and Qwen3-30B-A3B on 64 H100s, Gemma 3 12B on 16).
+        heads = 1 if backend == "gpu" else 2
+        per_token = (act * (heads * n * h + 2 * k * h + 2 * dr + 3 * f_kept)
                      + _moe_unbatched_saved(spec, loc))
     else:  # save_attention_and_mlp_outputs
         per_token = act * _named_outputs_kept(spec) * dr
@@ -364,9 +368,13 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
         # The TPU compiler's peak holds four f32 score-sized buffers and one in the
         # compute dtype (22B on v4, seq 1024: 6.75 GiB of its 27.4 GiB).
         score = (4 * 4 + act) * n * seq
+    elif backend == "gpu" and spec.attn_logit_softcap:
+        # The GPU compiler's peak holds seven f32 score-sized buffers under a soft cap
+        # (Gemma 2 9B on 8 H100s: seven [1,4,2,8192,8192], 14 GiB of its 54.5).
+        score = 7 * 4 * n * seq
     else:
         score = 3 * n * seq * 4
-    if backend == "tpu" and attention in FLASH_ATTENTION:
+    if backend != "cpu" and attention in FLASH_ATTENTION:
         # The kernel's score blocks live inside attention's backward alone, which never
         # runs with the experts': the larger of the two (see _moe_working).
         both = max(score, _moe_working(spec, loc, act))
@@ -420,7 +428,12 @@ def _accumulator_elems(lay: Layout, cand: Candidate, backend: str) -> float:
     but on the TPU compiler under ZeRO-3 the routed experts' sum is laid out like their
     stored (ZeRO) shards (measured: Qwen3-30B-A3B on v5p-64, data 4 x fsdp 2 x expert 8,
     ZeRO-3, two microbatches: ``f32[48,16,192,1024]`` per expert projection, a quarter
-    of the base layout's). The dense tensors' sum keeps the calibrated base layout."""
+    of the base layout's). The dense tensors' sum keeps the calibrated base layout. The
+    GPU compiler lays the whole sum out as the gradients are (ZeRO-2 and up: the stored
+    shards; measured: Llama 3.1 8B on 8 H100s, data 2 x fsdp 2 x tensor 2, ZeRO-3, eight
+    microbatches: ``f32[32,1024,7168]`` per MLP projection)."""
+    if backend == "gpu":
+        return lay.total("zero" if cand.zero_stage >= 2 else "base")
     if backend != "tpu" or cand.zero_stage < 3:
         return lay.total("base")
     return sum(p.zero if "expert" in p.tensor.names else p.base for p in lay.placed)
@@ -537,8 +550,8 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         whole = max((p.compute - p.base for p in unstacked), default=0)
         grads = (sum(p.compute if p.tensor.per_layer else p.base for p in lay.placed)
                  + whole) * (4 if backend == "cpu" else c)
-    elif backend != "tpu":
-        grads = lay.total("compute") * (4 if backend == "cpu" else c)
+    elif backend == "cpu":
+        grads = lay.total("compute") * 4
     else:
         layers = max(spec.n_layers / lay.sizes.get("stage", 1), 1)
         grads = 0.0
@@ -587,7 +600,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         # once the backward pass has freed them (measured on LlamaLike: the step holds the
         # gradients and the larger of the two).
         peak = max(stream + staging + max(update_device - saved, 0.0), loss_work)
-    elif backend == "tpu":
+    elif backend != "cpu":
         # The TPU compiler updates the optimizer state in place, after the backward pass
         # has freed its working set (measured: benchmarks/tpu_compile.py).
         peak = max(layer_work + stream + staging, update_device, loss_work)

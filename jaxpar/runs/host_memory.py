@@ -101,3 +101,24 @@ def size_host_pool(config: Any, local_devices: int, processes: int = 1, *,
     limit = min(math.ceil(need * MARGIN / GIB) + SLACK_GIB, max(int(usable // GIB), 1))
     environ[GPU_POOL_ENV] = str(limit)
     return limit
+
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEVICE_MEM_FRACTION = 0.95
+"""The share of each GPU's memory the runtime takes for jaxpar's runs. JAX's default,
+0.75, leaves 20 of an H100's 79 GiB unused, while the planner plans for the catalog's
+80 GB (74.5 GiB, 94% of what the device reports): a plan at 65 GiB a device would fit by
+the planner and fail at its first step with an out-of-memory error."""
+
+
+def size_device_pool(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Have the GPU runtime preallocate :data:`DEVICE_MEM_FRACTION` of each GPU's memory,
+    unless the user chose (``XLA_PYTHON_CLIENT_MEM_FRACTION``, or no preallocation with
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` or another allocator); returns the fraction
+    set, or None. Call before JAX starts its backend."""
+    environ = os.environ if environ is None else environ
+    if (MEM_FRACTION_ENV in environ or environ.get("XLA_PYTHON_CLIENT_ALLOCATOR")
+            or environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0")):
+        return None
+    environ[MEM_FRACTION_ENV] = f"{DEVICE_MEM_FRACTION:g}"
+    return environ[MEM_FRACTION_ENV]

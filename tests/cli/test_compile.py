@@ -117,9 +117,19 @@ def test_plan_verify_compiles_the_plans_for_the_tpu(capsys):
     rows = json.loads(out)  # the progress lines go to stderr: stdout is the JSON alone
     assert rows[0]["compiler_bytes"] > 0 and "compiler_bytes" not in rows[1]
     assert "verify #1: the TPU compiler needs " in err and "verify #2" not in err
-    assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "h100:8",
+    assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "b200:8",
                      "--global-batch", "8", "--seq", "128", "--verify", "1"]) == 2
-    assert "--verify compiles with the TPU compiler" in capsys.readouterr().err
+    assert "--verify compiles with the TPU or GPU compiler" in capsys.readouterr().err
+
+
+def test_plan_verify_compiles_the_plans_for_gpus(capsys):
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU compiler")
+    assert cli.main(["plan", "--model", "configs/tiny.yaml", "--chips", "h100:8",
+                     "--global-batch", "32", "--seq", "256", "--top", "1",
+                     "--verify", "1", "--json", "model.attention=xla"]) == 0  # no cuDNN
+    out, err = capsys.readouterr()
+    assert json.loads(out)[0]["compiler_bytes"] > 0
+    assert "verify #1: the GPU compiler needs " in err
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_cli_write_loads_as_run_config(tmp_path, capsys):
 
 
 def test_cli_mixtral_table_shows_expert_axis(capsys):
-    assert main(["plan", "--model", MIXTRAL, "--chips", "h100:64", "--global-batch", "256",
+    assert main(["plan", "--model", MIXTRAL, "--chips", "h100:16", "--global-batch", "256",
                  "--seq", "4096", "--top", "3"]) == 0
     out = capsys.readouterr().out
     header, first = out.splitlines()[1], out.splitlines()[3]

