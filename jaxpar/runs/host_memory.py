@@ -13,7 +13,6 @@ user set by hand.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 from collections.abc import MutableMapping
@@ -23,6 +22,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.parallel.offload import GPU_POOL_ENV
 from jaxpar.planner.catalog import HOST_POOL_SHARE
 from jaxpar.planner.prediction import predict
+from jaxpar.sharding.backends import local_gpu_count  # noqa: F401 - jaxpar train reads it here
 
 MARGIN = 1.1
 """The pool is the plan's host bytes times this, plus :data:`SLACK_GIB` (staging buffers
@@ -34,17 +34,6 @@ GIB = 2**30
 def ram_bytes() -> int:
     """This machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def local_gpu_count(environ: MutableMapping[str, str] | None = None) -> int:
-    """NVIDIA GPUs this process will see, without starting a runtime:
-    ``CUDA_VISIBLE_DEVICES`` if set, else the ``/dev/nvidiaN`` device files."""
-    environ = os.environ if environ is None else environ
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        return 0 if ids[:1] == ["-1"] else len(ids)
-    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def offloads(config: Any) -> bool:

@@ -138,14 +138,20 @@ def skip_absent_tpu(env: Mapping[str, str] | None = None, attached: bool | None 
     return True
 
 
-def gpu_attached(dev: str = "/dev", env: Mapping[str, str] | None = None) -> bool:
-    """Whether this host may have an NVIDIA GPU: ``CUDA_VISIBLE_DEVICES`` naming one, or a
-    ``/dev/nvidiaN`` device file."""
+def local_gpu_count(env: Mapping[str, str] | None = None, dev: str = "/dev") -> int:
+    """NVIDIA GPUs this process will see, without starting a runtime:
+    ``CUDA_VISIBLE_DEVICES`` if set, else the ``/dev/nvidiaN`` device files."""
     env = os.environ if env is None else env
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return bool(visible.strip()) and not visible.strip().startswith("-1")
-    return bool(glob.glob(f"{dev}/nvidia[0-9]*"))
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return 0 if ids[:1] == ["-1"] else len(ids)
+    return len(glob.glob(f"{dev}/nvidia[0-9]*"))
+
+
+def gpu_attached(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process may see an NVIDIA GPU (:func:`local_gpu_count`)."""
+    return local_gpu_count(env) > 0
 
 
 class _QuietLoader:
@@ -208,8 +214,8 @@ def _plugin_registered_quietly(plugin: ModuleType) -> None:
     def quietly() -> None:
         with _stderr_dropped():
             initialize()
-        if "jax._src.xla_bridge" in sys.modules:
-            _register_absent(sys.modules["jax._src.xla_bridge"], "cuda")
+        if _XLA_BRIDGE in sys.modules:
+            _register_absent(sys.modules[_XLA_BRIDGE], "cuda")
 
     plugin.initialize = quietly
 
@@ -272,5 +278,5 @@ def libtpu_start_summarised(what: str = "starting the TPU compiler"
 
 
 __all__ = ["CUDA_PLUGIN", "TPU_ENV", "TPU_PCI_DEVICE_IDS", "gpu_attached",
-           "libtpu_start_summarised", "quiet_absent_gpu", "skip_absent_tpu",
+           "libtpu_start_summarised", "local_gpu_count", "quiet_absent_gpu", "skip_absent_tpu",
            "start_summarised", "tpu_attached"]
