@@ -376,22 +376,41 @@ def pipeline(
     first_stage = (jnp.arange(stages) == 0).reshape(stages, *(1,) * x.ndim)
     stage_ids = jnp.arange(stages)
 
-    def stage_step(stage_params, repeat, h):
-        if layers_per_stage > 1:  # this repeat's L layers, one after the other
-            chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(
-                a, repeat * layers_per_stage, layers_per_stage, 0), stage_params)
-            return jax.lax.scan(lambda h, lp: (fn(lp, h).astype(h.dtype), None), h, chunk)[0]
-        if repeats > 1:
-            layer = jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, keepdims=False),
-                stage_params)
-        else:
-            layer = jax.tree.map(lambda a: a[0], stage_params)
+    def stage_weights(params, t):
+        # Stage s runs repeat (t - s) // M, clipped: with S <= M either the repeat of
+        # stage 0 or the one before it. Both are sliced with one index for every stage
+        # and each stage picks its own, so no index is batched over the stages: XLA's
+        # GPU compiler rejects the transpose of a gather batched over them.
+        newest = jnp.clip(t // microbatches, 0, repeats - 1)
+        older = jnp.clip(t // microbatches - 1, 0, repeats - 1)
+        repeat = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
+        use_newest = (repeat == newest).reshape(stages, 1)
+
+        def one(a):
+            take = lambda r: jax.lax.dynamic_slice_in_dim(a, r * layers_per_stage,
+                                                          layers_per_stage, 0)
+            if repeats == 1:
+                chunk = a
+            else:
+                mask = use_newest.reshape(1, stages, *(1,) * (a.ndim - 2))
+                chunk = jnp.where(mask, take(newest), take(older))
+            chunk = jnp.swapaxes(chunk, 0, 1)  # (S, L, ...)
+            return chunk if layers_per_stage > 1 else chunk[:, 0]
+
+        return jax.tree.map(one, params)
+
+    def stage_step(layer, h):
+        if layers_per_stage > 1:  # the chunk's layers, one after the other
+            return jax.lax.scan(lambda h, lp: (fn(lp, h).astype(h.dtype), None), h, layer)[0]
         return fn(layer, h).astype(h.dtype)
 
-    if remat:
-        stage_step = jax.checkpoint(stage_step, policy=remat_policy)
-    all_stages = jax.vmap(stage_step, in_axes=(1, 0, 0), spmd_axis_name=STAGE)
+    stages_at_once = jax.vmap(stage_step, spmd_axis_name=STAGE)
+
+    def all_stages(params, t, h):
+        return stages_at_once(stage_weights(params, t), h)
+
+    if remat:  # the gather inside: only the stored weights are kept, not each iteration's
+        all_stages = jax.checkpoint(all_stages, policy=remat_policy)
 
     state = constrain(jnp.where(first_stage, xs[0], jnp.zeros((), x.dtype)), state_names)
     # buffer[0, m] (on the stage-0 devices) holds the last stage's latest output for
@@ -400,8 +419,7 @@ def pipeline(
 
     def body(carry, t):
         state, buffer = carry
-        repeat = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
-        out = constrain(all_stages(params, repeat, state), state_names)
+        out = constrain(all_stages(params, t, state), state_names)
         # Shift one stage on: stage s + 1 receives stage s's output, stage 0 the last one's.
         shifted = constrain(jnp.roll(out, 1, axis=0), state_names)
         # The last stage finished slot t - (S - 1), i.e. microbatch (t - S + 1) mod M. Early

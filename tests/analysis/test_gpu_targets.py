@@ -136,3 +136,18 @@ def test_the_planners_gpu_memory_against_the_gpu_compiler():
     report = step_report(compile_step(config, targets.gpu_target("h100:8")))
     mem, pred = report["memory"], report["predicted"]["memory"]
     assert pred["total_bytes"] == pytest.approx(mem["total_bytes"], rel=0.10)
+
+
+def test_a_circular_pipeline_compiles_for_gpus():
+    """Two stages of two repeats each: every stage slices its iteration's layer with one
+    index and picks its own repeat (a gather batched over the stages breaks the GPU
+    compiler: "Bounds of the window dimensions of updates must not exceed ..."); the
+    stages talk by collective-permute alone and no weight is gathered."""
+    config = load_config("configs/tiny.yaml", [
+        "model.n_layers=4", "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4",
+        "model.attention=xla"])
+    report = step_report(compile_step(config, targets.gpu_target("h100:8")))
+    kinds = {(c["kind"], tuple(c["axes"])) for c in report["comparison"]["collectives"]
+             if c["count"]}
+    assert ("collective-permute", ("stage",)) in kinds
+    assert not {k for k, _ in kinds} & {"all-gather", "all-to-all"}, kinds
