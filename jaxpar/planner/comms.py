@@ -7,7 +7,8 @@ Collectives are listed as XLA emits them for the reference transformer:
   reduce-scatter; it all-reduces the full gradient and slices (``backend="cpu"``).
   Expert weights are not reduced over the axis that splits their experts. The shards of
   a ``context`` axis compute partial gradients of the same weights: one more all-reduce
-  over it;
+  over it. Under gradient accumulation each runs at every microbatch (XLA places it in
+  the loop), but over the axes accumulated by hand (:func:`accumulated_by_hand`), once;
 * all-gathers of weights stored split over data-parallel axes (FSDP, ZeRO-3) to their
   compute layout, in the forward and again in the backward pass; but the embedding table,
   looked up where it lies (:mod:`jaxpar.parallel.embedding`): under FSDP the token ids
@@ -239,6 +240,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
     activations its embedding lookup and head move: see :func:`_lookup` and
     :func:`_vocab_split`)."""
     micro = cand.microbatches
+    by_hand = accumulated_by_hand(cand, lay)
     layer_input = (tokens.loc.tokens * tokens.d_model * wire if tokens else float("inf"))
     for p in lay.placed:
         if tokens and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
@@ -284,9 +286,9 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             # data axis the schedule splits by hand, in the same all-reduce.
             full = compute * wire
             if "data" in manual_data_axes(cand, lay):
-                rows.add("all-reduce", ("data", "stage"), full, 1, 1, phase="gradient")
+                rows.add("all-reduce", ("data", "stage"), full, 1, micro, phase="gradient")
                 continue
-            rows.add("all-reduce", ("stage",), full, 1, 1, phase="gradient")
+            rows.add("all-reduce", ("stage",), full, 1, micro, phase="gradient")
         grad_split = p.store_dp_axes if cand.zero_stage < 2 else (p.base_dp_axes + p.zero_axes)
         grad_split = tuple(a for a in grad_split if a in reduce_axes)
         rest = tuple(a for a in reduce_axes if a not in grad_split)
@@ -303,27 +305,36 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             for axis in rest:
                 rows.add("all-to-all", (axis,), left, 1, 1, phase="exposed")
                 rows.add("all-gather", (axis,), left, 1, 1, phase="exposed")
-            rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
+            rows.add("all-reduce", lay.cp_axes, full / n, 1, per * micro, phase="gradient")
             continue
         if grad_split and cand.hpz and "data" in grad_split and p.store_dp_axes:
             # hpZ: the in-slice copy's gradient is reduced inside the slice first, then
             # its shard across slices (the DCN carries 1 / n_inner of it)
             inner_axes = tuple(a for a in grad_split if a != "data")
             inner = math.prod(lay.sizes[a] for a in inner_axes)
+            runs = per * micro
             if backend == "cpu":
-                rows.add("all-reduce", inner_axes, full, 1, per, phase="gradient")
-                rows.add("all-reduce", ("data",), full / inner, 1, per, phase="gradient")
+                rows.add("all-reduce", inner_axes, full, 1, runs, phase="gradient")
+                rows.add("all-reduce", ("data",), full / inner, 1, runs, phase="gradient")
             else:
-                rows.add("reduce-scatter", inner_axes, full / inner, 1, per, phase="gradient")
-                rows.add("reduce-scatter", ("data",), full / n, 1, per, phase="gradient")
+                rows.add("reduce-scatter", inner_axes, full / inner, 1, runs, phase="gradient")
+                rows.add("reduce-scatter", ("data",), full / n, 1, runs, phase="gradient")
         elif grad_split:
+            runs = per * gradient_runs(cand, lay, grad_split)
             if backend == "cpu":
-                rows.add("all-reduce", grad_split, full, 1, per, phase="gradient")
+                rows.add("all-reduce", grad_split, full, 1, runs, phase="gradient")
             else:
-                rows.add("reduce-scatter", grad_split, full / n, 1, per, phase="gradient",
+                rows.add("reduce-scatter", grad_split, full / n, 1, runs, phase="gradient",
                          weight=p.tensor.per_layer, layer_input=layer_input)
-        rows.add("all-reduce", rest, full / n, 1, per, phase="gradient")
-        rows.add("all-reduce", lay.cp_axes, full / n, 1, per, phase="gradient")
+        # Under gradient accumulation the reductions run at every microbatch, but over the
+        # axes accumulated by hand, once after the loop (parallel/accumulation.py).
+        once = tuple(a for a in rest if a in by_hand)
+        looped = tuple(a for a in rest if a not in by_hand)
+        rows.add("all-reduce", looped, full / n, 1, per * gradient_runs(cand, lay, looped),
+                 phase="gradient")
+        rows.add("all-reduce", once, full / n, 1, per, phase="gradient")
+        rows.add("all-reduce", lay.cp_axes, full / n, 1,
+                 per * gradient_runs(cand, lay, lay.cp_axes), phase="gradient")
 
 
 _LAST_STAGE = ("final_norm/scale", "lm_head/kernel")
@@ -343,6 +354,33 @@ def manual_data_axes(cand: Candidate, lay: Layout) -> tuple[str, ...]:
     if not _ticked(cand, lay) or lay.sizes.get("data", 1) <= 1 or cand.zero_stage >= 3:
         return ()
     return ("data",)
+
+
+def accumulated_by_hand(cand: Candidate, lay: Layout) -> tuple[str, ...]:
+    """The data-parallel axes whose gradient reduction waits for the end of gradient
+    accumulation (:func:`jaxpar.parallel.accumulation.local_axes`): ``data`` under
+    ``microbatches > 1`` when no weight is stored split over it, ZeRO stage 0 or 1, no
+    stage, context or expert axis and no ZeRO++ qgZ; the other axes' reductions run at
+    every microbatch."""
+    if (cand.microbatches <= 1 or cand.zero_stage >= 2 or cand.quantize_reduce == "int8"
+            or cand.offload_params or lay.sizes.get("data", 1) <= 1
+            or "data" not in lay.dp_axes
+            or any(lay.sizes.get(a, 1) > 1 for a in ("stage", "context", "expert"))):
+        return ()
+    if any("data" in p.store_dp_axes for p in lay.placed):
+        return ()
+    return ("data",)
+
+
+def gradient_runs(cand: Candidate, lay: Layout, axes: tuple[str, ...]) -> int:
+    """How many times a step reduces a gradient over ``axes``: once, or at every
+    microbatch of gradient accumulation, where XLA places the reduction inside the loop
+    (its accumulator laid out like the parameters) unless the axes are
+    :func:`accumulated_by_hand`."""
+    named = {a for a in axes if lay.sizes.get(a, 1) > 1}
+    if cand.microbatches <= 1 or not named or named <= set(accumulated_by_hand(cand, lay)):
+        return 1
+    return cand.microbatches
 
 
 def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: str,

@@ -36,7 +36,7 @@ from jaxpar.planner.candidate import (
     scheduled_backward,
 )
 from jaxpar.planner.catalog import Chip, Machine
-from jaxpar.planner.comms import collectives, transfers
+from jaxpar.planner.comms import collectives, gradient_runs, transfers
 from jaxpar.planner.layout import Layout, layout
 from jaxpar.planner.links import PHASES, Transfer, link_terms, mesh_links
 from jaxpar.planner.lowering import RING, Lowering, lowering_for
@@ -288,10 +288,13 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     (:func:`jaxpar.planner.links.transfer_time`) and hides where it runs
     (:data:`jaxpar.planner.links.PHASES`): weight gathers of the forward pass ``O_f``
     under ``C_f + C_h``; backward gathers ``O_b`` and gradient reductions ``O_g`` under
-    ``C_b``, the reductions only under the last microbatch's ``C_b / microbatches``;
+    ``C_b``, a reduction run once a step only under the last microbatch's
+    ``C_b / microbatches`` (``O_g1``: those, and one microbatch's share of the reductions
+    gradient accumulation runs at every microbatch);
     what the compute waits for (``E``: tensor, sequence and expert parallelism, the
-    context all-gather, pipeline sends) never hides, and neither does a gradient
-    reduction whose axes cross the data-centre network (slices, or nodes of GPUs): the
+    context all-gather, pipeline sends) never hides, and neither does the last gradient
+    reduction of a step whose axes cross the data-centre network (slices, or nodes of
+    GPUs; those gradient accumulation runs at earlier microbatches hide as ``O_b``): the
     published multislice runs lose throughput per chip as slices are added (MaxText 16B
     on v5e: 1153 tokens/s a chip on one slice, 1038 on 32), which a reduction hidden
     under the backward pass cannot produce; with this rule the efficiencies fitted on
@@ -303,7 +306,7 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     With ``x(O, C) = O - overlap x min(O, C)``::
 
         core = C_f + C_b + C_h + E + x(O_f, C_f + C_h)
-               + max(x(O_b + O_g, C_b), x(O_g, C_b / microbatches)) + H_l
+               + max(x(O_b + O_g, C_b), x(O_g1, C_b / microbatches)) + H_l
         step = core / (1 - bubble) + U + O_u + H_s
                (+ saved activation bytes / saved_bw where the chip prices them apart)
 
@@ -341,24 +344,33 @@ def estimate(spec: ModelSpec, machine: Machine, cand: Candidate, global_batch: i
     by_phase = dict.fromkeys(PHASES, 0.0)
     timed = []
     links = mesh_links(cand, machine)
+    last_gradient = 0.0
     for tr in moves:
         link = links.get((tr.kind, tr.axes)) or link_terms(tr.kind, tr.axes, cand, machine)
         t = link.time(tr)  # transfer_time(tr, cand, machine)
         key = link.name
         comm[key] = comm.get(key, 0.0) + t
         dcn = link.n_dcn > 1
-        phase = "exposed" if tr.phase == "gradient" and dcn else tr.phase  # the docstring: DCN
-        held = t * _contended(tr, phase, chip)
-        by_phase["exposed"] += held
-        by_phase[phase] += t - held
-        timed.append((phase, dcn, key, t - held, held))
+        parts = [(tr.phase, t)]
+        runs = gradient_runs(cand, lay, tr.axes) if tr.phase == "gradient" else 1
+        if tr.phase == "gradient" and dcn:  # the docstring: the step waits for the last
+            parts = [("exposed", t / runs), ("backward", t - t / runs)]
+        for phase, part in parts:
+            held = part * _contended(tr, phase, chip)
+            by_phase["exposed"] += held
+            by_phase[phase] += part - held
+            if phase == "gradient":  # the share the last microbatch's backward must hide
+                last_gradient += (part - held) / runs
+            if part > 0:
+                timed.append((phase, dcn, key, part - held, held))
     for row in rows:
         key = f"{row['kind']} {'x'.join(row['axes'])}"
         row["time_s"] = comm.get(key, 0.0)
     ov = chip.overlap
     o_f, o_b, o_g = by_phase["forward"], by_phase["backward"], by_phase["gradient"]
     x_f = _hidden(o_f, c_f + c_h, ov)
-    x_b = max(_hidden(o_b + o_g, c_b, ov), _hidden(o_g, c_b / cand.microbatches, ov), 0.0)
+    x_b = max(_hidden(o_b + o_g, c_b, ov), _hidden(last_gradient, c_b / cand.microbatches, ov),
+              0.0)
     exposed_frac = {"forward": x_f / o_f if o_f else 0.0,
                     "backward": x_b / (o_b + o_g) if o_b + o_g else 0.0,
                     "exposed": 1.0, "update": 1.0}

@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import JaxparError, JaxparWarning
-from jaxpar.parallel import compression, offload, zeropp
+from jaxpar.parallel import accumulation, compression, offload, zeropp
 from jaxpar.parallel.zero import formula_bytes, per_device_bytes, stacked_dims, zero_shardings
 from jaxpar.sharding import precision as precision_lib
 from jaxpar.sharding import quantization
@@ -153,6 +153,10 @@ class Trainer:
         self._vocab: int | None = None
         self._id_checks: dict[Any, Callable] = {}
         self._loss_rngs = takes_rngs(loss_fn)
+        # Whether the loss draws random numbers: the default loss passes its keys on only
+        # to a model whose __call__ takes them.
+        self._draws_keys = self._loss_rngs and (loss_fn is not lm_loss
+                                                or takes_rngs(type(model).__call__))
         self._loss_checked = loss_fn is not lm_loss
         self._names_checked = False  # offload:<names> policies: names the model marks
         self._model_name = type(model).__name__
@@ -433,20 +437,21 @@ class Trainer:
 
         key = self._step_key(state["step"])
 
-        def loss_and_grads(frozen, micro, index=0):
+        def loss_and_grads(params, frozen, micro, index=0):
             def scaled(p):
                 loss, aux = self._loss(p, frozen, micro, jax.random.fold_in(key, index))
                 return loss * scale, aux
 
             (loss, (mutated, extra)), grads = jax.value_and_grad(scaled, has_aux=True)(
-                state["params"])
+                params)
             # Streamed weights' gradients come back in host memory: they stay on the device.
             grads = offload.to_device(grads)
             return loss / scale, grads, self._keep_mutated(frozen, mutated), extra
 
         k = self.plan.microbatches
         if k == 1:
-            loss, grads, frozen, extra = loss_and_grads(state["frozen"], batch)
+            loss, grads, frozen, extra = loss_and_grads(state["params"], state["frozen"],
+                                                        batch)
         else:
             rows = jax.tree.leaves(batch)[0].shape[0]
             if rows % (k * self.plan.data_parallel_size):
@@ -461,21 +466,15 @@ class Trainer:
                 return self.plan.place(micro, self.plan.sharding(self.plan.act_spec(names)))
 
             micro = jax.tree.map(split, batch)
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-
-            def accumulate(carry, one):
-                total_loss, total, frozen = carry
-                index, one = one
-                loss, grads, frozen, extra = loss_and_grads(frozen, one, index)
-                total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
-                return (total_loss + loss, total, frozen), extra
-
-            (loss, grads, frozen), extras = jax.lax.scan(
-                accumulate, (jnp.zeros((), jnp.float32), zeros, state["frozen"]),
-                (jnp.arange(k), micro))
-            loss = loss / k
-            extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
-            grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, state["params"])
+            by_hand = accumulation.local_axes(
+                self.plan, rows, k, state["frozen"], draws_keys=self._draws_keys,
+                other_reductions=bool(self.plan.offload_params or self.plan.quantize_reduce
+                                      == "int8" or self.plan.compress_gradients != "none"))
+            # One data-parallel reduction a step where it can wait (parallel/accumulation.py)
+            loss, grads, frozen, extra = accumulation.accumulate(
+                loss_and_grads, state["params"], state["frozen"], micro,
+                mesh=self.plan.mesh, axes=by_hand)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         if self.plan.zero_stage >= 2 or k > 1:
             # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid
             # out like the parameters. Otherwise XLA places the gradients itself, as a

@@ -1,0 +1,99 @@
+"""Gradient accumulation whose data-parallel reduction runs once a step.
+
+Under GSPMD a gradient-accumulation loop reduces every microbatch's gradients over the
+data-parallel axes: the accumulator is laid out like the parameters, whole over ``data``,
+so XLA puts the all-reduce inside the loop and a step with ``k`` microbatches moves ``k``
+reductions where one would do (PyTorch DDP's ``no_sync`` skips all but the last). Here
+the loop runs inside ``jax.shard_map`` over the ``data`` axis alone (the other axes stay
+automatic, so FSDP's gathers and reductions and tensor parallelism's collectives are
+GSPMD's as before): each device sums the gradients of its own rows of every microbatch,
+and one all-reduce after the loop averages the devices' sums.
+
+It applies where that is the same computation: the batch is split over ``data``, no
+weight is stored split over it (ZeRO-2 and 3 keep only their shard of the gradient:
+summing whole gradients locally would cost them the memory they save), and nothing in
+the step depends on which device runs which rows (random draws, running statistics,
+state a quantizer carries between steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel.pipeline import manual_batch_axes
+
+Grads = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any, Any, dict[str, Any]]]
+"""``(params, frozen, microbatch, index) -> (loss, grads, frozen, extra)``."""
+
+
+def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
+               draws_keys: bool = False, other_reductions: bool = False
+               ) -> tuple[str, ...]:
+    """The data-parallel axes whose gradient reduction can wait for the end of the
+    accumulation loop: ``("data",)`` or ``()``.
+
+    ``frozen``: the model's state that is not trained; accumulation by hand needs it to
+    hold weights only (no random-stream counters, batch statistics or quantizer state,
+    which differ by the rows a device sees). ``draws_keys``: the loss function takes
+    random keys. ``other_reductions``: the step reduces the gradients its own way (one-bit
+    compression, ZeRO++ qgZ, streamed weights).
+    """
+    if microbatches <= 1 or draws_keys or other_reductions or plan.zero_stage >= 2:
+        return ()
+    if any(plan.mesh.shape.get(a, 1) > 1 for a in ("stage", "context", "expert")):
+        return ()
+    leaves = jax.tree.leaves(frozen, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if any(not isinstance(v, nnx.Param) for v in leaves):
+        return ()
+    return manual_batch_axes(plan, rows, microbatches)
+
+
+def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
+               mesh: jax.sharding.Mesh, axes: tuple[str, ...] = ()
+               ) -> tuple[jax.Array, Any, Any, dict[str, Any]]:
+    """Mean loss, mean gradients (float32), ``frozen`` after the loop and the mean extra
+    metrics over the ``k`` microbatches of ``micro`` (leaves shaped ``(k, rows, ...)``).
+
+    With ``axes`` (:func:`local_axes`), each device sums the gradients of its rows of
+    every microbatch and they are reduced over ``axes`` once, after the loop; without,
+    the loop runs under GSPMD, which reduces each microbatch's gradients in it.
+    """
+    k = jax.tree.leaves(micro)[0].shape[0]
+
+    def loop(params, frozen, micro, vary=lambda tree: tree):
+        zeros = vary(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+        def step(carry, one):
+            total_loss, total, frozen = carry
+            index, rows = one
+            loss, grads, frozen, extra = loss_and_grads(params, frozen, rows, index)
+            total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
+            return (total_loss + loss.astype(jnp.float32), total, frozen), extra
+
+        start = (vary(jnp.zeros((), jnp.float32)), zeros, frozen)
+        (loss, grads, frozen), extras = jax.lax.scan(step, start, (jnp.arange(k), micro))
+        extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
+        return loss / k, jax.tree.map(lambda g: g / k, grads), frozen, extra
+
+    if not axes:
+        return loop(params, frozen, micro)
+
+    def local(params, frozen, micro):
+        # Varying copies made once: each microbatch's gradients stay on the device, and
+        # the transpose of this cast is the one reduction, after the loop.
+        vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree)
+        loss, grads, _, extra = loop(vary(params), frozen, micro, vary)
+        mean = lambda tree: jax.tree.map(lambda a: jax.lax.pmean(a, axes), tree)
+        return mean(loss), mean(grads), mean(extra)
+
+    rows = jax.tree.map(lambda _: P(None, axes), micro)
+    loss, grads, extra = jax.shard_map(
+        local, mesh=mesh, axis_names=set(axes), in_specs=(P(), P(), rows),
+        out_specs=(P(), P(), P()))(params, frozen, micro)
+    return loss, grads, frozen, extra
