@@ -41,8 +41,8 @@ def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
     ``frozen``: the model's state that is not trained; accumulation by hand needs it to
     hold weights only (no random-stream counters, batch statistics or quantizer state,
     which differ by the rows a device sees). ``draws_keys``: the loss function takes
-    random keys. ``other_reductions``: the step reduces the gradients its own way (one-bit
-    compression, ZeRO++ qgZ, streamed weights).
+    random keys. ``other_reductions``: the step moves the weights or reduces the gradients
+    its own way (one-bit compression, ZeRO++, streamed weights).
     """
     if microbatches <= 1 or draws_keys or other_reductions or plan.zero_stage >= 2:
         return ()
@@ -55,19 +55,21 @@ def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
 
 
 def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
-               mesh: jax.sharding.Mesh, axes: tuple[str, ...] = ()
+               mesh: jax.sharding.Mesh, axes: tuple[str, ...] = (),
+               reduce_as: Callable[[Any], Any] = lambda grads: grads
                ) -> tuple[jax.Array, Any, Any, dict[str, Any]]:
     """Mean loss, mean gradients (float32), ``frozen`` after the loop and the mean extra
     metrics over the ``k`` microbatches of ``micro`` (leaves shaped ``(k, rows, ...)``).
 
     With ``axes`` (:func:`local_axes`), each device sums the gradients of its rows of
-    every microbatch and they are reduced over ``axes`` once, after the loop; without,
-    the loop runs under GSPMD, which reduces each microbatch's gradients in it.
+    every microbatch and they are reduced over ``axes`` once, after the loop, cast by
+    ``reduce_as`` (a function of the gradients' tree) for the reduction; without, the
+    loop runs under GSPMD, which reduces each microbatch's gradients in it.
     """
     k = jax.tree.leaves(micro)[0].shape[0]
 
-    def loop(params, frozen, micro, vary=lambda tree: tree):
-        zeros = vary(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    def loop(params, frozen, micro):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def step(carry, one):
             total_loss, total, frozen = carry
@@ -76,7 +78,7 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
             total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
             return (total_loss + loss.astype(jnp.float32), total, frozen), extra
 
-        start = (vary(jnp.zeros((), jnp.float32)), zeros, frozen)
+        start = (jnp.zeros((), jnp.float32), zeros, frozen)
         (loss, grads, frozen), extras = jax.lax.scan(step, start, (jnp.arange(k), micro))
         extra = jax.tree.map(lambda e: jnp.mean(e, axis=0), extras)
         return loss / k, jax.tree.map(lambda g: g / k, grads), frozen, extra
@@ -85,15 +87,19 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
         return loop(params, frozen, micro)
 
     def local(params, frozen, micro):
-        # Varying copies made once: each microbatch's gradients stay on the device, and
-        # the transpose of this cast is the one reduction, after the loop.
-        vary = lambda tree: jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree)
-        loss, grads, _, extra = loop(vary(params), frozen, micro, vary)
+        # The gradients are taken inside: each device's are of its own rows, summed over
+        # the microbatches on the device, and averaged over ``axes`` once, here.
+        loss, grads, _, extra = loop(params, frozen, micro)
         mean = lambda tree: jax.tree.map(lambda a: jax.lax.pmean(a, axes), tree)
-        return mean(loss), mean(grads), mean(extra)
+        # Reduced in the dtypes ``reduce_as`` gives (the compute dtype: as XLA reduces
+        # each microbatch's gradients under GSPMD), then on in float32.
+        grads = jax.tree.map(lambda g: mean(g).astype(jnp.float32), reduce_as(grads))
+        return mean(loss), grads, mean(extra)
 
+    # check_vma=False: the model's own kernels (splash attention's pallas_call, inside a
+    # shard_map of its own) do not declare how their outputs vary over ``axes``.
     rows = jax.tree.map(lambda _: P(None, axes), micro)
     loss, grads, extra = jax.shard_map(
         local, mesh=mesh, axis_names=set(axes), in_specs=(P(), P(), rows),
-        out_specs=(P(), P(), P()))(params, frozen, micro)
+        out_specs=(P(), P(), P()), check_vma=False)(params, frozen, micro)
     return loss, grads, frozen, extra

@@ -360,8 +360,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
     rows = PartitionSpec(batch, None)
     segments = plan.place(segments.astype(jnp.int32), plan.sharding(rows))
     # check_vma=False: the kernel's pallas_call does not declare how its outputs vary.
-    shard = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec, rows),
-                          out_specs=spec, check_vma=False)
+    shard = plan.shard_map(local, in_specs=(spec, spec, spec, rows), out_specs=spec,
+                           check_vma=False)
     return shard(q, k, v, segments)
 
 

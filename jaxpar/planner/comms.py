@@ -360,9 +360,10 @@ def accumulated_by_hand(cand: Candidate, lay: Layout) -> tuple[str, ...]:
     """The data-parallel axes whose gradient reduction waits for the end of gradient
     accumulation (:func:`jaxpar.parallel.accumulation.local_axes`): ``data`` under
     ``microbatches > 1`` when no weight is stored split over it, ZeRO stage 0 or 1, no
-    stage, context or expert axis and no ZeRO++ qgZ; the other axes' reductions run at
-    every microbatch."""
-    if (cand.microbatches <= 1 or cand.zero_stage >= 2 or cand.quantize_reduce == "int8"
+    stage, context or expert axis and no ZeRO++; the other axes' reductions run at every
+    microbatch."""
+    if (cand.microbatches <= 1 or cand.zero_stage >= 2
+            or "int8" in (cand.quantize_gather, cand.quantize_reduce)
             or cand.offload_params or lay.sizes.get("data", 1) <= 1
             or "data" not in lay.dp_axes
             or any(lay.sizes.get(a, 1) > 1 for a in ("stage", "context", "expert"))):

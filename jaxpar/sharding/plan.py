@@ -376,6 +376,25 @@ class Plan:
             return jax.sharding.reshard(x, sharding)
         return jax.lax.with_sharding_constraint(x, sharding)
 
+    def shard_map(self, fn: Callable, *, in_specs: Any, out_specs: Any, **options: Any
+                  ) -> Callable:
+        """``jax.shard_map(fn)`` over the plan's mesh; inside another ``shard_map`` (gradient
+        accumulation over ``data`` by hand, a pipeline stage), over the enclosing one's
+        mesh with its manual axes dropped from the specs (each device holds its share of
+        them already)."""
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty or not context.manual_axes:
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                 **options)
+        manual = set(context.manual_axes)
+        drop = lambda spec: PartitionSpec(*(axes_entry(a for a in entry_axes(e)
+                                                      if a not in manual) for e in spec))
+        is_spec = lambda x: isinstance(x, PartitionSpec)
+        return jax.shard_map(fn, mesh=context,
+                             in_specs=jax.tree.map(drop, in_specs, is_leaf=is_spec),
+                             out_specs=jax.tree.map(drop, out_specs, is_leaf=is_spec),
+                             axis_names=set(context.axis_names) - manual, **options)
+
     @property
     def stores_weight_copy(self) -> bool:
         """Whether a mixed-precision run keeps a compute-dtype copy of its weights between

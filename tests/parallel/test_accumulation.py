@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from jaxpar.analysis import targets
 from jaxpar.analysis.hlo import collective_table
 from jaxpar.analysis.inspection import compile_step, step_report
 from jaxpar.models import Transformer
@@ -80,3 +81,20 @@ def test_the_planner_counts_each_reduction_as_the_step_runs_it(devices, name):
         assert r["step_ratio"] == pytest.approx(1.0, abs=0.01), r
         if set(r["axes"]) & {"data"}:
             assert (r["executions"] == 1) == bool(once), r
+
+
+@pytest.mark.skipif(targets.tpu_compiler_missing() is not None, reason="no libtpu")
+def test_splash_attention_runs_inside_the_loop_on_a_tpu():
+    """On the TPU compiler, bf16 with splash attention (a shard_map of its own, nested in
+    the loop's over ``data``): the gradients reduced once a step, in bf16, as the planner
+    counts them."""
+    config = jaxpar.load_config("configs/tiny.yaml", [
+        "mesh.data=4", "plan.microbatches=2", "model.attention=splash", "model.head_dim=128",
+        "model.n_heads=2", "model.n_kv_heads=1",
+        "plan.precision=params=float32,compute=bfloat16,output=float32"])
+    step = compile_step(config, targets.tpu_target("tpu-v5e:2x2"))
+    assert "splash" in step.compiled.as_text()
+    rows = [r for r in step_report(step)["comparison"]["collectives"]
+            if r["kind"] == "all-reduce" and r["axes"] == ["data"]]
+    assert len(rows) == 1 and rows[0]["executions"] == rows[0]["count"]  # none in a loop
+    assert rows[0]["step_ratio"] == pytest.approx(1.0, abs=0.01)
