@@ -44,8 +44,9 @@ Collectives are listed as XLA emits them for the reference transformer:
   moving the device's dispatch buffer (``tokens x experts_per_token x capacity factor x
   d_model``). With the sequence also split over ``context``, the dispatch einsum sums
   over it: one all-reduce of that buffer forward and one backward;
-* pipeline: one collective-permute of a microbatch's activations per iteration and
-  direction.
+* pipeline: collective-permutes of a microbatch's activations, forwards and backwards
+  (:func:`_collect` says how many); under FSDP each iteration of a GSPMD schedule
+  gathers its chunk's weights and reduces their gradients (:func:`_layer_passes`).
 
 Per-layer collectives sit inside the layer scan's loop body, so the optimized HLO text holds
 them once; ``bytes_per_device`` reports them that way (what :func:`jaxpar.analysis.hlo.
@@ -241,6 +242,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
     :func:`_vocab_split`)."""
     micro = cand.microbatches
     by_hand = accumulated_by_hand(cand, lay)
+    passes = _layer_passes(cand, lay, layers)
     layer_input = (tokens.loc.tokens * tokens.d_model * wire if tokens else float("inf"))
     for p in lay.placed:
         if tokens and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
@@ -248,8 +250,10 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         elif (tokens and p.tensor.path == "embed" and p.base_dp_axes and not tokens.tied
                 and "int8" not in (cand.quantize_gather, cand.quantize_reduce)):
             p = _lookup(rows, lay, p, tokens, micro, wire)
-        # A stacked layer weight: the loop body moves one layer's slice, ``per`` times.
+        # A stacked layer weight: the loop body moves one layer's slice, ``per`` times a
+        # pass over the layers, ``loops`` times a microbatch (more in a pipeline).
         per = layers if p.tensor.per_layer else 1
+        loops = passes if p.tensor.per_layer else 1
         compute, base = p.compute / per, p.base / per
         # Weights stored split over data-parallel axes: gathered for forward and backward
         # (per microbatch); the embedding and head once when not inside the layer loop.
@@ -268,9 +272,9 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
                          phase="exposed")
             nbytes = compute * wire
             layer = p.tensor.per_layer
-            rows.add("all-gather", axes, nbytes, 1, per * micro, phase="forward",
+            rows.add("all-gather", axes, nbytes, 1, loops * micro, phase="forward",
                      weight=layer, layer_input=layer_input)
-            rows.add("all-gather", axes, nbytes, 1 if layer else 0, per * micro,
+            rows.add("all-gather", axes, nbytes, 1 if layer else 0, loops * micro,
                      phase="backward", weight=layer, layer_input=layer_input)
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.
         if cand.zero_stage in (1, 2) and p.zero_axes:
@@ -320,7 +324,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
                 rows.add("reduce-scatter", inner_axes, full / inner, 1, runs, phase="gradient")
                 rows.add("reduce-scatter", ("data",), full / n, 1, runs, phase="gradient")
         elif grad_split:
-            runs = per * gradient_runs(cand, lay, grad_split)
+            runs = loops * gradient_runs(cand, lay, grad_split)
             if backend == "cpu":
                 rows.add("all-reduce", grad_split, full, 1, runs, phase="gradient")
             else:
@@ -330,11 +334,28 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
         # axes accumulated by hand, once after the loop (parallel/accumulation.py).
         once = tuple(a for a in rest if a in by_hand)
         looped = tuple(a for a in rest if a not in by_hand)
+        # (A weight stored whole over these axes: a pipeline's loop reduces its gradient
+        # at every iteration too, but the planner prices it once a pass over the layers,
+        # the way the published pipelined runs it is fitted on reduce theirs.)
         rows.add("all-reduce", looped, full / n, 1, per * gradient_runs(cand, lay, looped),
                  phase="gradient")
         rows.add("all-reduce", once, full / n, 1, per, phase="gradient")
         rows.add("all-reduce", lay.cp_axes, full / n, 1,
                  per * gradient_runs(cand, lay, lay.cp_axes), phase="gradient")
+
+
+def _layer_passes(cand: Candidate, lay: Layout, layers: int) -> int:
+    """How often a microbatch's loops run a stage's ``layers`` layers, each pass gathering
+    a layer's weights and reducing its gradient: once without stages; in a GSPMD pipeline
+    (``gpipe``, ``circular``) at every iteration, ``R M + S - 1`` of them, each running a
+    chunk of ``layers / R`` layers (bubble iterations included: they compute on zeros, and
+    gather all the same)."""
+    stages = lay.sizes.get("stage", 1)
+    if stages <= 1 or scheduled_backward(cand):
+        return layers
+    repeats = pipe_repeats(cand, layers * stages, stages)
+    iterations = repeats * pipe_microbatches(cand, stages) + stages - 1
+    return iterations * max(layers // repeats, 1)
 
 
 _LAST_STAGE = ("final_norm/scale", "lm_head/kernel")
@@ -390,7 +411,8 @@ def _weight_rows(lay: Layout, cand: Candidate, layers: int, wire: int, backend: 
     again for candidates that differ in what it does not): a copy to add to."""
     key = (id(lay), layers, wire, backend, cand.microbatches, cand.zero_stage,
            cand.quantize_gather, cand.quantize_reduce, cand.hpz, tokens.loc.tokens,
-           tokens.d_model, tokens.pipe_micro, tokens.tied, cand.pipeline_schedule, lowering)
+           tokens.d_model, tokens.pipe_micro, tokens.tied, cand.pipeline_schedule,
+           cand.pipeline_repeats, lowering)
     hit = _WEIGHT_ROWS.get(key)
     if hit is None or hit[0] is not lay:
         rows = _Rows(lay, lowering)
@@ -540,7 +562,9 @@ def _collect(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, s
         iters = pipe_repeats(cand, spec.n_layers, stages) * m + stages - 1
         send = loc.tokens * spec.d_model * c / loc.residual_split  # split under SP
         # Activations forwards, gradients backwards: once an iteration each way, or under
-        # 1F1B at every one of its 2 x iterations ticks.
+        # 1F1B at every one of its 2 x iterations ticks. (GSPMD's loop sends the
+        # gradients twice an iteration on XLA:CPU, GPUs and TPUs alike, 1.5 x these bytes;
+        # priced as the published pipelined runs the planner is fitted on send them.)
         sends = 4 * iters if scheduled_backward(cand) else 2 * iters
         rows.add("collective-permute", ("stage",), send, 2, sends * micro, exposed=True)
         if scheduled_backward(cand):
