@@ -557,7 +557,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         grads = 0.0
         for p in lay.placed:
             reduced = p.zero if stage >= 2 else p.base
-            whole = (p.compute - reduced) / (layers if "layers" in p.tensor.names else 1)
+            whole = (p.compute - reduced) / (layers if p.tensor.per_layer else 1)
             grads += (reduced + whole) * c
     if cand.microbatches > 1:
         grads += _accumulator_elems(lay, cand, backend) * 4
