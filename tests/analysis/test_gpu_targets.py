@@ -148,3 +148,20 @@ def test_a_circular_pipeline_compiles_for_gpus():
              if c["count"]}
     assert ("collective-permute", ("stage",)) in kinds
     assert not {k for k, _ in kinds} & {"all-gather", "all-to-all"}, kinds
+
+
+def test_a_1f1b_pipeline_over_fsdp_fits_as_the_planner_says():
+    """Two 1F1B stages of FSDP 4 (bf16, remat full): the GPU compiler's memory a device
+    within 10% of the planner's (measured 1.00; 1.19 when the planner held a whole
+    stage's unreduced gradient rather than one layer's: the stage's weights are stacked
+    as (repeat, stage), which it did not count as layers)."""
+    config = load_config("configs/tiny.yaml", [
+        "mesh.stage=2", "mesh.fsdp=4", "mesh.data=1", "model.n_layers=8",
+        "pipeline.schedule=1f1b", "pipeline.microbatches=4", "model.attention=xla",
+        "model.d_model=2048", "model.d_ff=8192", "model.n_heads=16", "model.n_kv_heads=4",
+        "model.head_dim=128", "model.vocab_size=4096", "model.max_seq_len=512",
+        "train.seq_len=512", "train.global_batch=16", "plan.remat=full",
+        "plan.precision=params=float32,compute=bfloat16,output=float32"])
+    report = step_report(compile_step(config, targets.gpu_target("h100:8")))
+    mem, pred = report["memory"], report["predicted"]["memory"]
+    assert pred["total_bytes"] == pytest.approx(mem["total_bytes"], rel=0.10)
