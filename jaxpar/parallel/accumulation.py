@@ -44,7 +44,8 @@ def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
     random keys. ``other_reductions``: the step moves the weights or reduces the gradients
     its own way (one-bit compression, ZeRO++, streamed weights).
     """
-    if microbatches <= 1 or draws_keys or other_reductions or plan.zero_stage >= 2:
+    if (microbatches <= 1 or draws_keys or other_reductions or plan.zero_stage >= 2
+            or plan.explicit):  # (an explicit mesh's shardings do not cross shard_map's)
         return ()
     if any(plan.mesh.shape.get(a, 1) > 1 for a in ("stage", "context", "expert")):
         return ()

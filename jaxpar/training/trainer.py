@@ -461,9 +461,14 @@ class Trainer:
                 )
 
             def split(x):
-                micro = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                # Microbatch i takes rows i, i + k, ...: a batch split in contiguous blocks
+                # over the data-parallel axes splits every microbatch evenly over them, so
+                # the split moves nothing (contiguous microbatches each sat on a part of
+                # the devices: an all-to-all, and on an explicit mesh a refused reshape).
                 names = (None, *batch_names(x.ndim))
-                return self.plan.place(micro, self.plan.sharding(self.plan.act_spec(names)))
+                sharding = self.plan.sharding(self.plan.act_spec(names))
+                rows = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+                return self.plan.place(jnp.swapaxes(rows, 0, 1), sharding)
 
             micro = jax.tree.map(split, batch)
             by_hand = accumulation.local_axes(
