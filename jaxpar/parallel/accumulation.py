@@ -33,19 +33,21 @@ Grads = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any, Any, dict[str
 
 
 def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
-               draws_keys: bool = False, other_reductions: bool = False
-               ) -> tuple[str, ...]:
+               draws_keys: bool = False) -> tuple[str, ...]:
     """The data-parallel axes whose gradient reduction can wait for the end of the
     accumulation loop: ``("data",)`` or ``()``.
 
     ``frozen``: the model's state that is not trained; accumulation by hand needs it to
     hold weights only (no random-stream counters, batch statistics or quantizer state,
     which differ by the rows a device sees). ``draws_keys``: the loss function takes
-    random keys. ``other_reductions``: the step moves the weights or reduces the gradients
-    its own way (one-bit compression, ZeRO++, streamed weights).
+    random keys. Never where the step moves the weights or reduces the gradients its own
+    way (one-bit compression, ZeRO++, streamed weights), nor on an explicit mesh (its
+    shardings do not cross ``shard_map``'s).
     """
-    if (microbatches <= 1 or draws_keys or other_reductions or plan.zero_stage >= 2
-            or plan.explicit):  # (an explicit mesh's shardings do not cross shard_map's)
+    own_way = (plan.offload_params or plan.compress_gradients != "none"
+               or "int8" in (plan.quantize_gather, plan.quantize_reduce))
+    if (microbatches <= 1 or draws_keys or own_way or plan.zero_stage >= 2
+            or plan.explicit):
         return ()
     if any(plan.mesh.shape.get(a, 1) > 1 for a in ("stage", "context", "expert")):
         return ()
@@ -64,9 +66,14 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
 
     With ``axes`` (:func:`local_axes`), each device sums the gradients of its rows of
     every microbatch and they are reduced over ``axes`` once, after the loop, cast by
-    ``reduce_as`` (a function of the gradients' tree) for the reduction; without, the
-    loop runs under GSPMD, which reduces each microbatch's gradients in it.
+    ``reduce_as`` (a function of the gradients' tree: to the compute dtype) for the
+    reduction; without, the loop runs under GSPMD, which reduces each microbatch's
+    gradients in it. On XLA:CPU they are reduced as summed, in float32: it communicates
+    in float32 whatever it is given, and stops on this loop's bf16 all-reduce ("Invalid
+    binary instruction opcode copy").
     """
+    if mesh.devices.flat[0].platform == "cpu":
+        reduce_as = lambda grads: grads
     k = jax.tree.leaves(micro)[0].shape[0]
 
     def loop(params, frozen, micro):

@@ -387,8 +387,7 @@ class Plan:
             return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                                  **options)
         manual = set(context.manual_axes)
-        drop = lambda spec: PartitionSpec(*(axes_entry(a for a in entry_axes(e)
-                                                      if a not in manual) for e in spec))
+        drop = lambda spec: _without(spec, manual)
         is_spec = lambda x: isinstance(x, PartitionSpec)
         return jax.shard_map(fn, mesh=context,
                              in_specs=jax.tree.map(drop, in_specs, is_leaf=is_spec),
@@ -486,14 +485,15 @@ def _on_context_mesh(sharding: Any) -> Any:
     if context.empty or not context.manual_axes:
         return sharding
     manual = set(context.manual_axes)
-
-    def restated(spec: PartitionSpec) -> PartitionSpec:
-        def keep(entry):  # the manual axes are the shard_map's: not named in a constraint
-            return axes_entry(a for a in entry_axes(entry) if a not in manual)
-        return PartitionSpec(*(keep(e) for e in spec))
-
-    return jax.tree.map(lambda s: NamedSharding(context, restated(s.spec))
+    return jax.tree.map(lambda s: NamedSharding(context, _without(s.spec, manual))
                         if isinstance(s, NamedSharding) else s, sharding)
+
+
+def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
+    """``spec`` naming none of ``manual``: the axes an enclosing ``shard_map`` maps, which
+    each device holds its share of already."""
+    return PartitionSpec(*(axes_entry(a for a in entry_axes(e) if a not in manual)
+                           for e in spec))
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:

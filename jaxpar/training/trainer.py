@@ -471,19 +471,13 @@ class Trainer:
                 return self.plan.place(jnp.swapaxes(rows, 0, 1), sharding)
 
             micro = jax.tree.map(split, batch)
-            by_hand = accumulation.local_axes(
-                self.plan, rows, k, state["frozen"], draws_keys=self._draws_keys,
-                other_reductions=bool(
-                    self.plan.offload_params or self.plan.compress_gradients != "none"
-                    or "int8" in (self.plan.quantize_gather, self.plan.quantize_reduce)))
             # One data-parallel reduction a step where it can wait (parallel/accumulation.py),
-            # in the compute dtype; XLA:CPU communicates in float32 whatever it is given
-            # (and stops on this loop's bf16 all-reduce: "Invalid binary instruction").
-            on_cpu = self.plan.mesh.devices.flat[0].platform == "cpu"
+            # in the compute dtype.
+            by_hand = accumulation.local_axes(self.plan, rows, k, state["frozen"],
+                                              draws_keys=self._draws_keys)
             loss, grads, frozen, extra = accumulation.accumulate(
                 loss_and_grads, state["params"], state["frozen"], micro,
-                mesh=self.plan.mesh, axes=by_hand,
-                reduce_as=(lambda g: g) if on_cpu else self._compute_params)
+                mesh=self.plan.mesh, axes=by_hand, reduce_as=self._compute_params)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         if self.plan.zero_stage >= 2 or k > 1:
             # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid
