@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar.analysis.buffers import STEP_MODULE
 from jaxpar.analysis.hlo import (
     collective_table,
     custom_calls,
@@ -28,6 +30,7 @@ from jaxpar.analysis.loops import parse_module
 from jaxpar.analysis.report import fmt_bytes, is_tight
 from jaxpar.analysis.sources import explain_collectives
 from jaxpar.analysis.targets import CUDNN_MISSING, Target, cpu_target
+from jaxpar.analysis.tpu_log import ProgramMemory, log_file, read_program_memory
 from jaxpar.config.assembly import Assembly
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
@@ -210,6 +213,9 @@ class CompiledStep:
     lowered: Any
     compiled: Any
     compile_s: float
+    program: ProgramMemory | None = None
+    """The TPU compiler's own account of the program's HBM (:mod:`jaxpar.analysis.tpu_log`);
+    None on other targets, or where its log could not be read."""
 
 
 def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
@@ -241,6 +247,8 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
         if target.platform == "gpu" and "cuDNN not found" in str(err):
             raise JaxparError(f"--target {target.name}: {CUDNN_MISSING}") from None
         raise
+    log = log_file() if target.platform == "tpu" else None
+    logged = log.stat().st_size if log else 0
     try:
         compiled = lowered.compile()
     except Exception as err:  # noqa: BLE001 - the TPU compiler's "does not fit" is an answer
@@ -254,11 +262,41 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
             f"{describe(run.plan.mesh)}, remat {run.plan.remat}, zero "
             f"{run.plan.zero_stage}); try plan.remat=full, a higher plan.zero_stage, more "
             "microbatches or more chips", temp, hbm) from None
-    return CompiledStep(run, target, batch, lowered, compiled, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    program = _program_logged(log, logged) if target.platform == "tpu" else None
+    return CompiledStep(run, target, batch, lowered, compiled, elapsed, program)
 
 
-def _memory(compiled: Any, target: Target) -> dict[str, Any]:
+def _program_logged(before: Path | None, offset: int) -> ProgramMemory | None:
+    """The TPU compiler's account of the step it just compiled: from what its log gained
+    during the compile (a step loaded from JAX's compilation cache logs nothing, and an
+    earlier step's account must not stand in for it)."""
+    path = log_file()
+    if path is None:
+        return None
+    start = offset if before is not None and path == before else 0
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return read_program_memory(text, STEP_MODULE)
+
+
+def _memory(compiled: Any, target: Target, program: ProgramMemory | None = None
+            ) -> dict[str, Any]:
     memory = memory_stats(compiled)
+    if memory:
+        # XLA's analysis counts the heap's gaps twice on a TPU: the compiler's program
+        # requirement is what a device needs (see jaxpar.analysis.tpu_log). None where
+        # the compiler gives no account of its own (XLA:CPU, the GPU compiler).
+        memory.update(xla_temp_bytes=None, fragmentation_bytes=None, usable_bytes=None)
+    if memory and program is not None:
+        memory["xla_temp_bytes"] = memory["temp_bytes"]
+        memory["temp_bytes"] = program.program_bytes
+        memory["fragmentation_bytes"] = program.fragmentation_bytes
+        memory["usable_bytes"] = program.usable_bytes
     if memory:
         # Outputs that alias donated arguments take no extra space.
         memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
@@ -319,7 +357,7 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
     run, compiled, target = step.run, step.compiled, step.target
     config = run.config
     trainer, plan = run.trainer, run.plan
-    memory = _memory(compiled, target)
+    memory = _memory(compiled, target, step.program)
     hlo = compiled.as_text()
     module = parse_module(hlo)  # read once for the collectives and the FLOPs
     collectives = collective_table(module, plan.mesh)

@@ -155,6 +155,11 @@ def render_inspection(report: dict[str, Any]) -> str:
         p = pmem.get("host_bytes" if key == "host_total_bytes" else key)
         mrows.append((label, fmt_bytes(mem[key]), fmt_bytes(p), fmt_ratio(p, mem[key])))
     out.append(table(["", "measured", "predicted", "pred/meas"], mrows, right=(1, 2, 3)))
+    if mem.get("xla_temp_bytes") is not None:
+        out.append(f"  temp is the TPU compiler's program requirement (its heap, with "
+                   f"{fmt_bytes(mem['fragmentation_bytes'])} of gaps, its kernels' scoped "
+                   f"memory and code), from its log; XLA's memory_analysis() reports "
+                   f"{fmt_bytes(mem['xla_temp_bytes'])}, the heap's gaps counted twice")
     if mem.get("hbm_bytes"):
         out.append("  " + fit_line(mem))
 

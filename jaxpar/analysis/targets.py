@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from jaxpar.analysis.tpu_log import unbuffer_compiler_log
 from jaxpar.errors import JaxparError
 from jaxpar.planner.catalog import ALIASES, BUILTIN, Chip, Machine, cpu_chip
 from jaxpar.sharding.backends import libtpu_start_summarised, start_summarised
@@ -215,6 +216,7 @@ def tpu_target(text: str, slices: int = 1) -> Target:
     # Compiling needs no TPU, so several processes may load libtpu at once (its lock file
     # guards a TPU's exclusive use).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    unbuffer_compiler_log()  # its account of each program's HBM, read after the compile
     from jax.experimental import topologies
 
     topology = f"{gen}:{m['topo']}"

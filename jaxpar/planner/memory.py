@@ -283,10 +283,11 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
         # the sequence for the dispatch and combine einsums): none of their outputs is
         # kept, only the shared experts' and the router's (see _moe_unbatched_saved).
         f_kept = loc.shared_ff if loc.slots else f
-        # On the GPU compiler the attention's output (cuDNN's kernel's, or XLA's batched
-        # einsum's) is recomputed: of the heads only the query projection is kept
-        # (measured: Mixtral 8x7B and Qwen3-30B-A3B on 64 H100s, Gemma 3 12B on 16).
-        heads = 1 if backend == "gpu" else 2
+        # On the GPU and TPU compilers the attention's output (its kernel's, or XLA's
+        # batched einsum's) is recomputed: of the heads only the query projection is kept
+        # (measured: Mixtral 8x7B and Qwen3-30B-A3B on 64 H100s, Gemma 3 12B on 16;
+        # Qwen3-30B-A3B on v5p-64, one bf16 [48,4,4096,32,128] stack).
+        heads = 2 if backend == "cpu" else 1
         per_token = (act * (heads * n * h + 2 * k * h + 2 * dr + 3 * f_kept)
                      + _moe_unbatched_saved(spec, loc))
     else:  # save_attention_and_mlp_outputs
@@ -297,7 +298,7 @@ def saved_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, ac
 
 
 def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act: int,
-                          attention: str = "xla") -> float:
+                          attention: str = "xla", backend: str = "tpu") -> float:
     """Bytes per layer a remat policy saves to host memory instead of the device.
 
     ``offload:<names>``: per token, ``attention`` (the attention output before its
@@ -317,9 +318,18 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
         return act * sum(width.get(n, 0.0) for n in names) * loc.tokens
     if remat == "offload_dots":
         kept = saved_activation_bytes(spec, loc, seq, "dots_with_no_batch_dims_saveable", act,
-                                      attention)
-        return max(kept - saved_activation_bytes(spec, loc, seq, remat, act, attention), 0.0)
+                                      attention, backend)
+        return max(kept - saved_activation_bytes(spec, loc, seq, remat, act, attention,
+                                                 backend), 0.0)
     return 0.0
+
+
+TPU_WORKING_TENSORS = (3, 4)
+"""``(d_ff, d_model)``-sized tensors of the compute dtype a layer's backward pass holds at
+the TPU compiler's peak, beside attention's buffers (:func:`layer_working_bytes`). Fitted
+to the compiler's program requirement (its heap with the gaps between buffers counted
+once, :mod:`jaxpar.analysis.tpu_log`); the four and eight fitted earlier matched
+``memory_analysis()``'s temporaries, which count the gaps twice."""
 
 
 def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
@@ -343,11 +353,10 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     """
     d, h = spec.d_model, spec.head_dim
     n, k = loc.heads, loc.kv_heads
-    if attention == "splash" and "layer_input" in offloaded_names(remat):
-        # With the layers' inputs in host memory the TPU compiler keeps no score-sized
-        # block buffers in HBM (measured: benchmarks/tpu_compile.py; with the inputs on
-        # the device its peak holds them, as for the other flash kernels).
-        score = 4 * (4 * n * h + 2 * k * h)
+    if attention == "splash":
+        # Splash keeps its score blocks in VMEM: in HBM, the f32 copies only (and under
+        # context parallelism the keys and values it holds, with their f32 gradients).
+        score = 4 * (4 * n * h + 2 * k * h) + _context_splash_kv(loc, spec, act) * (1 + 4 / act)
     elif attention in FLASH_ATTENTION:
         block = min(spec.attention_block, seq) if spec.attention_block > 0 else seq
         score = 3 * n * block * 4 + 4 * (4 * n * h + 2 * k * h)
@@ -365,9 +374,9 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
     elif attention == "allgather":
         score = 3 * n * seq * 4 + 2 * k * h * (act + 4) * loc.context
     elif backend == "tpu":
-        # The TPU compiler's peak holds four f32 score-sized buffers and one in the
-        # compute dtype (22B on v4, seq 1024: 6.75 GiB of its 27.4 GiB).
-        score = (4 * 4 + act) * n * seq
+        # The TPU compiler's peak holds two f32 score-sized buffers and one in the
+        # compute dtype (22B on v4, seq 1024, fitted to its program requirement).
+        score = (2 * 4 + act) * n * seq
     elif backend == "gpu" and spec.attn_logit_softcap:
         # The GPU compiler's peak holds seven f32 score-sized buffers under a soft cap
         # (Gemma 2 9B on 8 H100s: seven [1,4,2,8192,8192], 14 GiB of its 54.5).
@@ -384,7 +393,13 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
         # gradients, the dispatched tokens, the experts' outputs and ``k + 1`` one-hot
         # tensors (the ``k`` choices materialised before their sum; ``2 + k`` counted).
         both = score + _moe_saved(spec, loc, act, True)
-    return loc.tokens * (both + act * (4 * loc.ff_per_token + 8 * d))
+    # Beside attention's: d_ff-sized tensors (the recomputed gate and up projections, the
+    # hidden gradient, and on XLA:CPU and the GPU compiler the activation's) and
+    # d_model-sized gradients. The TPU compiler's program holds three and four (fitted,
+    # with attention's, to its program requirement on the ten runs of
+    # benchmarks/tpu_compile.py: all within 10%; see TPU_WORKING_TENSORS).
+    ff_tensors, model_tensors = TPU_WORKING_TENSORS if backend == "tpu" else (4, 8)
+    return loc.tokens * (both + act * (ff_tensors * loc.ff_per_token + model_tensors * d))
 
 
 def loss_working_bytes(spec: ModelSpec, loc: Local, seq: int) -> float:
@@ -500,7 +515,7 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
         attention = attention_kind(spec, cand, backend, seq)
         saved = layers * saved_activation_bytes(spec, loc, seq, cand.remat, act, attention,
                                                 backend)
-        per_layer = host_activation_bytes(spec, loc, seq, cand.remat, act, attention)
+        per_layer = host_activation_bytes(spec, loc, seq, cand.remat, act, attention, backend)
         host_act, staging = layers * per_layer, min(STAGING_LAYERS, layers) * per_layer
         if stages > 1 and scheduled_backward(cand):
             # 1F1B: each in-flight (microbatch, chunk) keeps only its input; one chunk's
@@ -570,8 +585,13 @@ def memory(spec: ModelSpec, lay: Layout, cand: Candidate, global_batch: int, seq
     # the offloaded tensors' f32 gradients and state come down a slab at a time.
     kept = 1.0 - off.optimizer / (master + opt) if master + opt else 1.0
     # Updated on the host, the slabs still pass through device memory (the TPU compiler
-    # slices the host buffers there), the update's own buffers do not.
-    update_device = off.update_transient + (0.0 if cand.host_update else update * kept)
+    # slices the host buffers there), the update's own buffers do not. The TPU compiler
+    # updates the state in place: no buffer of the update's size at its peak (Gemma 2 9B
+    # on v6e-8, tensor 8, 16 microbatches: the heap holds the f32 accumulators, the bf16
+    # gradients and weights and the saved activations, and no moment-sized buffer).
+    in_place = backend == "tpu" and traced is None
+    update_device = off.update_transient + (
+        0.0 if cand.host_update or in_place else update * kept)
     transient = off.update_transient
     if backend == "cpu":
         # XLA:CPU's host and device memory are one RAM: measured, offload moves the

@@ -57,8 +57,6 @@ def test_70b_at_128k_on_v5p_uses_context_parallelism():
                 top=1, context=1)[0]
     assert flat.candidate.context == 1 and flat.candidate.remat != "none"
     assert flat.step_time_s > best.step_time_s
-    assert (flat.memory["activation_bytes"] + flat.memory["working_bytes"]
-            > best.memory["activation_bytes"] + best.memory["working_bytes"])
     # With fewer sequences than 512 chips can take whole, nothing runs without context.
     small = plan("configs/llama-70b.yaml", chips="tpu-v5p:512", global_batch=32, seq=131072,
                  top=1, context=1)
