@@ -63,6 +63,7 @@ DEFAULT = (
     "tpu-recipes Llama3.1-8B v6e-256 seq8192 bf16",
     "tpu-recipes Llama3.1-70B v6e-256 seq8192 bf16",
     "tpu-recipes Llama2-70B v6e-256 seq4096 bf16",
+    "tpu-recipes Llama3.1-405B 2x v6e-256 seq8192 bf16",
     "MaxText tiering Llama2-70B v5p 512 chips seq4096 bf16",
     "MaxText 32B synthetic 1x v5p-128 seq2048 bf16",
     "MaxText 64B synthetic 2x v5p-128 seq2048 bf16",
@@ -71,9 +72,9 @@ DEFAULT = (
     "MaxText 128B synthetic 1x v5e-256 seq2048 bf16",
     "tpu-recipes Llama3.1-70B tpu7x-4x4x4 (64 chips) seq8192 bf16",
 )
-"""Runs compiled by default: Llama 3.1 8B and 70B and Llama 2 70B on v6e, Mistral 7B, a
-tensor-parallel v5p run, a multislice v5p and v5e run, v4, a 70B on 512 v5p chips, and a
-70B on 64 TPU7x chips."""
+"""Runs compiled by default: Llama 3.1 8B, 70B and 405B (two slices) and Llama 2 70B on v6e,
+Mistral 7B, a tensor-parallel v5p run, a multislice v5p and v5e run, v4, a 70B on 512 v5p
+chips, and a 70B on 64 TPU7x chips."""
 
 def jaxpar_remat(run: dict) -> str:
     """The jaxpar remat policy closest to the run's own (MaxText's names in
