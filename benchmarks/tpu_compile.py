@@ -308,6 +308,8 @@ def markdown(rows: list[dict]) -> str:
         compiler = (fmt_bytes(r["compiler_bytes"]) if r["compiler_bytes"]
                     else f"> {fmt_bytes(r['compiler_temp_at_least'])}")
         fits = f"{'yes' if r['fits'] else '**no**'} ({fmt_bytes(r['hbm_bytes'])})"
+        if r["compiler_bytes"]:  # the margin: how much of the chip the step takes
+            fits += f", {100 * r['compiler_bytes'] / r['hbm_bytes']:.0f}%"
         target = r["target"] + (f" x {r['slices']}" if r["slices"] > 1 else "")
         coll = fmt_bytes(r["compiler_wire_bytes"]) if r.get("compiler_wire_bytes") else "-"
         lines.append(f"| {r['name']} | `{target}` | {fmt_bytes(r['planner_bytes'])} | "
@@ -317,10 +319,13 @@ def markdown(rows: list[dict]) -> str:
                      f"{_kinds(r)} | {r['compile_s']:.0f} |")
     lines += ["", _summary(rows) + ".", "",
               "Memory and collective bytes are per device. \"compiler mem\" is what the TPU "
-              "compiler lays out for the step (arguments and temporaries); \"> X\" marks a "
+              "compiler says the step needs, in its log: the arguments and its program "
+              "requirement (`memory_analysis()`'s temporaries count the gaps in the "
+              "program's heap twice); \"> X\" marks a "
               "step it refused, X being the temporaries it reported; \"fits HBM\" sets the "
-              "compiler's memory against the chip's HBM (for a refused step, against what "
-              "the compiler gave a program). Collectives are the bytes a device receives in "
+              "compiler's memory against the chip's HBM, and the share of it the step "
+              "takes (for a refused step, against what the compiler gave a program). "
+              "Collectives are the bytes a device receives in "
               "one step: each collective instruction of the compiled program times the trips "
               "of the loops around it, a collective matmul's permutes counted under the "
               "all-gather or reduce-scatter they make up; \"by kind\" gives planner / "
