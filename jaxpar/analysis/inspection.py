@@ -366,6 +366,10 @@ def step_report(step: CompiledStep, *, source: str = "defaults") -> dict[str, An
     predicted, note = planner_prediction(config, plan.mesh.size, target)
     predicted = _jsonable(predicted) if predicted is not None else None
     notes = [note] if note else []
+    if target.platform == "tpu" and step.program is None and memory:
+        notes.append("the TPU compiler's account of the program's memory was not found in "
+                     "libtpu's log ($TPU_LOG_DIR, default /tmp/tpu_logs): temp is "
+                     "memory_analysis()'s, which counts the gaps in the program's heap twice")
     if matmuls["loops_without_trip_count"]:
         notes.append(f"{matmuls['loops_without_trip_count']} loop(s) without a known trip "
                      "count: their bodies' FLOPs are counted once")
