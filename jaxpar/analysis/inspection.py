@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from jaxpar.analysis.loops import parse_module
 from jaxpar.analysis.report import fmt_bytes, is_tight
 from jaxpar.analysis.sources import explain_collectives
 from jaxpar.analysis.targets import CUDNN_MISSING, Target, cpu_target
-from jaxpar.analysis.tpu_log import ProgramMemory, log_file, read_program_memory
+from jaxpar.analysis.tpu_log import ProgramMemory, log_mark, program_memory
 from jaxpar.config.assembly import Assembly
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import schedules
@@ -247,8 +246,7 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
         if target.platform == "gpu" and "cuDNN not found" in str(err):
             raise JaxparError(f"--target {target.name}: {CUDNN_MISSING}") from None
         raise
-    log = log_file() if target.platform == "tpu" else None
-    logged = log.stat().st_size if log else 0
+    mark = log_mark() if target.platform == "tpu" else None
     try:
         compiled = lowered.compile()
     except Exception as err:  # noqa: BLE001 - the TPU compiler's "does not fit" is an answer
@@ -263,50 +261,31 @@ def compile_step(config: Any, target: Target | None = None) -> CompiledStep:
             f"{run.plan.zero_stage}); try plan.remat=full, a higher plan.zero_stage, more "
             "microbatches or more chips", temp, hbm) from None
     elapsed = time.perf_counter() - start
-    program = _program_logged(log, logged) if target.platform == "tpu" else None
+    program = program_memory(STEP_MODULE, since=mark) if mark is not None else None
     return CompiledStep(run, target, batch, lowered, compiled, elapsed, program)
-
-
-def _program_logged(before: Path | None, offset: int) -> ProgramMemory | None:
-    """The TPU compiler's account of the step it just compiled: from what its log gained
-    during the compile (a step loaded from JAX's compilation cache logs nothing, and an
-    earlier step's account must not stand in for it)."""
-    path = log_file()
-    if path is None:
-        return None
-    start = offset if before is not None and path == before else 0
-    try:
-        with path.open("rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return read_program_memory(text, STEP_MODULE)
 
 
 def _memory(compiled: Any, target: Target, program: ProgramMemory | None = None
             ) -> dict[str, Any]:
     memory = memory_stats(compiled)
-    if memory:
-        # XLA's analysis counts the heap's gaps twice on a TPU: the compiler's program
-        # requirement is what a device needs (see jaxpar.analysis.tpu_log). None where
-        # the compiler gives no account of its own (XLA:CPU, the GPU compiler).
-        memory.update(xla_temp_bytes=None, fragmentation_bytes=None, usable_bytes=None)
-    if memory and program is not None:
-        memory["xla_temp_bytes"] = memory["temp_bytes"]
-        memory["temp_bytes"] = program.program_bytes
-        memory["fragmentation_bytes"] = program.fragmentation_bytes
-        memory["usable_bytes"] = program.usable_bytes
-    if memory:
-        # Outputs that alias donated arguments take no extra space.
-        memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
-                                 - memory["alias_bytes"] + memory["temp_bytes"])
-        memory["host_total_bytes"] = (memory["host_argument_bytes"]
-                                      + memory["host_output_bytes"]
-                                      - memory["host_alias_bytes"] + memory["host_temp_bytes"])
-        memory["hbm_bytes"] = int(target.hbm_bytes)
-        memory["fits"] = memory["total_bytes"] <= target.hbm_bytes
-        memory["tight"] = is_tight(memory["total_bytes"], target.hbm_bytes)
+    if not memory:
+        return memory
+    # XLA's analysis counts the heap's gaps twice on a TPU: the compiler's program
+    # requirement is what a device needs (see jaxpar.analysis.tpu_log). None where the
+    # compiler gives no account of its own (XLA:CPU, the GPU compiler).
+    memory.update(xla_temp_bytes=None, fragmentation_bytes=None, usable_bytes=None)
+    if program is not None:
+        memory.update(xla_temp_bytes=memory["temp_bytes"], temp_bytes=program.program_bytes,
+                      fragmentation_bytes=program.fragmentation_bytes,
+                      usable_bytes=program.usable_bytes)
+    # Outputs that alias donated arguments take no extra space.
+    memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
+                             - memory["alias_bytes"] + memory["temp_bytes"])
+    memory["host_total_bytes"] = (memory["host_argument_bytes"] + memory["host_output_bytes"]
+                                  - memory["host_alias_bytes"] + memory["host_temp_bytes"])
+    memory["hbm_bytes"] = int(target.hbm_bytes)
+    memory["fits"] = memory["total_bytes"] <= target.hbm_bytes
+    memory["tight"] = is_tight(memory["total_bytes"], target.hbm_bytes)
     return memory
 
 

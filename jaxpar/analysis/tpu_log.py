@@ -101,21 +101,37 @@ def read_program_memory(text: str, module: str) -> ProgramMemory | None:
         usable_bytes=_bytes(usage[3], usage[4]))
 
 
-def program_memory(module: str, pid: int | None = None,
-                   log_dir: str | Path | None = None) -> ProgramMemory | None:
+def log_mark(pid: int | None = None, log_dir: str | Path | None = None
+             ) -> tuple[Path | None, int]:
+    """Where this process's log ends now (its path and size): pass it to
+    :func:`program_memory` as ``since`` to read only what a compile adds."""
+    path = log_file(pid, log_dir)
+    try:
+        return path, (path.stat().st_size if path else 0)
+    except OSError:
+        return None, 0
+
+
+def program_memory(module: str, pid: int | None = None, log_dir: str | Path | None = None,
+                   since: tuple[Path | None, int] | None = None) -> ProgramMemory | None:
     """The TPU compiler's account of the program it last compiled from ``module`` in this
-    process (:func:`read_program_memory` of :func:`log_file`); None when its log is not
-    there or does not hold it (libtpu started without :func:`unbuffer_compiler_log`, or
-    its log sent elsewhere)."""
+    process (:func:`read_program_memory` of :func:`log_file`), in what the log gained
+    after ``since`` (a :func:`log_mark`: an executable loaded from JAX's compilation
+    cache logs nothing, and an earlier program's account must not stand in for it);
+    None when its log is not there or does not hold it (libtpu started without
+    :func:`unbuffer_compiler_log`, or its log sent elsewhere)."""
     path = log_file(pid, log_dir)
     if path is None:
         return None
+    start = since[1] if since is not None and since[0] == path else 0
     try:
-        text = path.read_text(errors="replace")
+        with path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return None
     return read_program_memory(text, module)
 
 
-__all__ = ["LOG_FLAG", "ProgramMemory", "log_file", "program_memory", "read_program_memory",
-           "unbuffer_compiler_log"]
+__all__ = ["LOG_FLAG", "ProgramMemory", "log_file", "log_mark", "program_memory",
+           "read_program_memory", "unbuffer_compiler_log"]

@@ -64,6 +64,10 @@ def test_the_log_is_found_by_process_and_the_flag_added_once(tmp_path):
     got = tpu_log.program_memory("_step_impl", pid=42, log_dir=tmp_path)
     assert got is not None and got.program_bytes == int(7.36 * G)
     assert tpu_log.program_memory("_step_impl", pid=44, log_dir=tmp_path) is None
+    # Only what the log gained after a mark: an earlier program never stands in.
+    mark = tpu_log.log_mark(pid=42, log_dir=tmp_path)
+    assert mark[1] == len(LOG.encode())
+    assert tpu_log.program_memory("_step_impl", pid=42, log_dir=tmp_path, since=mark) is None
     env = {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_all_gather=true"}
     tpu_log.unbuffer_compiler_log(env)
     tpu_log.unbuffer_compiler_log(env)
