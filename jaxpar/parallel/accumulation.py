@@ -59,7 +59,8 @@ def local_axes(plan: Any, rows: int, microbatches: int, frozen: Any, *,
 
 def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
                mesh: jax.sharding.Mesh, axes: tuple[str, ...] = (),
-               reduce_as: Callable[[Any], Any] = lambda grads: grads
+               reduce_as: Callable[[Any], Any] = lambda grads: grads,
+               lay_out: Callable[[Any], Any] = lambda grads: grads
                ) -> tuple[jax.Array, Any, Any, dict[str, Any]]:
     """Mean loss, mean gradients (float32), ``frozen`` after the loop and the mean extra
     metrics over the ``k`` microbatches of ``micro`` (leaves shaped ``(k, rows, ...)``).
@@ -71,19 +72,27 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
     gradients in it. On XLA:CPU they are reduced as summed, in float32: it communicates
     in float32 whatever it is given, and stops on this loop's bf16 all-reduce ("Invalid
     binary instruction opcode copy").
+
+    ``lay_out`` places the running sum (a function of the gradients' tree, applied to
+    the sum as the loop starts and after each microbatch): ZeRO-2 and 3 keep only their
+    shard of it, so each microbatch's gradients are reduce-scattered into the shard.
+    Left to the compiler, the sum's layout followed whatever sharding propagation
+    found (the TPU compiler kept it whole over ``data`` for some steps and split for
+    others).
     """
     if mesh.devices.flat[0].platform == "cpu":
         reduce_as = lambda grads: grads
     k = jax.tree.leaves(micro)[0].shape[0]
 
     def loop(params, frozen, micro):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = lay_out(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
         def step(carry, one):
             total_loss, total, frozen = carry
             index, rows = one
             loss, grads, frozen, extra = loss_and_grads(params, frozen, rows, index)
-            total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
+            total = lay_out(jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total,
+                                         grads))
             return (total_loss + loss.astype(jnp.float32), total, frozen), extra
 
         start = (jnp.zeros((), jnp.float32), zeros, frozen)

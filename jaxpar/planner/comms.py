@@ -63,6 +63,7 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
+from jaxpar.planner.activations import attention_kind
 from jaxpar.planner.candidate import (
     Candidate,
     Local,
@@ -75,7 +76,6 @@ from jaxpar.planner.candidate import (
 from jaxpar.planner.layout import Layout, Placed
 from jaxpar.planner.links import Transfer, wire_bytes
 from jaxpar.planner.lowering import RING, Lowering
-from jaxpar.planner.memory import attention_kind
 from jaxpar.planner.model import ModelSpec
 from jaxpar.planner.roofline import recomputed_parts
 from jaxpar.sharding.mesh import MESH_AXES

@@ -24,6 +24,15 @@ from typing import Any
 
 from jaxpar.errors import JaxparError
 from jaxpar.planner import offload, roofline
+from jaxpar.planner.activations import (
+    FLASH_ATTENTION,
+    attention_kind,
+    host_activation_bytes,
+    layer_working_bytes,
+    loss_working_bytes,
+    saved_activation_bytes,
+    working_set_bytes,
+)
 from jaxpar.planner.candidate import (
     CONTEXT_ATTENTION,
     DTYPE_BYTES,
@@ -40,16 +49,7 @@ from jaxpar.planner.comms import collectives, gradient_runs, transfers
 from jaxpar.planner.layout import Layout, layout
 from jaxpar.planner.links import PHASES, Transfer, link_terms, mesh_links
 from jaxpar.planner.lowering import RING, Lowering, lowering_for
-from jaxpar.planner.memory import (
-    FLASH_ATTENTION,
-    attention_kind,
-    host_activation_bytes,
-    layer_working_bytes,
-    loss_working_bytes,
-    memory,
-    saved_activation_bytes,
-    working_set_bytes,
-)
+from jaxpar.planner.memory import memory
 from jaxpar.planner.model import IdentityMemo, ModelSpec
 from jaxpar.planner.roofline import MOE_IMBALANCE, recomputed_parts
 from jaxpar.sharding.remat import is_policy

@@ -20,7 +20,7 @@ A candidate may keep three kinds of state in host memory (the Plan knobs of
   update, and after the update the new weights go back to the host;
 * **activations** (``remat=offload:<names>`` or ``offload_dots``): what the policy saves
   goes to host memory during the forward pass and comes back in the backward pass,
-  :data:`STAGING_LAYERS` layers' worth in flight (bytes: :func:`jaxpar.planner.memory.
+  :data:`STAGING_LAYERS` layers' worth in flight (bytes: :func:`jaxpar.planner.activations.
   host_activation_bytes`).
 
 Time (:func:`offload_times`): every transfer crosses the host link at ``host_bw`` (one

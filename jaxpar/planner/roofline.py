@@ -226,7 +226,7 @@ def compute_times(spec: ModelSpec, loc: Local, cand: Candidate, chip: Chip, *,
       spec: the model; ``loc``: what one device holds per microbatch.
       cand: the candidate (precision, optimizer, microbatches, expert split).
       chip: the device's figures.
-      attention: the implementation (:func:`~jaxpar.planner.memory.attention_kind`).
+      attention: the implementation (:func:`~jaxpar.planner.activations.attention_kind`).
       causal: the share of ``s x s`` attention the kernel executes.
       recomputed: the parts a remat policy reruns (``qkv``, ``wo``, ``gate_up``,
         ``down``, ``attention``).

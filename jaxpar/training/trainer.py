@@ -475,9 +475,13 @@ class Trainer:
             # in the compute dtype.
             by_hand = accumulation.local_axes(self.plan, rows, k, state["frozen"],
                                               draws_keys=self._draws_keys)
+            # ZeRO-2 and 3 sum into their shard of the gradients.
+            sharded_sum = self.plan.zero_stage >= 2 and not by_hand
             loss, grads, frozen, extra = accumulation.accumulate(
                 loss_and_grads, state["params"], state["frozen"], micro,
-                mesh=self.plan.mesh, axes=by_hand, reduce_as=self._compute_params)
+                mesh=self.plan.mesh, axes=by_hand, reduce_as=self._compute_params,
+                lay_out=(lambda g: self.plan.place(g, self.grad_shardings)) if sharded_sum
+                else lambda g: g)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         if self.plan.zero_stage >= 2 or k > 1:
             # ZeRO-2/3 keep only their shard (a reduce-scatter); an accumulated sum is laid

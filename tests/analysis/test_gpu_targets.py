@@ -103,7 +103,7 @@ def test_heads_wider_than_cudnn_takes_compile_with_xlas_attention_as_the_planner
     as the loop makes them, the query projection alone of the heads kept) is within 10% of
     the GPU compiler's total (measured 1.01; 0.91 under remat full on data 2 x fsdp 4; the
     families at real size, 1.02-1.09: docs/guides/tpu-compile.md)."""
-    from jaxpar.planner.memory import attention_kind
+    from jaxpar.planner.activations import attention_kind
     from jaxpar.planner.model import from_transformer
 
     plan = ["plan.remat=dots_with_no_batch_dims_saveable", "plan.microbatches=2",

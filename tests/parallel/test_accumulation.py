@@ -3,6 +3,8 @@
 ``data`` in the compiled step where GSPMD ran one a microbatch, and the planner's count of
 every reduction, looped or not, against the compiled program's."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -81,6 +83,27 @@ def test_the_planner_counts_each_reduction_as_the_step_runs_it(devices, name):
         assert r["step_ratio"] == pytest.approx(1.0, abs=0.01), r
         if set(r["axes"]) & {"data"}:
             assert (r["executions"] == 1) == bool(once), r
+
+
+def test_zero2_sums_each_microbatch_into_its_gradient_shard(devices):
+    """ZeRO-2 on data 4 x tensor 2, two microbatches: the accumulation loop carries each
+    weight's f32 gradient sum as its ZeRO shard (the gradients' layout, split over
+    ``data`` as well), the layout the planner counts; the step's weights stay whole over
+    ``data``."""
+    step = compile_step(jaxpar.load_config("configs/tiny.yaml", [
+        "mesh.data=4", "mesh.tensor=2", "plan.zero_stage=2", "plan.microbatches=2"]))
+    trainer = step.run.trainer
+    params = jax.tree.leaves(trainer.state["params"])
+    shards = [s.shard_shape(p.shape) for p, s in
+              zip(params, jax.tree.leaves(trainer.grad_shardings), strict=True)]
+    stored = [p.sharding.shard_shape(p.shape) for p in params]
+    loops = [line.split(" while(")[0] for line in step.compiled.as_text().splitlines()
+             if " while(" in line]
+    carried = {m for line in loops for m in re.findall(r"f32\[([0-9,]+)\]", line)}
+    split = [(a, b) for a, b in zip(shards, stored, strict=True) if a != b]
+    assert split  # the weights ZeRO-2 splits further
+    for shard, _ in split:
+        assert ",".join(map(str, shard)) in carried, shard
 
 
 @pytest.mark.skipif(targets.tpu_compiler_missing() is not None, reason="no libtpu")

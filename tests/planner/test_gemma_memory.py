@@ -2,7 +2,7 @@
 sublayer and on queries and keys, a GeGLU MLP, a tied embedding table, alternating local
 and global layers, attention and final logit soft-caps and the chunked loss, at
 ``remat=none`` (where those parts are saved for the backward pass; see
-:func:`jaxpar.planner.memory._gemma_saved`). Calibrated like ``test_planner.py``'s dense
+:func:`jaxpar.planner.activations._gemma_saved`). Calibrated like ``test_planner.py``'s dense
 cases: arguments + temporaries within 10% of what XLA compiles."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 
 from jaxpar.analysis.hlo import memory_stats
 from jaxpar.analysis.inspection import compile_step
-from jaxpar.planner import memory as memory_lib
+from jaxpar.planner import activations as activations_lib
 from jaxpar.planner import predict
 from tests.planner.cases import make_config
 
@@ -32,7 +32,7 @@ def test_gemma_shaped_memory_matches_xla(devices, monkeypatch):
     assert pred["argument_bytes"] == pytest.approx(got["argument_bytes"], rel=0.01)
     assert pred["argument_bytes"] + pred["temp_bytes"] == pytest.approx(want, rel=0.10)
     # Without the Gemma terms the planner is short by more than the tolerance.
-    monkeypatch.setattr(memory_lib, "_gemma_saved", lambda *a: 0.0)
+    monkeypatch.setattr(activations_lib, "_gemma_saved", lambda *a: 0.0)
     bare = predict(config, 8, backend="cpu")["memory"]
     assert bare["argument_bytes"] + bare["temp_bytes"] < 0.9 * want
 
@@ -55,7 +55,7 @@ def test_gemma_terms_only_under_remat_none():
         spec = from_transformer(cfg)
         lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
         loc = local_sizes(spec, lay, cand, 16, 64)
-        out[name] = {r: memory_lib.saved_activation_bytes(spec, loc, 64, r, 2)
+        out[name] = {r: activations_lib.saved_activation_bytes(spec, loc, 64, r, 2)
                      for r in ("none", "full", "save_attention_and_mlp_outputs",
                                "dots_saveable")}
     assert out["gemma"]["none"] > out["base"]["none"]
