@@ -305,9 +305,10 @@ def host_activation_bytes(spec: ModelSpec, loc: Local, seq: int, remat: str, act
 
 TPU_WORKING_TENSORS = (3, 4)
 """``(d_ff, d_model)``-sized tensors of the compute dtype a layer's backward pass holds at
-the TPU compiler's peak, beside attention's buffers (:func:`layer_working_bytes`). Fitted
-to the compiler's program requirement (its heap with the gaps between buffers counted
-once, :mod:`jaxpar.analysis.tpu_log`); the four and eight fitted earlier matched
+the TPU compiler's peak, beside attention's buffers (:func:`layer_working_bytes`). Fitted,
+with attention's, to the compiler's program requirement (its heap with the gaps between
+buffers counted once, :mod:`jaxpar.analysis.tpu_log`) on the ten published runs of
+``benchmarks/tpu_compile.py``, all within 10%; the four and eight fitted earlier matched
 ``memory_analysis()``'s temporaries, which count the gaps twice."""
 
 
@@ -374,9 +375,7 @@ def layer_working_bytes(spec: ModelSpec, loc: Local, seq: int, act: int,
         both = score + _moe_saved(spec, loc, act, True)
     # Beside attention's: d_ff-sized tensors (the recomputed gate and up projections, the
     # hidden gradient, and on XLA:CPU and the GPU compiler the activation's) and
-    # d_model-sized gradients. The TPU compiler's program holds three and four (fitted,
-    # with attention's, to its program requirement on the ten runs of
-    # benchmarks/tpu_compile.py: all within 10%; see TPU_WORKING_TENSORS).
+    # d_model-sized gradients (on the TPU, TPU_WORKING_TENSORS).
     ff_tensors, model_tensors = TPU_WORKING_TENSORS if backend == "tpu" else (4, 8)
     return loc.tokens * (both + act * (ff_tensors * loc.ff_per_token + model_tensors * d))
 
