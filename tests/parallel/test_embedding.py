@@ -74,9 +74,13 @@ def test_split_vocab_rules_put_fsdp_on_the_vocabulary(devices):
     assert split_vocab_over_fsdp(params, acts, on=False) == preset("fsdp_tp")
 
 
-def test_lookup_gradient_equals_take(devices):
-    """The in-place lookup's rows and table gradient are jnp.take's."""
-    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh({"data": 2, "fsdp": 4}), "fsdp_tp")
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 2, "context": 2}])
+def test_lookup_gradient_equals_take(devices, axes):
+    """The in-place lookup's rows and table gradient are jnp.take's; with the sequence
+    split too (context parallelism) the rows reach the batch split by jaxpar's own
+    all-to-all over ``fsdp`` (GSPMD's reshard gathered whole microbatches on the TPU
+    compiler at 70B scale: embedding._all_to_all)."""
+    plan = jaxpar.Plan.from_preset(jaxpar.make_mesh(axes), "fsdp_tp")
     rng = np.random.default_rng(0)
     table = rng.normal(size=(V, D)).astype(np.float32)
     tokens = rng.integers(0, V, (8, 16)).astype(np.int32)
@@ -88,8 +92,10 @@ def test_lookup_gradient_equals_take(devices):
         return (rows * weights).sum(), rows
 
     table_sh = plan.sharding(plan.param_spec(embedding.TABLE))
-    got = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-        jax.device_put(table, table_sh), jax.device_put(tokens, plan.batch_sharding(2)))
+    args = (jax.device_put(table, table_sh), jax.device_put(tokens, plan.batch_sharding(2)))
+    step = jax.value_and_grad(loss, has_aux=True)
+    assert ("all_to_all" in str(jax.make_jaxpr(step)(*args))) == ("context" in axes)
+    got = jax.jit(step)(*args)
     (_, rows), grad = got
     np.testing.assert_array_equal(np.asarray(rows), table[tokens])
     want = np.zeros_like(table)
