@@ -42,7 +42,7 @@ from jaxpar.parallel import offload
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules as schedules_lib
 from jaxpar.sharding import remat as remat_lib
-from jaxpar.sharding.plan import constrain, current_plan
+from jaxpar.sharding.plan import constrain, current_plan, explicit_sharding
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 """Logical names of the residual stream between blocks (``residual_seq`` is split over the
@@ -86,6 +86,14 @@ def _einsum(rngs: nnx.Rngs, spec: str, shape: tuple[int, ...], names: tuple[str,
                       bias_init=bias_init, rngs=rngs)
 
 
+def _row_parallel(layer: nnx.Module, x: jax.Array, d_model: int) -> jax.Array:
+    """``layer(x)`` for a projection back to the residual stream, contracting a dimension
+    tensor parallelism splits; on an explicit mesh told its output's layout, which it
+    cannot infer."""
+    out = explicit_sharding(RESIDUAL, (*x.shape[:2], d_model))
+    return layer(x) if out is None else layer(x, out_sharding=out)
+
+
 def _linear(rngs: nnx.Rngs, d_in: int, d_out: int, names: tuple[str, str], std: float
             ) -> nnx.Linear:
     init = nnx.with_partitioning(nnx.initializers.normal(std), names)
@@ -111,6 +119,7 @@ class Attention(nnx.Module):
                           ("embed", "kv_heads", "head_dim"), std, bias)
         self.wo = _einsum(rngs, "bsnh,nhe->bse", (cfg.n_heads, h, d),
                           ("heads", "head_dim", "embed"), out_std)
+        self.d_model = d
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
             self.k_norm = RMSNorm(h, cfg.norm_eps, rngs=rngs, offset=cfg.norm_offset)
@@ -149,7 +158,8 @@ class Attention(nnx.Module):
             o = jax.lax.cond(is_global, lambda: self._attend(q, k, v, segments, 0),
                              lambda: self._attend(q, k, v, segments, self.window))
         o = constrain(checkpoint_name(o, "attention"), ("batch", "seq", "heads", "head_dim"))
-        return constrain(checkpoint_name(self.wo(o), "attention_out"), RESIDUAL)
+        out = _row_parallel(self.wo, o, self.d_model)
+        return constrain(checkpoint_name(out, "attention_out"), RESIDUAL)
 
     def _rotate(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         """RoPE on the first ``rotary_dim`` dimensions of each head (all of them when it
@@ -210,11 +220,12 @@ class MLP(nnx.Module):
         self.w_up = _linear(rngs, cfg.d_model, cfg.d_ff, ("embed", "mlp"), std)
         self.w_down = _linear(rngs, cfg.d_ff, cfg.d_model, ("mlp", "embed"), out_std)
         self.activation = cfg.mlp_activation
+        self.d_model = cfg.d_model
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = MLP_ACTIVATIONS[self.activation](self.w_gate(x))
         hidden = constrain(gate * self.w_up(x), ("batch", "seq", "mlp"))
-        out = self.w_down(checkpoint_name(hidden, "mlp_hidden"))
+        out = _row_parallel(self.w_down, checkpoint_name(hidden, "mlp_hidden"), self.d_model)
         return constrain(checkpoint_name(out, "mlp_out"), RESIDUAL)
 
 

@@ -74,8 +74,9 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
     binary instruction opcode copy").
 
     ``lay_out`` places the running sum (a function of the gradients' tree, applied to
-    the sum as the loop starts and after each microbatch): ZeRO-2 and 3 keep only their
-    shard of it, so each microbatch's gradients are reduce-scattered into the shard.
+    the zeros it starts from and to each microbatch's gradients before they are added):
+    ZeRO-2 and 3 keep only their shard of it, so each microbatch's gradients are
+    reduce-scattered into the shard.
     Left to the compiler, the sum's layout followed whatever sharding propagation
     found (the TPU compiler kept it whole over ``data`` for some steps and split for
     others).
@@ -91,8 +92,8 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
             total_loss, total, frozen = carry
             index, rows = one
             loss, grads, frozen, extra = loss_and_grads(params, frozen, rows, index)
-            total = lay_out(jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total,
-                                         grads))
+            grads = lay_out(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+            total = jax.tree.map(jnp.add, total, grads)
             return (total_loss + loss.astype(jnp.float32), total, frozen), extra
 
         start = (jnp.zeros((), jnp.float32), zeros, frozen)

@@ -496,6 +496,16 @@ def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
                            for e in spec))
 
 
+def explicit_sharding(names: LogicalNames, shape: tuple[int, ...]) -> NamedSharding | None:
+    """The sharding an activation of ``shape`` with logical ``names`` takes under the
+    current plan when its mesh is explicit (where an operation whose result sharding is
+    ambiguous, a contraction over a split dimension, must be told it); None otherwise."""
+    plan = _ACTIVE.get()
+    if plan is None or not plan.explicit:
+        return None
+    return plan.sharding(plan.act_spec(names, shape=shape, path="activation"))
+
+
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
     """Constrain activation ``x`` to the sharding its logical names imply under the current plan.
 

@@ -199,6 +199,8 @@ class Trainer:
         zero, left_whole = zero_shardings(base, params, plan.mesh, plan.data_parallel_axes,
                                           stacked)
         master = zero if stage >= 1 else base
+        self.update_shardings = master
+        """Where the optimizer update runs: the optimizer state's layout."""
         shardings = {"frozen": state_shardings(plan, frozen),
                      "opt_state": self._opt_shardings(params, master),
                      "step": plan.replicated,
@@ -496,6 +498,10 @@ class Trainer:
         in host memory that cannot stream (see :attr:`streams_update`) comes to the device
         whole for it."""
         opt_state, master = offload.to_device((opt_state, master))
+        if self.plan.explicit and self.plan.zero_stage in (1, 2):
+            # Weights (and ZeRO-1's gradients) kept whole over data meet the moments'
+            # shards: an explicit mesh types the mismatch, where GSPMD reshards on its own.
+            grads, master = self.plan.place((grads, master), (self.update_shardings,) * 2)
         updates, opt_state = self.optimizer.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state
 

@@ -10,7 +10,18 @@ from flax import nnx
 import jaxpar
 from jaxpar.analysis.hlo import collective_table, count_collectives
 from jaxpar.errors import JaxparError
-from tests.helpers import BATCH, SEQ, SMALL, block_forward_hlo, loader, make_trainer, one_device
+from jaxpar.models import Transformer
+from jaxpar.training.optimizer import make_optimizer
+from tests.helpers import (
+    BATCH,
+    SEQ,
+    SMALL,
+    block_forward_hlo,
+    loader,
+    make_trainer,
+    one_device,
+    small_config,
+)
 from tests.user_models import LLAMA_ANNOTATIONS, LlamaLike
 
 STEPS = 3
@@ -31,6 +42,20 @@ def losses(trainer: jaxpar.Trainer, steps: int = STEPS) -> list[float]:
 @pytest.fixture(scope="module")
 def reference_losses(devices):
     return losses(make_trainer({"data": 1}, devices=one_device()))
+
+
+@pytest.mark.parametrize("knobs", [{}, {"zero_stage": 1}, {"zero_stage": 2, "microbatches": 2}])
+def test_the_reference_transformer_trains_on_an_explicit_mesh(reference_losses, knobs):
+    """jax.make_mesh's default, Explicit axis types: the built-in model's embedding gather
+    and its row-parallel projections (whose output sharding JAX cannot infer from split
+    operands) are told their layouts, and data 2 x fsdp 2 x tensor 2 trains as one
+    device, with ZeRO-2 summing two microbatches into its gradient shards too."""
+    mesh = jaxpar.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, explicit=True)
+    plan = jaxpar.Plan.from_preset(mesh, "fsdp_tp").replace(**knobs)
+    assert plan.explicit
+    model = jaxpar.init_sharded(lambda: Transformer(SMALL, rngs=nnx.Rngs(0)), plan)
+    trainer = jaxpar.Trainer(model, make_optimizer(small_config().train), plan)
+    np.testing.assert_allclose(losses(trainer), reference_losses, rtol=1e-5)
 
 
 def test_step_counter_and_optimizer_state_advance(devices):
