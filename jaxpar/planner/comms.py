@@ -244,6 +244,10 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
     by_hand = accumulated_by_hand(cand, lay)
     passes = _layer_passes(cand, lay, layers)
     layer_input = (tokens.loc.tokens * tokens.d_model * wire if tokens else float("inf"))
+    # With a tensor axis the TPU compiler runs the weights' gathers as rings (its
+    # collective matmuls go to the tensor axis's activations), its gradients' reductions
+    # still in the matmul (jaxpar.planner.lowering).
+    gather_input = 0.0 if lay.sizes.get("tensor", 1) > 1 else layer_input
     for p in lay.placed:
         if tokens and "vocab" in p.tensor.names and set(p.owned_axes) & set(lay.dp_axes):
             _vocab_split(rows, lay, p, tokens, micro, wire, backend)
@@ -273,7 +277,7 @@ def _weights(rows: _Rows, lay: Layout, cand: Candidate, layers: int, wire: int,
             nbytes = compute * wire
             layer = p.tensor.per_layer
             rows.add("all-gather", axes, nbytes, 1, loops * micro, phase="forward",
-                     weight=layer, layer_input=layer_input)
+                     weight=layer, layer_input=gather_input)
             rows.add("all-gather", axes, nbytes, 1 if layer else 0, loops * micro,
                      phase="backward", weight=layer, layer_input=layer_input)
         # ZeRO 1-2: the updated master shards are gathered into the working parameters.

@@ -13,7 +13,11 @@ programs the TPU compiler builds for jaxpar's steps (the published runs of
   step of 4 MiB per device runs rings; of 6 MiB, collective matmuls): the shards pass
   around the ring in both directions as the matmul consumes them, and a device receives
   ``n + 1`` shards where a ring all-gather receives ``n - 1``. The backward pass's
-  gathers, whose weights feed more than one matmul, stay all-gathers.
+  gathers, whose weights feed more than one matmul, stay all-gathers; so do the forward's
+  on a mesh with a tensor axis, where the collective matmuls are the tensor axis's
+  (Gemma 2 27B on v6e-32, data 2 x fsdp 2 x tensor 8: the fsdp gathers as rings, the
+  gradients' reduce-scatters over data and fsdp in the matmuls; the planner passes such
+  gathers a layer input of 0).
 * **Beyond 32 devices**, v5e and v6e gather with all-gathers, but reduce gradients with an
   all-reduce whose sum each device slices: twice a reduce-scatter's bytes.
 * **v4 and v5p** (a 3D torus) also gather beyond 32 devices with an all-reduce, of a
