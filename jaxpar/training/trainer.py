@@ -31,15 +31,13 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError, JaxparWarning
 from jaxpar.parallel import accumulation, compression, offload, zeropp
-from jaxpar.parallel.zero import formula_bytes, per_device_bytes, stacked_dims, zero_shardings
+from jaxpar.parallel.zero import formula_bytes, per_device_bytes
 from jaxpar.sharding import precision as precision_lib
 from jaxpar.sharding import quantization
 from jaxpar.sharding import remat as remat_lib
 from jaxpar.sharding.partitioning import (
     is_abstract,
-    logical_names,
     prepare_model,
-    state_shardings,
     warn_if_heads_split,
     warn_if_replicated,
 )
@@ -58,6 +56,7 @@ from jaxpar.training.objective import (
     takes_rngs,
     token_ids,
 )
+from jaxpar.training.state_layout import state_layout
 
 Batch = Any
 """A pytree of arrays whose leaves share a leading batch dimension."""
@@ -176,8 +175,11 @@ class Trainer:
         self.replication = warn_if_replicated(plan, nnx.state(model))
         warn_if_heads_split(plan, model)
         with plan.activate():
-            self.state_shardings, self.grad_shardings, self.zero_left_whole = (
-                self._layout(params, frozen))
+            layout = state_layout(plan, params, frozen, self.optimizer, self.policy,
+                                  stores_copy=self.stores_copy,
+                                  loss_scaled=self.loss_scale is not None)
+            self.state_shardings, self.grad_shardings = layout.state, layout.grads
+            self.update_shardings, self.zero_left_whole = layout.update, layout.left_whole
             # (after the layout, whose refusals name the knob more precisely)
             check_model_support(model, plan, self.pipeline_schedule)
             state = self._initial_state(params, frozen)
@@ -186,75 +188,6 @@ class Trainer:
         """Whether the optimizer update of offloaded state runs slab by slab (see
         :mod:`jaxpar.parallel.streamed_update`): about two slabs of state on the device at
         once instead of all of it."""
-
-    def _layout(self, params: nnx.State, frozen: nnx.State
-                ) -> tuple[dict[str, Any], Any, list[str]]:
-        """Where each part of the state lives under the plan's ZeRO stage: the state's
-        shardings, the gradients' (where the reduction leaves them) and the weights ZeRO
-        left whole (no dimension divides over the data-parallel axes)."""
-        plan, stage = self.plan, self.plan.zero_stage
-        base = state_shardings(plan, params)
-        stacked = jax.tree_util.tree_map(lambda v: v.replace(stacked_dims(logical_names(v))),
-                                         params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        zero, left_whole = zero_shardings(base, params, plan.mesh, plan.data_parallel_axes,
-                                          stacked)
-        master = zero if stage >= 1 else base
-        self.update_shardings = master
-        """Where the optimizer update runs: the optimizer state's layout."""
-        shardings = {"frozen": state_shardings(plan, frozen),
-                     "opt_state": self._opt_shardings(params, master),
-                     "step": plan.replicated,
-                     "params": zero if stage >= 3 else base}
-        if self.policy.mixed and not self.stores_copy:  # the master weights are the params
-            shardings["params"] = master
-        if self.stores_copy:
-            shardings["master"] = master
-        if self.loss_scale is not None:
-            shardings["loss_scale"] = plan.replicated
-        if plan.compress_gradients != "none":
-            shardings["grad_error"] = compression.error_shardings(plan, base)
-        if plan.quantize_reduce != "none":
-            zeropp.check(plan, zero if stage >= 2 else base)
-        if plan.hpz:
-            zeropp.check_hpz(plan, zero if stage >= 3 else base)
-        return self._offloaded(shardings, params, frozen), zero if stage >= 2 else base, \
-            left_whole
-
-    def _offloaded(self, shardings: dict[str, Any], params: nnx.State, frozen: nnx.State
-                   ) -> dict[str, Any]:
-        """``shardings`` with the state the plan offloads in host memory (see
-        :mod:`jaxpar.parallel.offload`): the stacked layers' weights, and the largest
-        optimizer tensors up to the plan's fraction of their bytes."""
-        plan = self.plan
-        if not (plan.offload_params or plan.offload_optimizer):
-            return shardings
-        offload.check_supported(plan.mesh)
-        out = dict(shardings)
-        if plan.offload_params:
-            if plan.mesh.shape.get("stage", 1) > 1:
-                raise JaxparError("plan.offload_params streams the layers of one layer "
-                                  "loop; it does not combine with pipeline stages "
-                                  "(mesh.stage > 1)")
-            mask = offload.streamed_mask(params)
-            if not any(jax.tree.leaves(mask)) and not any(
-                    jax.tree.leaves(offload.streamed_mask(frozen))):
-                raise JaxparError("plan.offload_params: the model has no weights stacked "
-                                  "over a 'layers' axis to stream from the host")
-            out["params"] = offload.in_memory(out["params"], mask)
-            out["frozen"] = offload.in_memory(out["frozen"], offload.streamed_mask(frozen))
-        if plan.offload_optimizer:
-            moved = {"opt_state": jax.eval_shape(self.optimizer.init, params)}
-            if self.stores_copy:
-                moved["master"] = jax.eval_shape(self.policy.cast_to_params, params)
-            mask = offload.largest_first(moved, plan.offload_optimizer)
-            for key, part in mask.items():
-                out[key] = offload.in_memory(out[key], part)
-        else:
-            moved = {}
-        moved.update(params=params, frozen=frozen)
-        offload.check_gpu_pool(plan.mesh, offload.pinned_bytes(
-            moved, {k: out[k] for k in moved}))
-        return out
 
     def _initial_state(self, params: nnx.State, frozen: nnx.State) -> dict[str, Any]:
         """The state placed by :attr:`state_shardings`: copies, never the caller's buffers
@@ -357,14 +290,6 @@ class Trainer:
                 "choose another policy", JaxparWarning, stacklevel=4)
 
     # --- construction ---------------------------------------------------------------------
-    def _opt_shardings(self, params: nnx.State, param_sh: nnx.State) -> Any:
-        shapes = jax.eval_shape(self.optimizer.init, params)
-        return optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, shapes, param_sh,
-            transform_non_params=lambda _: self.plan.replicated,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
-
     # --- the step -------------------------------------------------------------------------
     def _merged(self, params: nnx.State, frozen: nnx.State) -> nnx.Module:
         """The model with these weights, in the compute dtype (gathered in int8 under
