@@ -76,10 +76,9 @@ def accumulate(loss_and_grads: Grads, params: Any, frozen: Any, micro: Any, *,
     ``lay_out`` places the running sum (a function of the gradients' tree, applied to
     the zeros it starts from and to each microbatch's gradients before they are added):
     ZeRO-2 and 3 keep only their shard of it, so each microbatch's gradients are
-    reduce-scattered into the shard.
-    Left to the compiler, the sum's layout followed whatever sharding propagation
-    found (the TPU compiler kept it whole over ``data`` for some steps and split for
-    others).
+    reduce-scattered into the shard. Left to the compiler, the sum's layout followed
+    whatever sharding propagation found (the TPU compiler kept it whole over ``data``
+    for some steps and split for others).
     """
     if mesh.devices.flat[0].platform == "cpu":
         reduce_as = lambda grads: grads
