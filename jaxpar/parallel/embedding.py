@@ -51,9 +51,8 @@ def lookup(table: jax.Array, tokens: jax.Array, plan: Plan | None,
         # by split ids has no single answer: the rows are asked for in the residual
         # stream's layout.
         table = constrain(table, TABLE)
-        out = plan.act_spec(out_names, shape=(*tokens.shape, table.shape[1]),
-                            path="activation")
-        return table.at[tokens].get(out_sharding=plan.sharding(out))
+        out = plan.activation_sharding(out_names, (*tokens.shape, table.shape[1]))
+        return table.at[tokens].get(out_sharding=out)
     # ZeRO++'s int8 gathers (qwZ, qgZ) bring every weight whole before the step uses it:
     # a whole table is looked up where it is, with no collective at all.
     in_place = in_place and "int8" not in (plan.quantize_gather, plan.quantize_reduce)

@@ -406,6 +406,11 @@ class Plan:
         """The sharding of a fully replicated array (scalars, step counters)."""
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def activation_sharding(self, names: LogicalNames, shape: tuple[int, ...]
+                            ) -> NamedSharding:
+        """The sharding an activation of ``shape`` with logical ``names`` takes."""
+        return self.sharding(self.act_spec(names, shape=shape, path="activation"))
+
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         """Sharding of one leaf of an input batch, shaped ``(batch, seq, ...)`` (see
         :func:`batch_names`)."""
@@ -503,7 +508,7 @@ def explicit_sharding(names: LogicalNames, shape: tuple[int, ...]) -> NamedShard
     plan = _ACTIVE.get()
     if plan is None or not plan.explicit:
         return None
-    return plan.sharding(plan.act_spec(names, shape=shape, path="activation"))
+    return plan.activation_sharding(names, shape)
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
@@ -515,6 +520,5 @@ def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
     plan = _ACTIVE.get()
     if plan is None:
         return x
-    spec = plan.act_spec(names, shape=x.shape, path="activation")
-    return plan.place(x, plan.sharding(spec))
+    return plan.place(x, plan.activation_sharding(names, x.shape))
 
