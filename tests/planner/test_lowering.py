@@ -12,6 +12,19 @@ from jaxpar.planner.lowering import RING, lowering_for
 from jaxpar.planner.model import from_transformer
 
 
+def _wire_by_kind(cfg: TransformerConfig, cand: Candidate, batch: int, seq: int,
+                  rule, axes: list[str] | None = None) -> dict[str, float]:
+    """The planner's bytes on the links a step, by collective kind, under ``rule``'s
+    lowering (only the rows over ``axes``, when given)."""
+    spec = from_transformer(cfg)
+    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
+    out: dict[str, float] = {}
+    for r in collectives(spec, lay, cand, batch, seq, "tpu", rule):
+        if axes is None or r["axes"] == axes:
+            out[r["kind"]] = out.get(r["kind"], 0) + r["wire_bytes_per_step"]
+    return out
+
+
 @pytest.mark.parametrize("chip, n, gather, scatter", [
     # Up to 32 devices every generation runs the forward's gathers and the gradients'
     # scatters inside their matmuls.
@@ -62,15 +75,10 @@ def test_the_planner_prices_each_fsdp_collective_as_it_runs():
     on v6e (an all-reduce each device slices), gathers doubled too on v5p."""
     cfg = TransformerConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4,
                             n_kv_heads=4, d_ff=512)  # every dimension splits 64 ways
-    spec = from_transformer(cfg)
     cand = Candidate.make({"fsdp": 64}, rules="fsdp")
-    lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
 
     def wire(chip: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in collectives(spec, lay, cand, 64, 64, "tpu", lowering_for(chip)):
-            out[r["kind"]] = out.get(r["kind"], 0) + r["wire_bytes_per_step"]
-        return out
+        return _wire_by_kind(cfg, cand, 64, 64, lowering_for(chip))
 
     ring, v6e, v5p = wire("h100"), wire("tpu-v6e"), wire("tpu-v5p")
     assert v6e["reduce-scatter"] == pytest.approx(2 * ring["reduce-scatter"])
@@ -86,14 +94,10 @@ def test_with_a_tensor_axis_weight_gathers_are_rings_and_gradients_stay_windowed
     reduce-scatters over data x fsdp stay in the matmuls (109.16 GiB, planned 121.30)."""
     cfg = TransformerConfig(vocab_size=512, d_model=1024, n_layers=2, n_heads=8,
                             n_kv_heads=8, d_ff=4096)
-    spec = from_transformer(cfg)
 
     def wire(sizes: dict[str, int], rule) -> dict[str, float]:
         cand = Candidate.make(sizes, rules="fsdp_tp", sequence_parallel="tensor" in sizes)
-        lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
-        return {r["kind"]: r["wire_bytes_per_step"]
-                for r in collectives(spec, lay, cand, 16, 4096, "tpu", rule)
-                if r["axes"] == ["fsdp"]}
+        return _wire_by_kind(cfg, cand, 16, 4096, rule, axes=["fsdp"])
 
     v6e = lowering_for("tpu-v6e")
     alone, with_tensor = {"fsdp": 2}, {"fsdp": 2, "tensor": 8}
@@ -115,16 +119,10 @@ def test_across_slices_a_gradient_all_reduce_is_a_reduce_scatter_and_a_gather():
     the links either way."""
     cfg = TransformerConfig(vocab_size=512, d_model=512, n_layers=2, n_heads=8,
                             n_kv_heads=8, d_ff=1024)
-    spec = from_transformer(cfg)
-    v6e = lowering_for("tpu-v6e")
 
     def wire(ici: dict[str, int], dcn: dict[str, int] | None) -> dict[str, float]:
-        cand = Candidate.make(ici, dcn, rules="fsdp")
-        lay = layout(spec, cand.sizes, cand.rules, cand.zero_stage)
-        out: dict[str, float] = {}
-        for r in collectives(spec, lay, cand, 512, 256, "tpu", v6e):
-            out[r["kind"]] = out.get(r["kind"], 0) + r["wire_bytes_per_step"]
-        return out
+        return _wire_by_kind(cfg, Candidate.make(ici, dcn, rules="fsdp"), 512, 256,
+                             lowering_for("tpu-v6e"))
 
     one, two = wire({"fsdp": 512}, None), wire({"fsdp": 256}, {"fsdp": 2})
     assert two["reduce-scatter"] == pytest.approx(one["reduce-scatter"] / 2)
